@@ -1,0 +1,11 @@
+"""Run the Beam target (speculative decoding arrives with the drafter).   python runtime/run.py --prompt "Hi" """
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without pip install -e
+
+from beamtrt.runtime.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

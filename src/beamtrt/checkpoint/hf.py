@@ -1,0 +1,337 @@
+"""Streaming reader and sharded writer for Hugging Face safetensors checkpoints, plus JSON file helpers."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from beamtrt.errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Load a JSON object from `path`; `what` names the file's role in error messages."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing {what}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: {what} is not valid JSON (not UTF-8 text)") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read {what} ({err.strerror})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write `obj` as indented JSON, atomically (temp file in the same directory, then os.replace)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def _name_list(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+class CheckpointReader:
+    """Read tensors one at a time from a HF checkpoint directory; shards are opened lazily and memory-mapped."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: no such checkpoint directory")
+        self._handles: dict[str, object] = {}
+        index = self.path / INDEX_FILE
+        if index.exists():
+            self._weight_map = self._read_index(index)
+        elif (self.path / SINGLE_FILE).is_file():
+            self._weight_map = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
+        else:
+            raise CheckpointError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        weight_map = read_json(index, "checkpoint index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: corrupt index (no 'weight_map' object of tensor name -> file name)")
+        for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard:
+                raise CheckpointError(f"{index}: shard name '{shard}' must be a plain file name")
+            if not (self.path / shard).is_file():
+                raise CheckpointError(f"{self.path / shard}: shard listed in {INDEX_FILE} does not exist")
+        return weight_map
+
+    def _open(self, shard: str):
+        if shard not in self._handles:
+            file = self.path / shard
+            try:
+                self._handles[shard] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{file}: not a valid safetensors file: {_one_line(err)}") from None
+        return self._handles[shard]
+
+    def _locate(self, name: str) -> Path:
+        if name not in self._weight_map:
+            raise CheckpointError(f"{self.path}: tensor '{name}' is not in the checkpoint")
+        return self.path / self._weight_map[name]
+
+    def _slice(self, name: str):
+        file = self._locate(name)
+        try:
+            return self._open(file.name).get_slice(name)
+        except SafetensorError as err:
+            raise CheckpointError(f"{file}: cannot read tensor '{name}': {_one_line(err)}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._weight_map)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weight_map
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise CheckpointError(f"{self._locate(name)}: tensor '{name}' has unsupported dtype {code}")
+        return _DTYPES[code]
+
+    def get(self, name: str, dtype: torch.dtype | None = None, check_finite: bool = True) -> torch.Tensor:
+        """Load one tensor (only its bytes are read); optionally reject NaN/Inf and cast to `dtype`."""
+        file = self._locate(name)
+        try:
+            tensor = self._open(file.name).get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointError(f"{file}: cannot read tensor '{name}': {_one_line(err)}") from None
+        if check_finite and tensor.is_floating_point():
+            self._check_finite(tensor, name, file)
+        return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    @staticmethod
+    def _check_finite(tensor: torch.Tensor, name: str, file: Path) -> None:
+        wide = tensor.to(torch.float16) if tensor.element_size() == 1 else tensor  # fp8 lacks isnan/isinf
+        if torch.isfinite(wide).all():
+            return
+        nans, infs = int(torch.isnan(wide).sum()), int(torch.isinf(wide).sum())
+        raise CheckpointError(f"{file}: tensor '{name}' contains {nans} NaN and {infs} Inf values")
+
+    def validate(
+        self,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype | None]],
+        allow_missing: Iterable[str] = (),
+        allow_unexpected: Iterable[str] = (),
+    ) -> None:
+        """Check names, shapes and dtypes against `expected` from headers only (dtype None = any float).
+
+        `allow_missing` / `allow_unexpected` hold names or fnmatch patterns.
+        """
+        allow_missing, allow_unexpected = list(allow_missing), list(allow_unexpected)
+        missing = sorted(n for n in expected if n not in self and not _matches(n, allow_missing))
+        if missing:
+            raise CheckpointError(f"{self.path}: missing {len(missing)} tensor(s): {_name_list(missing)}")
+        unexpected = sorted(n for n in self._weight_map if n not in expected and not _matches(n, allow_unexpected))
+        if unexpected:
+            raise CheckpointError(f"{self.path}: {len(unexpected)} unexpected tensor(s): {_name_list(unexpected)}")
+        problems = [self._mismatch(name, *spec) for name, spec in expected.items() if name in self]
+        problems = [p for p in problems if p]
+        if problems:
+            more = f" (and {len(problems) - 1} more mismatched tensor(s))" if len(problems) > 1 else ""
+            raise CheckpointError(problems[0] + more)
+
+    def _mismatch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> str | None:
+        file, got_shape, got_dtype = self._locate(name), self.shape(name), self.dtype(name)
+        if got_shape != tuple(shape):
+            return f"{file}: tensor '{name}' has shape {got_shape}, expected {tuple(shape)}"
+        if dtype is None and not got_dtype.is_floating_point:
+            return f"{file}: tensor '{name}' has dtype {got_dtype}, expected a floating-point dtype"
+        if dtype is not None and got_dtype != dtype:
+            return f"{file}: tensor '{name}' has dtype {got_dtype}, expected {dtype}"
+        return None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckpointWriter:
+    """Write tensors into HF-named safetensors shards, holding at most one shard in memory at a time."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        metadata: dict[str, str] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.max_shard_bytes = max_shard_bytes
+        self._metadata = {**(metadata or {}), "format": "pt"}
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self._written: list[Path] = []
+        self._names: set[str] = set()
+        self._total_size = 0
+        self._closed = False
+        self.files: list[Path] = []
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._clear_old(overwrite)
+
+    def _clear_old(self, overwrite: bool) -> None:
+        old = sorted(self.path.glob("*.safetensors")) + [p for p in [self.path / INDEX_FILE] if p.exists()]
+        if old and not overwrite:
+            raise CheckpointError(f"{self.path}: already holds a checkpoint ({old[0].name}); pass overwrite=True")
+        for file in old:
+            file.unlink()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.path}: cannot add tensor '{name}', writer is closed")
+        if name in self._names:
+            raise CheckpointError(f"{self.path}: duplicate tensor '{name}'")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            tensor = tensor.to("cpu").contiguous()
+        if any(_shares_storage(tensor, t) for t in self._buffer.values()):
+            tensor = tensor.clone()  # save_file rejects tensors sharing memory (tied weights, views)
+        self._buffer[name] = tensor
+        self._names.add(name)
+        self._buffer_bytes += nbytes
+        self._total_size += nbytes
+
+    def _flush(self) -> None:
+        file = self.path / f"model-{len(self._shards) + 1:05d}.partial.safetensors"
+        self._written.append(file)
+        save_file(self._buffer, str(file), metadata=self._metadata)
+        self._shards.append((file, list(self._buffer)))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Flush the last shard, give shards their final HF names, write the index; return the files written."""
+        if self.files:
+            return self.files
+        if self._closed:
+            raise CheckpointError(f"{self.path}: writer was aborted; nothing was written")
+        self._closed = True
+        try:
+            if not self._names:
+                raise CheckpointError(f"{self.path}: no tensors were added; refusing to write an empty checkpoint")
+            if self._buffer:
+                self._flush()
+            self.files = self._finalize()
+            return self.files
+        except BaseException:
+            self.abort()
+            raise
+
+    def _finalize(self) -> list[Path]:
+        n = len(self._shards)
+        finals = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        weight_map: dict[str, str] = {}
+        for (tmp, names), final in zip(self._shards, finals):
+            self._written.append(self.path / final)
+            tmp.rename(self.path / final)
+            weight_map.update((name, final) for name in names)
+        files = [self.path / f for f in finals]
+        if n > 1:
+            self._written.append(self.path / INDEX_FILE)
+            write_json(self.path / INDEX_FILE, {"metadata": {"total_size": self._total_size}, "weight_map": weight_map})
+            files.append(self.path / INDEX_FILE)
+        return files
+
+    def abort(self) -> None:
+        """Drop buffered tensors and delete every file this writer created."""
+        self._closed = True
+        self._buffer, self._buffer_bytes = {}, 0
+        for file in self._written:
+            file.unlink(missing_ok=True)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def save_state_dict(
+    path: str | Path,
+    tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Stream (name, tensor) pairs into a sharded HF checkpoint at `path`; return the files written."""
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    with CheckpointWriter(path, max_shard_bytes, metadata, overwrite) as writer:
+        for name, tensor in items:
+            writer.add(name, tensor)
+    return writer.files

@@ -1,0 +1,370 @@
+"""Reference Beam target in PyTorch: GQA attention (optional QK-norm), top-k MoE, per-sequence croppable KV cache.
+
+Numerics follow Hugging Face's Qwen3-MoE / Qwen2-MoE (fp32 RMSNorm and router softmax, rotate-half RoPE) so the
+logits match transformers; the layout follows Beam (`BeamConfig`). Weights load from a Hugging Face checkpoint
+through one name table (`hf_tensor_specs`), fusing q/k/v and gate/up as they are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from beamtrt.config import BeamConfig
+from beamtrt.errors import CheckpointError
+
+
+class KVCache:
+    """K/V of every layer for B sequence slots; each slot has its own length and can be cropped (rolled back)."""
+
+    def __init__(self, cfg: BeamConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, KV, max_len, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per slot
+        self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def crop(self, lengths: torch.Tensor | Sequence[int]) -> None:
+        """Roll every slot back to `lengths` (each <= its current length); rows past it are dead."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        if lengths.shape != self.lengths.shape or bool((lengths < 0).any() | (lengths > self.lengths).any()):
+            raise ValueError(f"crop lengths {lengths.tolist()} must be within [0, {self.lengths.tolist()}]")
+        self.lengths = lengths.clone()
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """Empty the given slots (a finished request's slot is reused by the next)."""
+        self.lengths[list(slots)] = 0
+
+
+@dataclass
+class BeamOutput:
+    logits: torch.Tensor        # [B, T, V] fp32 (T = 1 with last_only)
+    taps: list[torch.Tensor]    # per requested layer: [B, T, H], the residual stream after that layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # computed in fp32 internally
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE with a lazily grown cos/sin table (default, linear and llama3 frequency rules)."""
+
+    def __init__(self, cfg: BeamConfig):
+        super().__init__()
+        self.inv_freq = _inv_freq(cfg)  # fp32 on the host; the table moves to the activations' device
+        self.cos = self.sin = torch.empty(0)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if self.cos.shape[0] < needed or self.cos.device != positions.device or self.cos.dtype != dtype:
+            n = max(needed, 2 * self.cos.shape[0], 256)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # rotate-half's sign, for roll()
+            self.cos, self.sin = emb.cos().to(positions.device, dtype), signed_sin.to(positions.device, dtype)
+        return self.cos[positions], self.sin[positions]  # [B, T, D] each
+
+
+def _inv_freq(cfg: BeamConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_ctx = rs["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos + cat(-x2, x1) * sin, with the sign folded into `sin` (see Rotary)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: BeamConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=qkv_bias)  # fused [q; k; v]
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = cfg.head_dim ** -0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                v_cache: torch.Tensor, write: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                kv_len: int) -> torch.Tensor:
+        # x: [B, T, H]; k_cache, v_cache: [B, KV, max_len, D]; write: (rows [B, 1], positions [B, T])
+        B, T, _ = x.shape
+        heads = self.qkv(x).view(B, T, -1, self.head_dim)  # [B, T, n_heads + 2 * n_kv, D]
+        qk, v = heads[:, :, :self.n_heads + self.n_kv], heads[:, :, self.n_heads + self.n_kv:]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :, :self.n_heads]), self.k_norm(qk[:, :, self.n_heads:])), dim=2)
+        qk = _rotate(qk, rope[0].unsqueeze(2), rope[1].unsqueeze(2))  # q and k rotated together
+        q, k = qk[:, :, :self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:]
+        keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
+        if mask is None:  # batch 1, one query, every key visible: plain GQA matmuls beat SDPA's dispatch
+            keys[0, :, -1], values[0, :, -1] = k[0, 0], v[0, 0]
+            q = q.reshape(self.n_kv, -1, self.head_dim)  # [KV, G, D]
+            scores = torch.baddbmm(q.new_empty(()), q, keys[0].transpose(-1, -2), beta=0, alpha=self.scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), values[0])
+            out = out.view(B, -1, T, self.head_dim)
+        else:
+            rows, positions = write
+            k_cache[rows, :, positions] = k  # advanced indices first: [B, T, KV, D]
+            v_cache[rows, :, positions] = v
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU with fused [gate; up]."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (softmax in fp32, optional renormalization) plus an optional sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: BeamConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = nn.Linear(H, E, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, H))  # per expert [gate; up]
+        self.w_down = nn.Parameter(torch.empty(E, H, I))
+        self.shared = MLP(H, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
+        self.shared_gate = nn.Linear(H, 1, bias=False) if self.shared is not None else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [N, H] -> weights [N, k] (x.dtype), expert ids [N, k]
+        logits = self.router(x)
+        if self.norm_topk_prob:  # softmax over the top-k logits == renormalized top-k of the full softmax
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return F.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), ids
+        weights, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        return weights.to(x.dtype), ids
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w_gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w_down[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.route(x)
+        if x.shape[0] == 1:  # decode at batch 1: no gather/scatter
+            out = sum(self.expert(e, x) * w for e, w in zip(ids[0].tolist(), weights[0].tolist()))
+        else:
+            out = torch.zeros_like(x)
+            for e in torch.unique(ids).tolist():
+                token, slot = torch.where(ids == e)
+                out.index_add_(0, token, self.expert(e, x[token]) * weights[token, slot, None])
+        if self.shared is not None:
+            out = out + self.shared(x) * torch.sigmoid(self.shared_gate(x))
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: BeamConfig, layer: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), *attn_args)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class BeamForCausalLM(nn.Module):
+    def __init__(self, cfg: BeamConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg, batch, max_len, self.dtype, self.device)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm -> LM head -> logit transform. h: [..., H] -> fp32 logits [..., V]."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(self.norm(h), weight).float()
+        if self.cfg.logit_scale != 1.0:
+            logits = logits * self.cfg.logit_scale
+        if self.cfg.final_logit_softcapping is not None:
+            cap = self.cfg.final_logit_softcapping
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, num_tokens: torch.Tensor | None = None,
+                taps: Sequence[int] = (), last_only: bool = False) -> BeamOutput:
+        """Append T tokens to every slot of `cache` and return their logits (and the requested taps).
+
+        input_ids: [B, T], right-padded; num_tokens: [B] valid tokens per row (default T). Row b's tokens sit
+        at positions cache.lengths[b] + t; its length then grows by num_tokens[b], so padded rows are dead.
+        """
+        B, T = input_ids.shape
+        if B != cache.batch:
+            raise ValueError(f"input batch {B} != cache batch {cache.batch}")
+        start = cache.lengths  # [B]
+        if num_tokens is None:
+            num_tokens = torch.full_like(start, T)
+        kv_len = int((start + T).max())
+        if kv_len > cache.max_len:
+            raise ValueError(f"sequence length {kv_len} exceeds the KV cache capacity {cache.max_len}")
+        positions = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
+        rows = torch.arange(B, device=start.device)[:, None]  # [B, 1]
+        mask = None
+        if B > 1 or T > 1:  # key j is visible to query t of row b iff j <= start[b] + t
+            mask = (torch.arange(kv_len, device=start.device) <= positions[..., None])[:, None]  # [B, 1, T, kv]
+        rope = self.rotary(positions, self.dtype)
+        want = {layer: i for i, layer in enumerate(taps)}
+        captured: list[torch.Tensor | None] = [None] * len(want)
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, cache.k[i], cache.v[i], (rows, positions), mask, kv_len)
+            if i in want:
+                captured[want[i]] = h
+        cache.lengths = start + num_tokens
+        if last_only:
+            h = h[torch.arange(B, device=h.device), num_tokens - 1][:, None]  # [B, 1, H]
+        return BeamOutput(logits=self.head(h), taps=captured)
+
+
+# ---- Hugging Face checkpoint: one name table -----------------------------------------------------------------
+
+def hf_tensor_specs(cfg: BeamConfig) -> dict[str, tuple[tuple[int, ...], str, tuple]]:
+    """HF tensor name -> (shape, our parameter name, destination slice) for every tensor of a Beam checkpoint.
+
+    The slice is (expert, row offset) into fused parameters; () means the whole parameter.
+    """
+    H, Q, KV = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    specs: dict[str, tuple[tuple[int, ...], str, tuple]] = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, H), "embed.weight", ()),
+        "model.norm.weight": ((H,), "norm.weight", ()),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head.weight"] = ((cfg.vocab_size, H), "lm_head.weight", ())
+    for i in range(cfg.num_hidden_layers):
+        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        specs[hf + "input_layernorm.weight"] = ((H,), us + "input_norm.weight", ())
+        specs[hf + "post_attention_layernorm.weight"] = ((H,), us + "post_attn_norm.weight", ())
+        for proj, rows, offset in (("q", Q, 0), ("k", KV, Q), ("v", KV, Q + KV)):
+            specs[hf + f"self_attn.{proj}_proj.weight"] = ((rows, H), us + "attn.qkv.weight", (None, offset))
+            if cfg.attention_bias or cfg.qkv_bias:
+                specs[hf + f"self_attn.{proj}_proj.bias"] = ((rows,), us + "attn.qkv.bias", (None, offset))
+        specs[hf + "self_attn.o_proj.weight"] = ((H, Q), us + "attn.o_proj.weight", ())
+        if cfg.attention_bias:
+            specs[hf + "self_attn.o_proj.bias"] = ((H,), us + "attn.o_proj.bias", ())
+        if cfg.use_qk_norm:
+            specs[hf + "self_attn.q_norm.weight"] = ((cfg.head_dim,), us + "attn.q_norm.weight", ())
+            specs[hf + "self_attn.k_norm.weight"] = ((cfg.head_dim,), us + "attn.k_norm.weight", ())
+        if cfg.is_moe_layer(i):
+            I = cfg.moe_intermediate_size
+            specs[hf + "mlp.gate.weight"] = ((cfg.num_experts, H), us + "mlp.router.weight", ())
+            for e in range(cfg.num_experts):
+                ex = hf + f"mlp.experts.{e}."
+                specs[ex + "gate_proj.weight"] = ((I, H), us + "mlp.w_gate_up", (e, 0))
+                specs[ex + "up_proj.weight"] = ((I, H), us + "mlp.w_gate_up", (e, I))
+                specs[ex + "down_proj.weight"] = ((H, I), us + "mlp.w_down", (e, 0))
+            if cfg.shared_expert_intermediate_size:
+                S = cfg.shared_expert_intermediate_size
+                specs[hf + "mlp.shared_expert.gate_proj.weight"] = ((S, H), us + "mlp.shared.gate_up.weight", (None, 0))
+                specs[hf + "mlp.shared_expert.up_proj.weight"] = ((S, H), us + "mlp.shared.gate_up.weight", (None, S))
+                specs[hf + "mlp.shared_expert.down_proj.weight"] = ((H, S), us + "mlp.shared.down.weight", ())
+                specs[hf + "mlp.shared_expert_gate.weight"] = ((1, H), us + "mlp.shared_gate.weight", ())
+        else:
+            I = cfg.intermediate_size
+            specs[hf + "mlp.gate_proj.weight"] = ((I, H), us + "mlp.gate_up.weight", (None, 0))
+            specs[hf + "mlp.up_proj.weight"] = ((I, H), us + "mlp.gate_up.weight", (None, I))
+            specs[hf + "mlp.down_proj.weight"] = ((H, I), us + "mlp.down.weight", ())
+    return specs
+
+
+def load_state(model: BeamForCausalLM, tensors) -> None:
+    """Copy (hf_name, tensor) pairs into `model` through the name table; every table entry must be supplied."""
+    specs = hf_tensor_specs(model.cfg)
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if name not in specs:
+                raise CheckpointError(f"unexpected tensor {name!r} for this config")
+            shape, target, where = specs[name]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            dest = params[target]
+            if where:
+                expert, offset = where
+                dest = dest if expert is None else dest[expert]
+                dest = dest[offset:offset + shape[0]]
+            dest.copy_(tensor)
+            seen.add(name)
+    missing = [n for n in specs if n not in seen]
+    if missing:
+        raise CheckpointError(f"missing tensor(s) {', '.join(missing[:5])}" +
+                              (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              cfg: BeamConfig | None = None) -> BeamForCausalLM:
+    """Load a Beam-layout Hugging Face checkpoint directory (config.json + safetensors), streaming tensor by tensor."""
+    from beamtrt.checkpoint.hf import CheckpointReader
+
+    cfg = cfg or BeamConfig.from_file(Path(path) / "config.json")
+    reader = CheckpointReader(path)
+    specs = hf_tensor_specs(cfg)
+    reader.validate({name: (shape, None) for name, (shape, _, _) in specs.items()},
+                    allow_unexpected=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+    with torch.device("meta"):
+        model = BeamForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    load_state(model, ((name, reader.get(name)) for name in specs))
+    return model.eval()

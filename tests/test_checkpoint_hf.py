@@ -1,0 +1,350 @@
+"""Tests for beamtrt.checkpoint.hf: sharded safetensors reading/writing and JSON helpers."""
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from beamtrt.checkpoint import hf
+from beamtrt.checkpoint.hf import CheckpointReader, CheckpointWriter, read_json, save_state_dict, write_json
+from beamtrt.errors import CheckpointError
+
+
+def one_line_error(fn, *args, **kwargs) -> str:
+    with pytest.raises(CheckpointError) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def six_tensors() -> dict[str, torch.Tensor]:
+    """Six fp32 tensors of 400 bytes each."""
+    return {f"layer.{i}.weight": torch.arange(100, dtype=torch.float32) + i for i in range(6)}
+
+
+@pytest.fixture
+def sharded(tmp_path: Path) -> Path:
+    """A 3-shard checkpoint (two tensors per shard)."""
+    save_state_dict(tmp_path / "ckpt", six_tensors(), max_shard_bytes=1000)
+    return tmp_path / "ckpt"
+
+
+def test_single_shard_round_trip_writes_no_index(tmp_path):
+    tensors = {"b": torch.randn(3, 4), "a": torch.randint(-128, 128, (5,), dtype=torch.int8)}
+    files = save_state_dict(tmp_path, tensors)
+    assert files == [tmp_path / "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    reader = CheckpointReader(tmp_path)
+    assert reader.names() == ["a", "b"]
+    assert "a" in reader and "c" not in reader
+    for name, t in tensors.items():
+        assert torch.equal(reader.get(name), t)
+
+
+def test_multi_shard_names_index_and_round_trip(sharded):
+    shard_names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sorted(p.name for p in sharded.iterdir()) == shard_names + ["model.safetensors.index.json"]
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 6 * 400
+    expected_map = {f"layer.{i}.weight": shard_names[i // 2] for i in range(6)}
+    assert index["weight_map"] == expected_map
+    reader = CheckpointReader(sharded)
+    assert reader.names() == sorted(expected_map)
+    for name, t in six_tensors().items():
+        assert torch.equal(reader.get(name), t)
+
+
+def test_writer_context_manager_sets_files(tmp_path):
+    with CheckpointWriter(tmp_path, max_shard_bytes=1000) as writer:
+        for name, t in six_tensors().items():
+            writer.add(name, t)
+    assert len(writer.files) == 4 and writer.files[-1].name == "model.safetensors.index.json"
+    assert all(p.exists() for p in writer.files)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(7, 3).to(torch.bfloat16),
+        torch.randn(7, 3),
+        torch.randint(-128, 128, (7, 3), dtype=torch.int8),
+        torch.randn(7, 3).to(torch.float8_e4m3fn),
+    ],
+    ids=["bf16", "fp32", "int8", "fp8"],
+)
+def test_dtype_round_trip_is_bit_exact(tmp_path, tensor):
+    save_state_dict(tmp_path, {"t": tensor})
+    reader = CheckpointReader(tmp_path)
+    got = reader.get("t")
+    assert got.dtype == tensor.dtype and reader.dtype("t") == tensor.dtype
+    assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_get_casts_when_asked(tmp_path):
+    save_state_dict(tmp_path, {"t": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)})
+    got = CheckpointReader(tmp_path).get("t", dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.tolist() == [1.5, -2.0]
+
+
+class NoDataHandle:
+    """Wraps a safe_open handle so that reading tensor data fails."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def keys(self):
+        return self._handle.keys()
+
+    def get_slice(self, name):
+        return self._handle.get_slice(name)
+
+    def get_tensor(self, name):
+        raise AssertionError(f"tensor data of {name} was read")
+
+
+def test_shape_and_dtype_come_from_header(tmp_path, monkeypatch):
+    save_state_dict(tmp_path, {"w": torch.zeros(4, 6, dtype=torch.bfloat16), "i": torch.zeros(3, dtype=torch.int64)})
+    real_open = hf.safe_open
+    monkeypatch.setattr(hf, "safe_open", lambda *a, **k: NoDataHandle(real_open(*a, **k)))
+    reader = CheckpointReader(tmp_path)
+    assert reader.shape("w") == (4, 6) and reader.dtype("w") == torch.bfloat16
+    assert reader.shape("i") == (3,) and reader.dtype("i") == torch.int64
+    reader.validate({"w": ((4, 6), torch.bfloat16), "i": ((3,), torch.int64)})
+    with pytest.raises(AssertionError):  # proves the spy would catch a data read
+        reader.get("w")
+
+
+def test_get_streams_from_only_the_needed_shard(sharded, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("whole-file load used")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", forbidden)
+    monkeypatch.setattr(safetensors.torch, "load", forbidden)
+    opened: list[str] = []
+    real_open = hf.safe_open
+
+    def spy(path, **kwargs):
+        opened.append(Path(path).name)
+        return real_open(path, **kwargs)
+
+    monkeypatch.setattr(hf, "safe_open", spy)
+    reader = CheckpointReader(sharded)
+    assert opened == []  # the index alone is enough to list names
+    assert torch.equal(reader.get("layer.2.weight"), six_tensors()["layer.2.weight"])
+    reader.get("layer.3.weight")  # same shard: handle is cached
+    assert opened == ["model-00002-of-00003.safetensors"]
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_missing_directory(tmp_path):
+    msg = one_line_error(CheckpointReader, tmp_path / "nope")
+    assert "nope" in msg and "no such checkpoint directory" in msg
+
+
+def test_directory_without_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    msg = one_line_error(CheckpointReader, tmp_path)
+    assert str(tmp_path) in msg and "model.safetensors" in msg
+
+
+def test_corrupt_index(sharded):
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')
+    msg = one_line_error(CheckpointReader, sharded)
+    assert "model.safetensors.index.json" in msg and "not valid JSON" in msg and "line 1" in msg
+
+
+def test_index_without_weight_map(sharded):
+    (sharded / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    msg = one_line_error(CheckpointReader, sharded)
+    assert "model.safetensors.index.json" in msg and "weight_map" in msg
+
+
+def test_index_pointing_at_missing_shard(sharded):
+    (sharded / "model-00002-of-00003.safetensors").unlink()
+    msg = one_line_error(CheckpointReader, sharded)
+    assert "model-00002-of-00003.safetensors" in msg and "does not exist" in msg
+
+
+def test_index_shard_outside_directory(sharded):
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../evil.safetensors"}}')
+    assert "../evil.safetensors" in one_line_error(CheckpointReader, sharded)
+
+
+def test_garbage_single_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"this is not safetensors")
+    msg = one_line_error(CheckpointReader, tmp_path)
+    assert "model.safetensors" in msg and "not a valid safetensors file" in msg
+
+
+def test_truncated_shard_is_reported_when_opened(sharded):
+    shard = sharded / "model-00003-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    reader = CheckpointReader(sharded)
+    reader.get("layer.0.weight")  # other shards still readable
+    msg = one_line_error(reader.get, "layer.5.weight")
+    assert "model-00003-of-00003.safetensors" in msg and "not a valid safetensors file" in msg
+    assert "model-00003-of-00003.safetensors" in one_line_error(reader.shape, "layer.4.weight")
+
+
+def test_index_lists_tensor_absent_from_shard(sharded):
+    index_file = sharded / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"]["ghost"] = "model-00001-of-00003.safetensors"
+    index_file.write_text(json.dumps(index))
+    msg = one_line_error(CheckpointReader(sharded).get, "ghost")
+    assert "'ghost'" in msg and "model-00001-of-00003.safetensors" in msg
+
+
+def test_unknown_tensor(sharded):
+    reader = CheckpointReader(sharded)
+    for fn in (reader.get, reader.shape, reader.dtype):
+        assert "'lm_head.weight'" in one_line_error(fn, "lm_head.weight")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_non_finite_values_are_rejected(tmp_path, bad, dtype):
+    t = torch.tensor([1.0, bad, 2.0]).to(dtype)
+    save_state_dict(tmp_path, {"model.norm.weight": t})
+    reader = CheckpointReader(tmp_path)
+    msg = one_line_error(reader.get, "model.norm.weight")
+    assert "'model.norm.weight'" in msg and "model.safetensors" in msg
+    assert ("1 NaN" if bad != bad else "1 Inf") in msg
+    assert reader.get("model.norm.weight", check_finite=False).shape == (3,)
+
+
+def test_fp8_e4m3_nan_is_rejected(tmp_path):
+    save_state_dict(tmp_path, {"q": torch.tensor([0.5, float("nan")]).to(torch.float8_e4m3fn)})
+    assert "'q'" in one_line_error(CheckpointReader(tmp_path).get, "q")
+
+
+# --- validate ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> CheckpointReader:
+    save_state_dict(
+        tmp_path,
+        {"model.norm.weight": torch.ones(5, dtype=torch.bfloat16), "ids": torch.zeros(2, dtype=torch.int8)},
+    )
+    return CheckpointReader(tmp_path)
+
+
+def test_validate_accepts_matching_checkpoint(small):
+    small.validate({"model.norm.weight": ((5,), torch.bfloat16), "ids": ((2,), torch.int8)})
+    small.validate({"model.norm.weight": ((5,), None), "ids": ((2,), torch.int8)})
+
+
+def test_validate_missing(small):
+    expected = {"model.norm.weight": ((5,), None), "ids": ((2,), torch.int8)}
+    expected |= {f"extra.{i}": ((1,), None) for i in range(7)}
+    msg = one_line_error(small.validate, expected)
+    assert "missing 7 tensor(s)" in msg and "'extra.0'" in msg and "... and 2 more" in msg
+    assert "'extra.6'" not in msg
+    small.validate(expected, allow_missing=["extra.*"])
+
+
+def test_validate_unexpected(small):
+    msg = one_line_error(small.validate, {"model.norm.weight": ((5,), None)})
+    assert "1 unexpected tensor(s)" in msg and "'ids'" in msg
+    small.validate({"model.norm.weight": ((5,), None)}, allow_unexpected=["ids"])
+
+
+def test_validate_wrong_shape(small):
+    msg = one_line_error(small.validate, {"model.norm.weight": ((576,), None), "ids": ((2,), torch.int8)})
+    assert msg == f"{small.path / 'model.safetensors'}: tensor 'model.norm.weight' has shape (5,), expected (576,)"
+
+
+def test_validate_wrong_dtype(small):
+    msg = one_line_error(small.validate, {"model.norm.weight": ((5,), torch.float16), "ids": ((2,), torch.int8)})
+    assert "'model.norm.weight'" in msg and "torch.bfloat16" in msg and "torch.float16" in msg
+    msg = one_line_error(small.validate, {"model.norm.weight": ((5,), None), "ids": ((2,), None)})
+    assert "'ids'" in msg and "floating-point" in msg
+
+
+def test_validate_counts_further_mismatches(small):
+    msg = one_line_error(small.validate, {"model.norm.weight": ((4,), None), "ids": ((3,), torch.int8)})
+    assert "and 1 more mismatched" in msg
+
+
+# --- writer -----------------------------------------------------------------------------------
+
+
+def test_writer_removes_shards_on_exception(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with CheckpointWriter(tmp_path, max_shard_bytes=1000) as writer:
+            for name, t in six_tensors().items():
+                writer.add(name, t)
+            assert list(tmp_path.glob("*.safetensors"))  # shards were flushed before the failure
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_refuses_existing_checkpoint(sharded):
+    msg = one_line_error(CheckpointWriter, sharded)
+    assert str(sharded) in msg and "overwrite" in msg
+    save_state_dict(sharded, {"x": torch.ones(2)}, overwrite=True)
+    assert sorted(p.name for p in sharded.iterdir()) == ["model.safetensors"]
+    assert CheckpointReader(sharded).names() == ["x"]
+
+
+def test_writer_refuses_lone_index(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert "model.safetensors.index.json" in one_line_error(CheckpointWriter, tmp_path)
+
+
+def test_writer_rejects_duplicate_names(tmp_path):
+    writer = CheckpointWriter(tmp_path)
+    writer.add("a", torch.ones(1))
+    assert "'a'" in one_line_error(writer.add, "a", torch.zeros(1))
+
+
+def test_writer_rejects_empty_checkpoint(tmp_path):
+    one_line_error(save_state_dict, tmp_path, {})
+    assert list(tmp_path.glob("*.safetensors")) == []
+
+
+def test_writer_handles_views_and_tied_weights(tmp_path):
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tensors = [("emb", base), ("lm_head", base), ("col", base[:, 1]), ("t", base.t())]
+    save_state_dict(tmp_path, iter(tensors))
+    reader = CheckpointReader(tmp_path)
+    for name, t in tensors:
+        assert torch.equal(reader.get(name), t)
+
+
+def test_writer_keeps_shards_within_limit(tmp_path):
+    tensors = {f"w{i}": torch.zeros(100) for i in range(10)}  # 400 bytes each
+    save_state_dict(tmp_path, tensors, max_shard_bytes=1300)
+    weight_map = read_json(tmp_path / "model.safetensors.index.json", "index")["weight_map"]
+    per_shard: dict[str, int] = {}
+    for shard in weight_map.values():
+        per_shard[shard] = per_shard.get(shard, 0) + 400
+    assert len(per_shard) == 4 and max(per_shard.values()) <= 1300
+
+
+# --- JSON helpers -----------------------------------------------------------------------------
+
+
+def test_json_round_trip_is_atomic_and_ordered(tmp_path):
+    path = tmp_path / "config.json"
+    write_json(path, {"z": 1, "a": [1, 2]})
+    text = path.read_text()
+    assert text.endswith("}\n") and text.index('"z"') < text.index('"a"') and '\n  "z": 1' in text
+    assert read_json(path, "config") == {"z": 1, "a": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_read_json_errors(tmp_path):
+    path = tmp_path / "config.json"
+    assert one_line_error(read_json, path, "model config") == f"{path}: missing model config"
+    path.write_text('{\n  "a": 1,\n}')
+    msg = one_line_error(read_json, path, "model config")
+    assert msg.startswith(f"{path}: model config is not valid JSON (") and "at line 3)" in msg
+    path.write_text("[1, 2]")
+    assert "JSON object" in one_line_error(read_json, path, "model config")
