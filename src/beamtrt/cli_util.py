@@ -12,7 +12,8 @@ def run_cli(body: Callable[[], None]) -> int:
     try:
         body()
     except (BeamtrtError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        print(f"error: {lines[0]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

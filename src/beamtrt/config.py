@@ -85,8 +85,10 @@ class BeamConfig:
                   f"num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2:
             _fail(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.num_experts < 0 or self.shared_expert_intermediate_size < 0:
-            _fail("num_experts and shared_expert_intermediate_size must be >= 0")
+        for name in ("intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                     "shared_expert_intermediate_size"):  # 0 may mean unused; negative is always corrupt
+            if getattr(self, name) < 0:
+                _fail(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             _fail(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
         if self.num_experts and self.moe_intermediate_size <= 0:

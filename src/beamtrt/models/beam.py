@@ -42,7 +42,9 @@ class KVCache:
 
     def reset(self, slots: Sequence[int]) -> None:
         """Empty the given slots (a finished request's slot is reused by the next)."""
-        self.lengths[list(slots)] = 0
+        lengths = self.lengths.clone()  # not in place: lengths may be an inference-mode tensor
+        lengths[list(slots)] = 0
+        self.lengths = lengths
 
 
 @dataclass
@@ -58,7 +60,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # computed in fp32 internally
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # statistics in fp32
 
 
 class Rotary(nn.Module):
@@ -336,6 +338,8 @@ def load_state(model: BeamForCausalLM, tensors) -> None:
     with torch.no_grad():
         for name, tensor in tensors:
             if name not in specs:
+                if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                    continue  # tied: HF's state_dict still lists the LM head (it is the embedding), as load_beam allows
                 raise CheckpointError(f"unexpected tensor {name!r} for this config")
             shape, target, where = specs[name]
             if tuple(tensor.shape) != shape:

@@ -31,7 +31,7 @@ MARKER = "beam_mini.json"  # the recipe a directory was built with; same recipe 
 class MiniRecipe:
     num_experts: int = 4
     top_k: int = 2
-    perturbation: float = 0.02  # relative N(0, 1) noise on each expert's weights
+    perturbation: float = 0.01  # relative N(0, 1) noise on each expert's weights
     pad_heads: tuple[int, int] = (12, 4)  # (query heads, KV heads) after padding
     dtype: str = "bfloat16"
     seed: int = 0

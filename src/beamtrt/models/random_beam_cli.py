@@ -1,0 +1,50 @@
+"""Command line of scripts/make_random_beam.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from beamtrt.cli_util import run_cli
+from beamtrt.config import BeamConfig
+from beamtrt.models.random_beam import write_random_beam
+
+# flag -> (BeamConfig field, default); defaults give a small model that still has every Beam feature
+SIZE_FLAGS = {
+    "--vocab-size": ("vocab_size", 1024),
+    "--hidden-size": ("hidden_size", 256),
+    "--layers": ("num_hidden_layers", 4),
+    "--heads": ("num_attention_heads", 8),
+    "--kv-heads": ("num_key_value_heads", 4),
+    "--head-dim": ("head_dim", 32),
+    "--intermediate-size": ("intermediate_size", 512),
+    "--moe-intermediate-size": ("moe_intermediate_size", 128),
+    "--experts": ("num_experts", 8),
+    "--top-k": ("num_experts_per_tok", 2),
+    "--shared-expert-size": ("shared_expert_intermediate_size", 0),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Write a random Beam-architecture Hugging Face checkpoint "
+                                "(config.json + sharded safetensors), streamed tensor by tensor.")
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    for flag, (field, default) in SIZE_FLAGS.items():
+        p.add_argument(flag, type=int, default=default, help=f"{field} (default: %(default)s)")
+    p.add_argument("--dense-layers", type=int, nargs="*", default=[0], help="mlp_only_layers (default: 0)")
+    p.add_argument("--no-qk-norm", action="store_true", help="drop the per-head q/k RMSNorm")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="storage dtype (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, help="shard size limit in GiB (default: %(default)s)")
+    args = p.parse_args(argv)
+
+    def run() -> None:
+        sizes = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in SIZE_FLAGS.items()}
+        cfg = BeamConfig(**sizes, mlp_only_layers=tuple(args.dense_layers), use_qk_norm=not args.no_qk_norm)
+        out = write_random_beam(args.out, cfg, args.seed, getattr(torch, args.dtype),
+                                int(args.max_shard_gb * 1024**3), progress=True)
+        print(f"random Beam checkpoint: {out}")
+
+    return run_cli(run)

@@ -1,0 +1,103 @@
+"""beam-mini reproduces SmolLM2 when unperturbed, stays coherent when perturbed, and shards at TP 1, 2, 4."""
+
+import json
+
+import pytest
+import torch
+
+from beamtrt.checkpoint.hf import CheckpointReader
+from beamtrt.config import BeamConfig
+from beamtrt.models.beam import load_beam
+from beamtrt.models.beam_mini import MARKER, MiniRecipe, build_beam_mini
+from beamtrt.runtime.generate import generate
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "List three colors of the rainbow.",
+    "Explain what a cat is in one sentence.",
+    "What is 12 plus 7?",
+]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def exact_mini(smollm2, tmp_path_factory):
+    recipe = MiniRecipe(perturbation=0.0, dtype="float32")
+    path = build_beam_mini(tmp_path_factory.mktemp("exact") / "bm", recipe, source=smollm2, progress=False)
+    return load_beam(path)
+
+
+def test_unperturbed_fp32_reproduces_smollm2_logits(smollm2, exact_mini):
+    hf, tok = smollm2
+    for prompt in PROMPTS:
+        ids = torch.tensor([chat_ids(tok, prompt)])
+        with torch.no_grad():
+            ref = hf(ids).logits
+        got = exact_mini(ids, exact_mini.new_cache(1, ids.shape[1])).logits
+        assert float((got - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_unperturbed_fp32_greedy_equals_smollm2_for_32_tokens(smollm2, exact_mini):
+    hf, tok = smollm2
+    prompts = [chat_ids(tok, p) for p in PROMPTS]
+    ours = generate(exact_mini, prompts, 32)  # batched, ragged prompts
+    for prompt, got in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert got == want
+
+
+def test_default_recipe_layout_and_padding(beam_mini):
+    cfg = BeamConfig.from_file(beam_mini)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (12, 4, 64)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.use_qk_norm) == (4, 2, True, False)
+    for tp in (1, 2, 4):
+        assert cfg.num_attention_heads % tp == 0 and cfg.num_key_value_heads % tp == 0
+    reader = CheckpointReader(beam_mini)
+    assert {reader.dtype(n) for n in reader.names()} == {torch.bfloat16}
+    q = reader.get("model.layers.3.self_attn.q_proj.weight")
+    o = reader.get("model.layers.3.self_attn.o_proj.weight")
+    assert q.shape == (768, 576) and bool((q[576:] == 0).all()) and bool((o[:, 576:] == 0).all())
+    assert bool((q[:576] != 0).any())
+    e0 = reader.get("model.layers.3.mlp.experts.0.up_proj.weight")
+    e1 = reader.get("model.layers.3.mlp.experts.1.up_proj.weight")
+    assert not torch.equal(e0, e1)  # perturbed: routing matters
+    rel = float((e0.float() - e1.float()).norm() / e0.float().norm())
+    assert 0.005 < rel < 0.1
+    assert (beam_mini / "tokenizer.json").is_file() or (beam_mini / "tokenizer_config.json").is_file()
+    assert json.loads((beam_mini / MARKER).read_text())["perturbation"] == MiniRecipe().perturbation
+
+
+def test_default_recipe_greedy_is_coherent(beam_mini):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(beam_mini)
+    model = load_beam(beam_mini, dtype=torch.float32)
+    eos = model.cfg.eos_token_id
+    outs = generate(model, [chat_ids(tok, p) for p in PROMPTS[:2]], 40, eos_ids=[eos])
+    capital, code = (tok.decode(o, skip_special_tokens=True) for o in outs)
+    assert "Paris" in capital
+    assert "def " in code and "return" in code
+
+
+def test_build_is_idempotent_and_atomic(beam_mini, smollm2, monkeypatch):
+    before = {p.name: p.stat().st_mtime_ns for p in beam_mini.iterdir()}
+    build_beam_mini(beam_mini, source=smollm2, progress=False)  # same recipe: nothing rewritten
+    assert {p.name: p.stat().st_mtime_ns for p in beam_mini.iterdir()} == before
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("beamtrt.models.beam_mini.write_json", boom)
+    out = beam_mini.parent / "broken"
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_beam_mini(out, source=smollm2, progress=False)
+    assert not out.exists()
+    assert [p.name for p in beam_mini.parent.iterdir() if p.name.startswith(".")] == []
