@@ -235,8 +235,12 @@ class BeamForCausalLM(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm -> LM head -> logit transform. h: [..., H] -> fp32 logits [..., V]."""
+        return self.lm_logits(self.norm(h))
+
+    def lm_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.norm(h), weight).float()
+        logits = F.linear(z, weight).float()
         if self.cfg.logit_scale != 1.0:
             logits = logits * self.cfg.logit_scale
         if self.cfg.final_logit_softcapping is not None:

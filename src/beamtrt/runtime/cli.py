@@ -11,7 +11,8 @@ import torch
 
 from beamtrt.cli_util import run_cli
 from beamtrt.errors import CheckpointError
-from beamtrt.runtime.generate import SamplingParams, generate
+from beamtrt.runtime.generate import generate
+from beamtrt.spec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",

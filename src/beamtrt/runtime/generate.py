@@ -2,46 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from beamtrt.models.beam import BeamForCausalLM
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0            # 0 = no top-k cut
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"bad sampling settings: temperature={self.temperature} (>= 0), "
-                             f"top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0)")
-
-
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [..., V] fp32 -> the distribution the target samples from (temperature, top-k, top-p)."""
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # keep the smallest prefix reaching top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [B, V] fp32 -> token ids [B]."""
-    if params.temperature == 0:
-        return logits.argmax(-1)
-    return torch.multinomial(target_probs(logits, params), 1, generator=generator).squeeze(-1)
+from beamtrt.spec.sampling import SamplingParams, sample
 
 
 @torch.inference_mode()
@@ -61,7 +27,8 @@ def generate(model: BeamForCausalLM, prompts: Sequence[Sequence[int]], max_new_t
     out: list[list[int]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        token = sample(logits, params, generator)
+        uniform = None if params.greedy else torch.rand(B, generator=generator, device=device)
+        token = sample(logits, params, uniform)
         for b in (~done).nonzero().flatten().tolist():
             out[b].append(int(token[b]))
             if on_token is not None:

@@ -1,0 +1,56 @@
+"""The target's sampling settings and distribution, shared by plain and speculative decoding (exactness needs one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0            # 0 = no top-k cut
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"bad sampling settings: temperature={self.temperature} (>= 0), "
+                             f"top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., V] fp32 -> the distribution the target samples from (temperature, then top-k, then top-p)."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [..., V] (need not be normalized), uniform [...] in [0, 1) -> ids [...].
+
+    All randomness enters as explicit uniforms, so one rank can draw them and broadcast them.
+    """
+    cdf = probs.cumsum(-1)
+    target = (uniform * cdf[..., -1]).unsqueeze(-1)
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None) -> torch.Tensor:
+    """logits: [B, V] fp32 -> token ids [B] (argmax when greedy, else an inverse-CDF draw with `uniform` [B])."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample_from(target_probs(logits, params), uniform)
