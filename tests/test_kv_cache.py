@@ -92,3 +92,28 @@ def test_bad_crop_and_overflow_are_clear():
         cache.crop([-1])
     with pytest.raises(ValueError, match="exceeds the KV cache capacity 8"):
         model(torch.zeros(1, 4, dtype=torch.long), cache)
+
+
+def test_forward_on_a_subset_of_slots():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(0, 101, (3, 7), generator=g)
+    cache = model.new_cache(3, 32)
+    model(seq, cache, num_tokens=torch.tensor([7, 5, 6]))
+    nxt = torch.randint(0, 101, (2, 3), generator=g)
+    slots = torch.tensor([2, 0])
+    got = model(nxt, cache, slots=slots).logits
+    assert cache.lengths.tolist() == [10, 5, 9]
+    one = model(nxt[:1, :1], cache, slots=torch.tensor([1])).logits  # single-row fast path on slot 1
+    assert cache.lengths.tolist() == [10, 6, 9]
+    for i, (slot, keep) in enumerate(((2, 6), (0, 7))):
+        alone = model.new_cache(1, 32)
+        want = model(torch.cat([seq[slot:slot + 1, :keep], nxt[i:i + 1]], 1), alone).logits[:, -3:]
+        assert rel(got[i:i + 1], want) < 1e-6
+    alone = model.new_cache(1, 32)
+    want = model(torch.cat([seq[1:2, :5], nxt[:1, :1]], 1), alone).logits[:, -1:]
+    assert rel(one, want) < 1e-6
+    cache.crop([8, 4], slots=torch.tensor([2, 1]))
+    assert cache.lengths.tolist() == [10, 4, 8]
+    with pytest.raises(ValueError, match="crop lengths"):
+        cache.crop([11], slots=torch.tensor([0]))

@@ -33,12 +33,16 @@ class KVCache:
     def batch(self) -> int:
         return self.lengths.shape[0]
 
-    def crop(self, lengths: torch.Tensor | Sequence[int]) -> None:
-        """Roll every slot back to `lengths` (each <= its current length); rows past it are dead."""
+    def crop(self, lengths: torch.Tensor | Sequence[int], slots: torch.Tensor | None = None) -> None:
+        """Roll slots back to `lengths` (each <= its current length); rows past it are dead. Default: every slot."""
+        current = self.lengths if slots is None else self.lengths[slots]
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
-        if lengths.shape != self.lengths.shape or bool((lengths < 0).any() | (lengths > self.lengths).any()):
-            raise ValueError(f"crop lengths {lengths.tolist()} must be within [0, {self.lengths.tolist()}]")
-        self.lengths = lengths.clone()
+        if lengths.shape != current.shape or bool((lengths < 0).any() | (lengths > current).any()):
+            raise ValueError(f"crop lengths {lengths.tolist()} must be within [0, {current.tolist()}]")
+        new = lengths.clone() if slots is None else self.lengths.clone()
+        if slots is not None:
+            new[slots] = lengths
+        self.lengths = new
 
     def reset(self, slots: Sequence[int]) -> None:
         """Empty the given slots (a finished request's slot is reused by the next)."""
@@ -106,6 +110,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
+@dataclass
+class StepLayout:
+    """Where one forward's tokens go in the KV cache (shared by every layer)."""
+
+    positions: torch.Tensor               # [B, T] absolute positions
+    rows: torch.Tensor                    # [B, 1] cache slot of each input row
+    slots: torch.Tensor | None            # [B] cache slots, or None when the input covers every slot in order
+    slot: int                             # the one slot, when B == 1
+    mask: torch.Tensor | None             # [B, 1, T, kv_len] key visibility; None for one row and one query
+    kv_len: int                           # keys to attend over: max(start + T)
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [B, T, D]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: BeamConfig):
         super().__init__()
@@ -117,29 +134,31 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, write: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                kv_len: int) -> torch.Tensor:
-        # x: [B, T, H]; k_cache, v_cache: [B, KV, max_len, D]; write: (rows [B, 1], positions [B, T])
+    def forward(self, x: torch.Tensor, step: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H]; k_cache, v_cache: [slots, KV, max_len, D]
         B, T, _ = x.shape
+        rope = step.rope
         heads = self.qkv(x).view(B, T, -1, self.head_dim)  # [B, T, n_heads + 2 * n_kv, D]
         qk, v = heads[:, :, :self.n_heads + self.n_kv], heads[:, :, self.n_heads + self.n_kv:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :self.n_heads]), self.k_norm(qk[:, :, self.n_heads:])), dim=2)
         qk = _rotate(qk, rope[0].unsqueeze(2), rope[1].unsqueeze(2))  # q and k rotated together
         q, k = qk[:, :, :self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:]
-        keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
-        if mask is None:  # batch 1, one query, every key visible: plain GQA matmuls beat SDPA's dispatch
-            keys[0, :, -1], values[0, :, -1] = k[0, 0], v[0, 0]
+        if step.mask is None:  # one row, one query, every key visible: plain GQA matmuls beat SDPA's dispatch
+            keys, values = k_cache[step.slot, :, :step.kv_len], v_cache[step.slot, :, :step.kv_len]  # [KV, S, D]
+            keys[:, -1], values[:, -1] = k[0, 0], v[0, 0]
             q = q.reshape(self.n_kv, -1, self.head_dim)  # [KV, G, D]
-            scores = torch.baddbmm(q.new_empty(()), q, keys[0].transpose(-1, -2), beta=0, alpha=self.scale)
-            out = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), values[0])
+            scores = torch.baddbmm(q.new_empty(()), q, keys.transpose(-1, -2), beta=0, alpha=self.scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), values)
             out = out.view(B, -1, T, self.head_dim)
         else:
-            rows, positions = write
-            k_cache[rows, :, positions] = k  # advanced indices first: [B, T, KV, D]
-            v_cache[rows, :, positions] = v
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+            k_cache[step.rows, :, step.positions] = k  # advanced indices first: [B, T, KV, D]
+            v_cache[step.rows, :, step.positions] = v
+            if step.slots is None:  # every slot, in order: a view
+                keys, values = k_cache[:, :, :step.kv_len], v_cache[:, :, :step.kv_len]  # [B, KV, S, D]
+            else:  # a subset of the slots: gathered
+                keys, values = k_cache[step.slots, :, :step.kv_len], v_cache[step.slots, :, :step.kv_len]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
                                                  enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -207,7 +226,7 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:  # attn_args: step, k_cache, v_cache
         x = x + self.attn(self.input_norm(x), *attn_args)
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -250,37 +269,45 @@ class BeamForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, num_tokens: torch.Tensor | None = None,
-                taps: Sequence[int] = (), last_only: bool = False) -> BeamOutput:
-        """Append T tokens to every slot of `cache` and return their logits (and the requested taps).
+                taps: Sequence[int] = (), last_only: bool = False, slots: torch.Tensor | None = None) -> BeamOutput:
+        """Append T tokens to cache slots and return their logits (and the requested taps).
 
-        input_ids: [B, T], right-padded; num_tokens: [B] valid tokens per row (default T). Row b's tokens sit
-        at positions cache.lengths[b] + t; its length then grows by num_tokens[b], so padded rows are dead.
+        input_ids: [B, T], right-padded; num_tokens: [B] valid tokens per row (default T); slots: [B] the cache
+        slot of each row (default: row b -> slot b, and B must equal the cache's batch). Row b's tokens sit at
+        positions lengths[slot] + t; the slot's length then grows by num_tokens[b], so padded tokens are dead.
         """
         B, T = input_ids.shape
-        if B != cache.batch:
+        device = input_ids.device
+        if slots is None and B != cache.batch:
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
-        start = cache.lengths  # [B]
+        start = cache.lengths if slots is None else cache.lengths[slots]  # [B]
         if num_tokens is None:
             num_tokens = torch.full_like(start, T)
         kv_len = int((start + T).max())
         if kv_len > cache.max_len:
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache capacity {cache.max_len}")
-        positions = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
-        rows = torch.arange(B, device=start.device)[:, None]  # [B, 1]
+        positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
+        rows = (torch.arange(B, device=device) if slots is None else slots)[:, None]
         mask = None
         if B > 1 or T > 1:  # key j is visible to query t of row b iff j <= start[b] + t
-            mask = (torch.arange(kv_len, device=start.device) <= positions[..., None])[:, None]  # [B, 1, T, kv]
-        rope = self.rotary(positions, self.dtype)
+            mask = (torch.arange(kv_len, device=device) <= positions[..., None])[:, None]  # [B, 1, T, kv]
+        step = StepLayout(positions, rows, slots, int(rows[0, 0]) if B == 1 else -1, mask, kv_len,
+                          self.rotary(positions, self.dtype))
         want = {layer: i for i, layer in enumerate(taps)}
         captured: list[torch.Tensor | None] = [None] * len(want)
         h = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, cache.k[i], cache.v[i], (rows, positions), mask, kv_len)
+            h = layer(h, step, cache.k[i], cache.v[i])
             if i in want:
                 captured[want[i]] = h
-        cache.lengths = start + num_tokens
+        if slots is None:
+            cache.lengths = start + num_tokens
+        else:
+            lengths = cache.lengths.clone()  # not in place: it may be an inference-mode tensor
+            lengths[slots] = start + num_tokens
+            cache.lengths = lengths
         if last_only:
-            h = h[torch.arange(B, device=h.device), num_tokens - 1][:, None]  # [B, 1, H]
+            h = h[torch.arange(B, device=device), num_tokens - 1][:, None]  # [B, 1, H]
         return BeamOutput(logits=self.head(h), taps=captured)
 
 
