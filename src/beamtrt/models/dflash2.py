@@ -1,0 +1,504 @@
+"""Reference DFlash 2 block drafter in PyTorch: windowed tapped-context attention, two-tap convs, selector."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from beamtrt.config import DrafterConfig
+from beamtrt.errors import CheckpointError, ConfigError
+from beamtrt.models.beam import MLP, BeamForCausalLM, RMSNorm, Rotary, _rotate
+
+CONV_SIDES = 2  # side 0 = before the sublayer ("prepare"), side 1 = after it ("finish")
+
+
+# ---- two-tap grouped dynamic convolution (dflash.md §4.2) ------------------------------------------------------
+
+class GroupedConv2Tap(nn.Module):
+    """Per-token dynamic depthwise conv with taps [x_i, x_{i-1}] that never cross a block boundary.
+
+    coef[i, side, t, c] = base_kernel[side, t, c] + δ_i[side, t, c // g],  δ_i = kernel_projection(x_i)
+    where x is the sublayer input (after its RMSNorm); `prepare` convolves x with side 0, `finish` convolves the
+    sublayer output z with side 1 using the same δ. Tokens are laid out as consecutive blocks of `block` rows;
+    in-block position p reads x_{i-t} only when p >= t (zeros otherwise), so block 0 position 0 reads zeros.
+    """
+
+    def __init__(self, hidden: int, kernel_size: int = 2, group_size: int = 16):
+        super().__init__()
+        if hidden % group_size:
+            raise ValueError(f"conv group size {group_size} does not divide hidden size {hidden}")
+        self.kernel_size, self.group_size, self.groups = kernel_size, group_size, hidden // group_size
+        self.base_kernel = nn.Parameter(torch.empty(CONV_SIDES, kernel_size, hidden))  # [2, T, H]
+        self.kernel_projection = nn.Linear(hidden, CONV_SIDES * kernel_size * self.groups, bias=False)
+        self.reset_identity()
+
+    @torch.no_grad()
+    def reset_identity(self) -> None:
+        """base[:, 0] = 1, base[:, 1:] = 0, projection = 0: both sides return their input bit for bit."""
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, L, H] (L a multiple of `block`) -> (y [N, L, H], δ [N, L, 2, T, G] for `finish`)."""
+        N, L, _ = x.shape
+        delta = self.kernel_projection(x).view(N, L, CONV_SIDES, self.kernel_size, self.groups)
+        return self._conv(x, 0, delta, block), delta
+
+    def finish(self, z: torch.Tensor, block: int, delta: torch.Tensor) -> torch.Tensor:
+        """z: [N, L, H] sublayer output; delta: from `prepare` of the same tokens -> [N, L, H]."""
+        return self._conv(z, 1, delta, block)
+
+    def _conv(self, x: torch.Tensor, side: int, delta: torch.Tensor, block: int) -> torch.Tensor:
+        N, L, H = x.shape
+        if L % block:
+            raise ValueError(f"conv input of {L} tokens is not a whole number of blocks of {block}")
+        coef = self.base_kernel[side] + delta[:, :, side].repeat_interleave(self.group_size, dim=-1)  # [N, L, T, H]
+        blocks = x.reshape(N, L // block, block, H)
+        out = coef[:, :, 0] * x
+        for t in range(1, self.kernel_size):  # tap t reads in-block position p - t; zeros where p < t
+            shifted = F.pad(blocks, (0, 0, t, 0))[:, :, :block].reshape(N, L, H)
+            out = out + coef[:, :, t] * shifted
+        return out
+
+
+# ---- one draft layer -----------------------------------------------------------------------------------------
+
+class DraftAttention(nn.Module):
+    """Qwen3 attention (per-head q/k RMSNorm, GQA, no bias) whose keys are [context K/V] + [the block's own K/V]."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)  # fused [q; k; v]
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def context_kv(self, c: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """c: [N, T, H] fused context features; rope: [N, T, D] at their positions -> k, v: [N, T, KV, D]."""
+        N, T, _ = c.shape
+        kv = F.linear(c, self.qkv.weight[self.q_size:]).view(N, T, 2 * self.n_kv, self.head_dim)
+        k, v = self.k_norm(kv[:, :, :self.n_kv]), kv[:, :, self.n_kv:]
+        return _rotate(k, rope[0].unsqueeze(2), rope[1].unsqueeze(2)), v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # x: [N, L, H] block rows; rope: [N, L, D]; ctx_k, ctx_v: [N, KV, S, D] rotated context rows;
+        # mask: [N, 1, L, S + L] bool, True = visible (context columns first, then the L block columns)
+        N, L, _ = x.shape
+        heads = self.qkv(x).view(N, L, -1, self.head_dim)  # [N, L, n_heads + 2 * n_kv, D]
+        q = self.q_norm(heads[:, :, :self.n_heads])
+        k = self.k_norm(heads[:, :, self.n_heads:self.n_heads + self.n_kv])
+        v = heads[:, :, self.n_heads + self.n_kv:]
+        cos, sin = rope[0].unsqueeze(2), rope[1].unsqueeze(2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys = torch.cat((ctx_k, k.transpose(1, 2)), dim=2)  # [N, KV, S + L, D]
+        values = torch.cat((ctx_v, v.transpose(1, 2)), dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=self.n_heads != self.n_kv)  # [N, n_heads, L, D]
+        return self.o_proj(out.transpose(1, 2).reshape(N, L, -1))
+
+
+class DraftLayer(nn.Module):
+    """input_layernorm → attention_conv.prepare → self_attn → attention_conv.finish → +residual, same for the MLP."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.attention_conv = GroupedConv2Tap(H, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = GroupedConv2Tap(H, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor, block: int, use_conv: bool = True) -> torch.Tensor:
+        """h: [N, L, H], L = whole blocks of `block` rows (inference: L = block; training: many blocks + a
+        block-diagonal mask). ctx_k/ctx_v/mask as in DraftAttention. Context rows are never convolved."""
+        x = self.input_layernorm(h)
+        if use_conv:
+            y, delta = self.attention_conv.prepare(x, block)
+            h = h + self.attention_conv.finish(self.self_attn(y, rope, ctx_k, ctx_v, mask), block, delta)
+        else:
+            h = h + self.self_attn(x, rope, ctx_k, ctx_v, mask)
+        x = self.post_attention_layernorm(h)
+        if use_conv:
+            y, delta = self.mlp_conv.prepare(x, block)
+            return h + self.mlp_conv.finish(self.mlp(y), block, delta)
+        return h + self.mlp(x)
+
+
+# ---- candidate selector (dflash.md §4.3) ---------------------------------------------------------------------
+
+class CandidateSelector(nn.Module):
+    """Top-K candidates per slot plus pairwise edge scores S_t(a, b) = U_t(b) + Σ_r A[a,r]·g_t[r]·B[b,r]."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        V, r = cfg.vocab_size, cfg.selector_rank
+        self.predecessor_codebook = nn.Parameter(torch.zeros(V, r))  # A
+        self.successor_codebook = nn.Parameter(torch.zeros(V, r))    # B
+        self.hidden_projection = nn.Linear(cfg.hidden_size, r, bias=False)  # g_t = W_h h_t
+        nn.init.zeros_(self.hidden_projection.weight)
+
+    def edge_scores(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+                    top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [N, S, V] fp32 unary scores; hidden: [N, S, H] final-normed; anchor_ids: [N] ->
+        (cand_ids [N, S, K] long, top-K of each slot in descending logit order;
+         scores [N, S, K, K] fp32, scores[n, t, i, j] = S_t(pred_i, cand_j)),
+        with pred_i = candidate i of slot t-1 for t >= 1 and the anchor for t = 0 (all K rows of slot 0 equal)."""
+        N, S, _ = logits.shape
+        unary, cand = torch.topk(logits, top_k, dim=-1)  # [N, S, K]
+        pred = torch.cat((anchor_ids.view(N, 1, 1).expand(N, 1, top_k), cand[:, :-1]), dim=1)  # [N, S, K]
+        g = self.hidden_projection(hidden).float()  # [N, S, r]
+        a = self.predecessor_codebook[pred].float()  # [N, S, K, r]
+        b = self.successor_codebook[cand].float()
+        edge = torch.einsum("nsir,nsjr->nsij", a * g.unsqueeze(2), b)
+        return cand, unary.float().unsqueeze(2) + edge
+
+    @staticmethod
+    def greedy_walk(cand_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Local greedy path: slot 0 takes argmax of row 0 (the anchor's row), slot t the row of the token chosen
+        at slot t-1. cand_ids: [N, S, K]; scores: [N, S, K, K] -> draft tokens [N, S] long."""
+        N, S, K = cand_ids.shape
+        row = torch.zeros(N, dtype=torch.long, device=cand_ids.device)
+        rows = torch.arange(N, device=cand_ids.device)
+        out = []
+        for t in range(S):
+            pick = scores[rows, t, row].argmax(dim=-1)  # [N] index into slot t's candidates
+            out.append(cand_ids[rows, t, pick])
+            row = pick
+        return torch.stack(out, dim=1)
+
+
+# ---- windowed context cache (dflash.md §1.2) -----------------------------------------------------------------
+
+class DraftCache:
+    """Context K/V of every draft layer for `batch` sequences, in a ring of W = sliding_window slots per sequence.
+
+    Context position p lives in slot p mod W; `lengths[n]` = context tokens appended so far = the next anchor
+    position s. A block anchored at s sees exactly context positions [max(0, s - W), s): when s >= W the ring
+    holds precisely those W positions, otherwise slots [0, s). Only committed tokens are ever appended and the
+    block's own K/V is never written, so the cache only grows (no crop); `reset` empties finished slots.
+    """
+
+    def __init__(self, cfg: DrafterConfig, batch: int, dtype: torch.dtype, device: torch.device | str):
+        self.window = cfg.sliding_window
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, self.window, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, KV, W, D], keys already rotated
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [N]
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def visible(self) -> torch.Tensor:
+        """[N, W] bool: which ring slots a block anchored at `lengths` may read."""
+        slots = torch.arange(self.window, device=self.lengths.device)
+        return slots < self.lengths.clamp(max=self.window)[:, None]
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """Empty the given sequences (a finished request's slot is reused by the next)."""
+        lengths = self.lengths.clone()  # not in place: lengths may be an inference-mode tensor
+        lengths[list(slots)] = 0
+        self.lengths = lengths
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor    # [N, B-1, V] fp32, block positions 1..B-1, the target's logit transform applied
+    hidden: torch.Tensor    # [N, B-1, H] final-normed draft hidden (what the LM head and the selector read)
+    cand_ids: torch.Tensor  # [N, B-1, K] long, top-K of each slot's logits
+    scores: torch.Tensor    # [N, B-1, K, K] fp32 selector edge scores (see CandidateSelector.edge_scores)
+
+
+# ---- the drafter ---------------------------------------------------------------------------------------------
+
+class DFlash2Drafter(nn.Module):
+    """DFlash 2 drafter over a frozen Beam target (whose embedding and LM head it borrows, not owns)."""
+
+    def __init__(self, cfg: DrafterConfig, target: BeamForCausalLM):
+        super().__init__()
+        cfg.check_target(target.cfg)
+        self.source_version = cfg.version  # 1: loaded from a DFlash v1 checkpoint (identity convs, zero selector)
+        self.cfg = cfg if cfg.version == 2 else dataclasses.replace(cfg, version=2)
+        self.__dict__["target"] = target  # plain attribute: not a submodule, so not in parameters()/state_dict()
+        H = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_taps * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(cfg)
+        self.rotary = Rotary(cfg)  # DrafterConfig has the fields Rotary reads (head_dim, rope_theta, rope_scaling)
+        self.use_conv = True  # False only to compare against a DFlash v1 forward in tests
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def new_cache(self, batch: int) -> DraftCache:
+        return DraftCache(self.cfg, batch, self.dtype, self.device)
+
+    def reset(self, cache: DraftCache, slots: Sequence[int]) -> None:
+        cache.reset(slots)
+
+    def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps: [..., n_taps * H_target] concatenated target residual streams -> c = hidden_norm(fc(taps)) [..., H]."""
+        return self.hidden_norm(self.fc(taps.to(self.dtype)))
+
+    @torch.inference_mode()
+    def append_context(self, cache: DraftCache, taps: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
+        """Append committed tokens' target features to every layer's context K/V.
+
+        taps: [N, T, n_taps * H], right-padded; num_tokens: [N] valid rows (default T). Row n's token t sits at
+        position cache.lengths[n] + t; lengths then grow by num_tokens[n]. Only the last W positions of each
+        sequence are written (older ones would be overwritten in the ring anyway).
+        """
+        taps = taps.to(self.device)
+        N, T, F_ = taps.shape
+        if N != cache.batch:
+            raise ValueError(f"taps batch {N} != cache batch {cache.batch}")
+        if F_ != self.fc.in_features:
+            raise ValueError(f"taps have {F_} features, expected {self.fc.in_features} "
+                             f"({self.cfg.num_taps} taps x {self.cfg.hidden_size})")
+        start = cache.lengths
+        num_tokens = torch.full_like(start, T) if num_tokens is None else num_tokens.to(start.device, torch.long)
+        if bool(((num_tokens < 0) | (num_tokens > T)).any()):
+            raise ValueError(f"num_tokens {num_tokens.tolist()} must be within [0, {T}]")
+        end = start + num_tokens
+        positions = start[:, None] + torch.arange(T, device=start.device)  # [N, T]
+        keep = (positions < end[:, None]) & (positions >= end[:, None] - cache.window)  # distinct ring slots
+        rows, cols = keep.nonzero(as_tuple=True)
+        slots = positions[rows, cols] % cache.window
+        if rows.numel():
+            c = self.fuse_context(taps[rows, cols][None])  # [1, M, H] only the rows that are kept
+            cos, sin = self.rotary(positions[rows, cols][None], self.dtype)
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.context_kv(c, (cos, sin))  # [1, M, KV, D]
+                cache.k[i][rows, :, slots] = k[0]  # advanced indices first: [M, KV, D]
+                cache.v[i][rows, :, slots] = v[0]
+        cache.lengths = end
+
+    @torch.inference_mode()
+    def draft(self, cache: DraftCache, anchor_ids: torch.Tensor, block_size: int) -> DraftOutput:
+        """Run one block per sequence and return its drafts' logits, hidden states and selector lattice.
+
+        anchor_ids: [N], the last committed token x_s of each sequence, whose position s = cache.lengths[n] (the
+        cache must already hold every token before it, and not the anchor itself: the anchor's target features
+        are not known until the next verify). The block is [x_s, MASK × (block_size−1)] at positions
+        s .. s+block_size−1, embedded with the target's embedding; its queries see context positions
+        [max(0, s−W), s) and all block positions (bidirectional); its K/V are never written to the cache.
+
+        Worked example (W = 4, block_size = 3): a 6-token prompt x0..x5 is prefilled by the target, which samples
+        x6. append_context(taps of x0..x5) → lengths = 6, ring slots hold positions 4,5,2,3 (slot = p mod 4).
+        draft(anchor x6) runs ids [x6, M, M] at positions 6, 7, 8; every block query attends to context
+        positions 2..5 plus the 3 block rows; outputs are for positions 7 and 8 (logits[:, 0] drafts x7).
+        If the target accepts x7 and emits bonus x8, the runtime appends the taps of x6, x7 (positions 6, 7;
+        lengths → 8, the ring now holds 4..7) and drafts again with anchor x8 at position 8.
+        """
+        N, B = anchor_ids.shape[0], block_size
+        if N != cache.batch:
+            raise ValueError(f"anchor batch {N} != cache batch {cache.batch}")
+        if B < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
+        target = self.target
+        start = cache.lengths
+        positions = start[:, None] + torch.arange(B, device=start.device)  # [N, B]
+        ids = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
+        anchor_ids = anchor_ids.to(self.device)
+        ids[:, 0] = anchor_ids
+        h = target.embed(ids).to(self.dtype)
+        rope = self.rotary(positions, self.dtype)
+        ctx = cache.visible()[:, None, :].expand(N, B, cache.window)  # [N, B, W]
+        mask = torch.cat((ctx, ctx.new_ones(N, B, B)), dim=-1)[:, None]  # [N, 1, B, W + B]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, cache.k[i], cache.v[i], mask, B, self.use_conv)
+        z = self.norm(h[:, 1:])
+        logits = target.lm_logits(z.to(target.dtype))  # fp32 [N, B-1, V]
+        top_k = min(self.cfg.selector_top_k, logits.shape[-1])
+        cand, scores = self.candidate_selector.edge_scores(logits, z, anchor_ids, top_k)
+        return DraftOutput(logits=logits, hidden=z, cand_ids=cand, scores=scores)
+
+
+# ---- checkpoint name table -----------------------------------------------------------------------------------
+
+V2_ONLY = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+
+
+def drafter_tensor_specs(cfg: DrafterConfig, v1: bool = False) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+    """Checkpoint tensor name -> (shape, our parameter name, row offset into a fused parameter or None).
+
+    v1=True: the DFlash v1 subset (no convs, no selector).
+    """
+    H, Q, KV, I, D = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    T, G, V, r = cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size, cfg.vocab_size, cfg.selector_rank
+    specs: dict[str, tuple[tuple[int, ...], str, int | None]] = {
+        "fc.weight": ((H, cfg.num_taps * H), "fc.weight", None),
+        "hidden_norm.weight": ((H,), "hidden_norm.weight", None),
+        "norm.weight": ((H,), "norm.weight", None),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        for proj, rows, offset in (("q", Q, 0), ("k", KV, Q), ("v", KV, Q + KV)):
+            specs[p + f"self_attn.{proj}_proj.weight"] = ((rows, H), p + "self_attn.qkv.weight", offset)
+        specs[p + "self_attn.o_proj.weight"] = ((H, Q), p + "self_attn.o_proj.weight", None)
+        specs[p + "self_attn.q_norm.weight"] = ((D,), p + "self_attn.q_norm.weight", None)
+        specs[p + "self_attn.k_norm.weight"] = ((D,), p + "self_attn.k_norm.weight", None)
+        specs[p + "mlp.gate_proj.weight"] = ((I, H), p + "mlp.gate_up.weight", 0)
+        specs[p + "mlp.up_proj.weight"] = ((I, H), p + "mlp.gate_up.weight", I)
+        specs[p + "mlp.down_proj.weight"] = ((H, I), p + "mlp.down.weight", None)
+        specs[p + "input_layernorm.weight"] = ((H,), p + "input_layernorm.weight", None)
+        specs[p + "post_attention_layernorm.weight"] = ((H,), p + "post_attention_layernorm.weight", None)
+        for conv in ("attention_conv", "mlp_conv"):
+            specs[p + f"{conv}.base_kernel"] = ((CONV_SIDES, T, H), p + f"{conv}.base_kernel", None)
+            specs[p + f"{conv}.kernel_projection.weight"] = ((CONV_SIDES * T * G, H),
+                                                             p + f"{conv}.kernel_projection.weight", None)
+    specs["candidate_selector.predecessor_codebook"] = ((V, r), "candidate_selector.predecessor_codebook", None)
+    specs["candidate_selector.successor_codebook"] = ((V, r), "candidate_selector.successor_codebook", None)
+    specs["candidate_selector.hidden_projection.weight"] = ((r, H), "candidate_selector.hidden_projection.weight",
+                                                            None)
+    if v1:
+        specs = {name: spec for name, spec in specs.items() if not any(part in name for part in V2_ONLY)}
+    return specs
+
+
+def load_state(model: DFlash2Drafter, tensors: Iterable[tuple[str, torch.Tensor]], v1: bool = False) -> None:
+    """Copy (checkpoint name, tensor) pairs into `model`; every table entry must be supplied, nothing else.
+
+    v1=True: only the v1 subset is expected; convs become identity and the selector zero (it then ranks by the
+    unary logits alone), so the model computes exactly DFlash v1.
+    """
+    specs = drafter_tensor_specs(model.cfg, v1=v1)
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        if v1:
+            for layer in model.layers:
+                layer.attention_conv.reset_identity()
+                layer.mlp_conv.reset_identity()
+            for p in model.candidate_selector.parameters():
+                p.zero_()
+        for name, tensor in tensors:
+            if name not in specs:
+                raise CheckpointError(f"unexpected tensor {name!r} for this drafter config")
+            shape, target, offset = specs[name]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"tensor {name!r} contains NaN or Inf values")
+            dest = params[target]
+            if offset is not None:
+                dest = dest[offset:offset + shape[0]]
+            dest.copy_(tensor)
+            seen.add(name)
+    missing = [n for n in specs if n not in seen]
+    if missing:
+        raise CheckpointError(f"missing drafter tensor(s) {', '.join(missing[:5])}" +
+                              (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def state_tensors(model: DFlash2Drafter, v1: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor) for every tensor of the name table (fused parameters split back)."""
+    params = dict(model.named_parameters())
+    for name, (shape, target, offset) in drafter_tensor_specs(model.cfg, v1=v1).items():
+        t = params[target].detach()
+        yield name, (t if offset is None else t[offset:offset + shape[0]])
+
+
+def _build(cfg: DrafterConfig, target: BeamForCausalLM, dtype: torch.dtype, device: torch.device | str
+           ) -> DFlash2Drafter:
+    with torch.device("meta"):
+        model = DFlash2Drafter(cfg, target)
+    return model.to_empty(device=device).to(dtype)
+
+
+def random_drafter(cfg: DrafterConfig, target: BeamForCausalLM, seed: int = 0, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None, std: float = 0.02, conv_std: float | None = None,
+                   codebook_std: float = 0.02) -> DFlash2Drafter:
+    """A deterministic random drafter (same seed → same fp32 draws on any device): linears N(0, std), norms 1,
+    identity conv base + projection N(0, conv_std, default 0.1/√H: δ ≈ 0.1), codebooks N(0, codebook_std)."""
+    conv_std = 0.1 / cfg.hidden_size ** 0.5 if conv_std is None else conv_std
+    gen = torch.Generator().manual_seed(seed)
+    model = _build(cfg, target, dtype or target.dtype, device or target.device)
+
+    def draws() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (shape, _, _) in drafter_tensor_specs(model.cfg).items():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                yield name, torch.ones(shape)
+            elif name.endswith("base_kernel"):
+                base = torch.zeros(shape)
+                base[:, 0] = 1.0
+                yield name, base
+            elif name.endswith("kernel_projection.weight"):
+                yield name, torch.randn(shape, generator=gen) * conv_std
+            elif name.endswith("_codebook"):
+                yield name, torch.randn(shape, generator=gen) * codebook_std
+            else:
+                yield name, torch.randn(shape, generator=gen) * std
+
+    load_state(model, draws())
+    return model.eval()
+
+
+def load_drafter(path: str | Path, target: BeamForCausalLM, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> DFlash2Drafter:
+    """Load a DFlash 2 (or DFlash v1, upgraded with identity convs and a zero selector) checkpoint directory."""
+    from beamtrt.checkpoint.hf import CheckpointReader
+
+    cfg = DrafterConfig.from_file(Path(path) / "config.json")
+    try:
+        cfg.check_target(target.cfg)
+    except ConfigError as err:  # name the checkpoint
+        raise ConfigError(f"{Path(path) / 'config.json'}: {err}") from None
+    v1 = cfg.version == 1
+    specs = drafter_tensor_specs(cfg, v1=v1)
+    with CheckpointReader(path) as reader:
+        reader.validate({name: (shape, None) for name, (shape, _, _) in specs.items()})
+        model = _build(cfg, target, dtype or target.dtype, device or target.device)
+        load_state(model, ((name, reader.get(name)) for name in specs), v1=v1)
+    return model.eval()
+
+
+def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = False) -> Path:
+    """Write config.json (DFlash2DraftModel) + safetensors to `path` atomically (temp dir, then rename)."""
+    from beamtrt.checkpoint.hf import save_state_dict
+
+    out = Path(path)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists: choose another output directory or pass overwrite=True")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = None
+    try:
+        save_state_dict(tmp, state_tensors(model), overwrite=True)
+        model.cfg.save(tmp / "config.json")
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(old / out.name)
+        tmp.rename(out)
+    except BaseException:
+        if old is not None and not out.exists():
+            (old / out.name).rename(out)  # put the previous checkpoint back
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out

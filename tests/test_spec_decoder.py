@@ -1,0 +1,139 @@
+"""The speculative loop is lossless: greedy output equals the target's own greedy output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beamtrt.runtime.backend import DraftStep
+from beamtrt.runtime.generate import generate
+from beamtrt.runtime.torch_backend import TorchTarget
+from beamtrt.spec.decoder import Request, SpeculativeDecoder
+from conftest import tiny_model
+
+N_PROMPTS, MAX_NEW = 20, 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 101, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(N_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """The target's own greedy continuation of each prompt, decoded alone with the plain loop."""
+    return [generate(target, [p], MAX_NEW)[0] for p in prompts]
+
+
+class OracleDrafter:
+    """Test drafter that proposes the target's true greedy continuation with probability `hit` per slot."""
+
+    target_layer_ids = (0, 2)
+
+    def __init__(self, sequences: list[list[int]], hit: float, k: int = 4, seed: int = 0):
+        self.sequences, self.hit, self.k = sequences, hit, k
+        self.g = torch.Generator().manual_seed(seed)
+
+    def allocate(self, slots: int) -> None:
+        self.length = torch.zeros(slots, dtype=torch.long)
+
+    def append_context(self, taps: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        assert taps.shape[-1] == 2 * 64 and taps.shape[:2][0] == len(self.length)
+        self.length += num_tokens
+
+    def draft(self, anchor_ids: torch.Tensor, block_size: int) -> DraftStep:
+        n, s = len(anchor_ids), block_size - 1
+        cand = torch.randint(0, 101, (n, s, self.k), generator=self.g)
+        for i in range(n):
+            seq, pos = self.sequences[i], int(self.length[i])  # the anchor sits at position `pos`
+            for t in range(s):
+                if pos + 1 + t < len(seq) and float(torch.rand(1, generator=self.g)) < self.hit:
+                    cand[i, t, 0] = seq[pos + 1 + t]
+                    cand[i, t, 1:] = torch.where(cand[i, t, 1:] == cand[i, t, 0], (cand[i, t, 1:] + 1) % 101,
+                                                 cand[i, t, 1:])
+        scores = torch.zeros(n, s, self.k, self.k)
+        scores[..., 0] = 5.0  # candidate 0 wins after any predecessor
+        return DraftStep(cand, scores)
+
+    def reset(self, slots):
+        self.length[slots] = 0
+
+
+def run(target_model, drafter, prompts, block, batch):
+    outputs = []
+    for lo in range(0, len(prompts), batch):
+        chunk = prompts[lo:lo + batch]
+        if isinstance(drafter, OracleDrafter):
+            drafter.sequences = drafter.all_sequences[lo:lo + batch]
+        dec = SpeculativeDecoder(TorchTarget(target_model), drafter, block_size=block)
+        outputs += [c.output_ids for c in dec.generate([Request(tuple(p), MAX_NEW) for p in chunk])]
+    return outputs, dec
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("block", [2, 8, 16])
+def test_greedy_identity_with_oracle_drafter(target, prompts, reference, batch, block):
+    drafter = OracleDrafter([], hit=0.85)
+    drafter.all_sequences = [p + r for p, r in zip(prompts, reference)]
+    got, dec = run(target, drafter, prompts, block, batch)
+    assert got == reference
+    summary = dec.metrics.summary()
+    assert summary["acceptance_length"] > 1.5  # long accepted runs really happened
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("block", [2, 8, 16])
+def test_greedy_identity_with_random_drafter(target, prompts, reference, batch, block):
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from test_dflash2 import make_drafter
+
+    drafter = TorchDrafter(make_drafter(target, seed=3))
+    got, _ = run(target, drafter, prompts, block, batch)
+    assert got == reference
+
+
+def test_no_spec_equals_plain_decoding(target, prompts, reference):
+    dec = SpeculativeDecoder(TorchTarget(target), None)
+    got = [c.output_ids for c in dec.generate([Request(tuple(p), MAX_NEW) for p in prompts])]
+    assert got == reference
+    assert dec.metrics.summary()["acceptance_length"] == 1.0
+
+
+def test_full_block_accepts_give_bonus_tokens(target, prompts, reference):
+    drafter = OracleDrafter([p + r for p, r in zip(prompts[:4], reference[:4])], hit=1.0)
+    dec = SpeculativeDecoder(TorchTarget(target), drafter, block_size=8)
+    out = dec.generate([Request(tuple(p), MAX_NEW) for p in prompts[:4]])
+    assert [c.output_ids for c in out] == reference[:4]
+    # 1 token after prefill, then full blocks of 8 (7 accepted + bonus) until the budget cuts the last step
+    assert all(c.steps == -(-(MAX_NEW - 1) // 8) for c in out)
+    assert dec.metrics.summary()["tau_histogram"][8 - 1] > 0
+
+
+def test_stops_and_budget(target, prompts, reference):
+    stop = reference[0][5]
+    dec = SpeculativeDecoder(TorchTarget(target), OracleDrafter([prompts[0] + reference[0]], hit=1.0), block_size=8)
+    streamed = []
+    out = dec.generate([Request(tuple(prompts[0]), MAX_NEW, stop_token_ids=frozenset({stop}))],
+                       on_tokens=lambda i, toks: streamed.extend(toks))
+    cut = reference[0].index(stop) + 1
+    assert out[0].output_ids == reference[0][:cut] == streamed
+    assert out[0].finish_reason == "stop"
+    dec = SpeculativeDecoder(TorchTarget(target), OracleDrafter([prompts[0] + reference[0]], hit=1.0), block_size=8)
+    out = dec.generate([Request(tuple(prompts[0]), 3)])
+    assert out[0].output_ids == reference[0][:3] and out[0].finish_reason == "length"
+    assert out[0].committed == 2 and out[0].steps == 1  # the step was cut short: it counts what it committed
