@@ -96,12 +96,13 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
-def _load_drafter(args: argparse.Namespace, target, dtype):
+def load_drafter_backend(drafter_dir: str | None, target, dtype: torch.dtype, device: str):
+    """The drafter backend: `drafter_dir`, else the trained beam-mini drafter, else a deterministic random one."""
     from beamtrt.models.dflash2 import load_drafter, random_drafter, save_drafter
     from beamtrt.runtime.torch_backend import TorchDrafter
 
-    if args.drafter:
-        path = Path(args.drafter)
+    if drafter_dir:
+        path = Path(drafter_dir)
     elif (TRAINED_DRAFTER / "config.json").is_file():
         path = TRAINED_DRAFTER
     else:
@@ -110,7 +111,7 @@ def _load_drafter(args: argparse.Namespace, target, dtype):
             print(f"drafter: no trained drafter yet; creating a deterministic random one in {path} "
                   "(acceptance length ~1)", file=sys.stderr)
             save_drafter(random_drafter(beam_mini_drafter_config(target.cfg), target, seed=0), path)
-    return TorchDrafter(load_drafter(path, target, dtype=dtype, device=args.device)), path
+    return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
 
 
 def beam_mini_drafter_config(target_cfg):
@@ -142,7 +143,8 @@ def _run(args: argparse.Namespace) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})") from None
-    drafter, drafter_dir = (None, None) if args.no_spec else _load_drafter(args, model, dtype)
+    drafter, drafter_dir = (None, None) if args.no_spec else load_drafter_backend(args.drafter, model, dtype,
+                                                                                  args.device)
     target = TorchTarget(model)
     try:
         prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]

@@ -1,0 +1,95 @@
+"""Speculative-decoding step profile: per batch size, the step time split into target forward, drafter (draft +
+context append) and everything else (selector walk, verification, commit), with plain decoding run side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import run_cli
+from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
+
+BENCH_PROMPTS = DEFAULT_PROMPTS + (
+    "Explain how a rainbow forms.", "Write a short poem about the sea.", "What is 17 times 3?",
+    "Name three programming languages and one strength of each.", "Summarize the plot of Cinderella.",
+    "How do I boil an egg?", "Write a Python function that checks if a number is prime.",
+    "Why is the sky blue?", "Give two tips for a job interview.", "What does a CPU do?",
+    "Translate 'good morning' into French and Spanish.", "List the planets of the solar system.",
+    "What is the difference between a list and a tuple in Python?",
+)
+
+
+def profile(decoder_factory, requests) -> dict:
+    decoder = decoder_factory()
+    start = time.perf_counter()
+    completions = decoder.generate(requests)
+    wall = time.perf_counter() - start
+    t = decoder.times
+    steps = decoder.metrics.steps
+    tokens = sum(len(c.output_ids) for c in completions)
+    return {
+        "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+        "acceptance_length": decoder.metrics.summary()["acceptance_length"], "steps": steps,
+        "step_s": round(t.total_s / max(steps, 1), 5),
+        "target_s": round(t.target_s, 3), "drafter_s": round(t.drafter_s, 3), "other_s": round(t.other_s, 3),
+        "other_fraction": round(t.other_s / t.total_s, 4) if t.total_s else None,
+        "decode_tokens_per_s": round((tokens - len(requests)) / t.total_s, 2) if t.total_s else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
+    p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
+    p.add_argument("--block-size", type=int, default=8, help="verification block (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
+    p.add_argument("--json", help="also write the JSON result here")
+    args = p.parse_args(argv)
+
+    def run() -> None:
+        from transformers import AutoTokenizer
+
+        from beamtrt.models.beam import load_beam
+        from beamtrt.models.beam_mini import ensure_beam_mini
+        from beamtrt.runtime.cli import load_drafter_backend
+        from beamtrt.runtime.torch_backend import TorchTarget
+        from beamtrt.spec.decoder import Request, SpeculativeDecoder
+
+        if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS) or args.block_size < 2:
+            raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}] and --block-size >= 2")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model_dir = Path(args.model) if args.model else ensure_beam_mini()
+        dtype = DTYPES[args.dtype]
+        model = load_beam(model_dir, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        drafter, drafter_dir = load_drafter_backend(args.drafter, model, dtype, "cpu")
+        target = TorchTarget(model)
+        eos = frozenset(target.eos_token_ids)
+        result = {"model": str(model_dir), "drafter": str(drafter_dir), "dtype": args.dtype,
+                  "block_size": args.block_size, "threads": torch.get_num_threads(), "results": []}
+        for batch in args.batches:
+            requests = [Request(tuple(tok.apply_chat_template([{"role": "user", "content": q}],
+                                                              add_generation_prompt=True)),
+                                args.max_new_tokens, eos) for q in BENCH_PROMPTS[:batch]]
+            spec = profile(lambda: SpeculativeDecoder(target, drafter, args.block_size), requests)
+            plain = profile(lambda: SpeculativeDecoder(target, None), requests)
+            point = {"batch": batch, "spec": spec, "no_spec": plain,
+                     "decode_speedup": round(spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"], 3)}
+            result["results"].append(point)
+            print(json.dumps(point), file=sys.stderr, flush=True)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text + "\n")
+
+    return run_cli(run)
