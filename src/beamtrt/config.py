@@ -34,8 +34,41 @@ _FAMILY_DEFAULTS = {
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
+class _HFConfig:
+    """What the config dataclasses share: config.json file I/O and construction with the file named in errors.
+
+    Subclasses define from_dict(raw, source) and to_dict().
+    """
+
+    @classmethod
+    def from_file(cls, path: str | Path):
+        from beamtrt.checkpoint.hf import read_json
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        return cls.from_dict(read_json(path, "config.json"), source=str(path))
+
+    def save(self, path: str | Path) -> None:
+        from beamtrt.checkpoint.hf import write_json
+
+        path = Path(path)
+        write_json(path / "config.json" if path.is_dir() else path, self.to_dict())
+
+    @classmethod
+    def _construct(cls, kwargs: dict[str, Any], source: str):
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+        if missing:
+            _fail(f"{source}: missing required field(s) {', '.join(missing)}")
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
 @dataclass(frozen=True)
-class BeamConfig:
+class BeamConfig(_HFConfig):
     """The Beam target: a Qwen3-MoE-like decoder. Field names are the Hugging Face ones."""
 
     vocab_size: int
@@ -141,16 +174,9 @@ class BeamConfig:
         for name, value in raw.items():
             if name in fields and not (name == "head_dim" and value is None):
                 kwargs[name] = _check_type(source, name, value, fields[name].type)
-        missing = [f.name for f in fields.values()
-                   if f.default is dataclasses.MISSING and f.name not in kwargs]
-        if missing:
-            _fail(f"{source}: missing required field(s) {', '.join(missing)}")
         if kwargs.get("mlp_only_layers") is None:
             kwargs["mlp_only_layers"] = ()
-        try:
-            return cls(**kwargs)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+        return cls._construct(kwargs, source)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
@@ -158,21 +184,6 @@ class BeamConfig:
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> BeamConfig:
-        from beamtrt.checkpoint.hf import read_json
-
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        return cls.from_dict(read_json(path, "config.json"), source=str(path))
-
-    def save(self, path: str | Path) -> None:
-        from beamtrt.checkpoint.hf import write_json
-
-        path = Path(path)
-        write_json(path / "config.json" if path.is_dir() else path, self.to_dict())
 
 
 def _fail(message: str) -> None:
@@ -237,7 +248,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(_HFConfig):
     """A DFlash (v1) / DFlash 2 block drafter; field names are the HF / z-lab ones (`dflash_config` flattened)."""
 
     hidden_size: int
@@ -430,13 +441,7 @@ class DrafterConfig:
         if "target_layer_ids" not in kwargs and "num_target_layers" in kwargs and "num_hidden_layers" in kwargs:
             kwargs["target_layer_ids"] = default_target_layer_ids(kwargs["num_target_layers"],
                                                                   kwargs["num_hidden_layers"])
-        missing = [f.name for f in fields.values() if f.default is dataclasses.MISSING and f.name not in kwargs]
-        if missing:
-            _fail(f"{source}: missing required field(s) {', '.join(missing)}")
-        try:
-            return cls(**kwargs)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+        return cls._construct(kwargs, source)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"architectures": [self.architecture], "model_type": "qwen3"}
@@ -453,18 +458,3 @@ class DrafterConfig:
             for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
                 out[name] = getattr(self, name)
         return out
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> DrafterConfig:
-        from beamtrt.checkpoint.hf import read_json
-
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        return cls.from_dict(read_json(path, "config.json"), source=str(path))
-
-    def save(self, path: str | Path) -> None:
-        from beamtrt.checkpoint.hf import write_json
-
-        path = Path(path)
-        write_json(path / "config.json" if path.is_dir() else path, self.to_dict())

@@ -19,7 +19,23 @@ from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 
 
-class KVCache:
+class SlotCache:
+    """Per-slot lengths, shared by the target's KV cache and the drafter's context cache."""
+
+    lengths: torch.Tensor  # [B] tokens held per slot
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """Empty the given slots (a finished request's slot is reused by the next)."""
+        lengths = self.lengths.clone()  # not in place: lengths may be an inference-mode tensor
+        lengths[list(slots)] = 0
+        self.lengths = lengths
+
+
+class KVCache(SlotCache):
     """K/V of every layer for B sequence slots; each slot has its own length and can be cropped (rolled back)."""
 
     def __init__(self, cfg: BeamConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
@@ -28,10 +44,6 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per slot
         self.max_len = max_len
-
-    @property
-    def batch(self) -> int:
-        return self.lengths.shape[0]
 
     def crop(self, lengths: torch.Tensor | Sequence[int], slots: torch.Tensor | None = None) -> None:
         """Roll slots back to `lengths` (each <= its current length); rows past it are dead. Default: every slot."""
@@ -43,12 +55,6 @@ class KVCache:
         if slots is not None:
             new[slots] = lengths
         self.lengths = new
-
-    def reset(self, slots: Sequence[int]) -> None:
-        """Empty the given slots (a finished request's slot is reused by the next)."""
-        lengths = self.lengths.clone()  # not in place: lengths may be an inference-mode tensor
-        lengths[list(slots)] = 0
-        self.lengths = lengths
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch import nn
 
 from beamtrt.config import DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
-from beamtrt.models.beam import MLP, BeamForCausalLM, RMSNorm, Rotary, _rotate
+from beamtrt.models.beam import MLP, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _rotate
 
 CONV_SIDES = 2  # side 0 = before the sublayer ("prepare"), side 1 = after it ("finish")
 
@@ -185,7 +185,7 @@ class CandidateSelector(nn.Module):
 
 # ---- windowed context cache (dflash.md §1.2) -----------------------------------------------------------------
 
-class DraftCache:
+class DraftCache(SlotCache):
     """Context K/V of every draft layer for `batch` sequences, in a ring of W = sliding_window slots per sequence.
 
     Context position p lives in slot p mod W; `lengths[n]` = context tokens appended so far = the next anchor
@@ -201,20 +201,10 @@ class DraftCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [N]
 
-    @property
-    def batch(self) -> int:
-        return self.lengths.shape[0]
-
     def visible(self) -> torch.Tensor:
         """[N, W] bool: which ring slots a block anchored at `lengths` may read."""
         slots = torch.arange(self.window, device=self.lengths.device)
         return slots < self.lengths.clamp(max=self.window)[:, None]
-
-    def reset(self, slots: Sequence[int]) -> None:
-        """Empty the given sequences (a finished request's slot is reused by the next)."""
-        lengths = self.lengths.clone()  # not in place: lengths may be an inference-mode tensor
-        lengths[list(slots)] = 0
-        self.lengths = lengths
 
 
 @dataclass
