@@ -25,7 +25,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 @pytest.mark.parametrize("script, flags", [
     ("runtime/run.py", ["--model", "--drafter", "--prompt", "--prompts", "--max-new-tokens", "--temperature",
-                        "--top-p", "--top-k", "--block-size", "--no-spec", "--seed", "--json", "--dtype", "--device",
+                        "--top-p", "--top-k", "--stop", "--block-size", "--no-spec", "--seed", "--json", "--dtype", "--device",
                         "--threads", "--quiet"]),
     ("scripts/make_beam_mini.py", ["--out", "--num-experts", "--top-k", "--perturbation", "--dtype", "--seed",
                                    "--force"]),
@@ -45,6 +45,7 @@ def test_run_bad_values_are_one_line(tmp_path):
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
     assert_one_line_error(run("runtime/run.py", "--block-size", "1"), "--block-size")
+    assert_one_line_error(run("runtime/run.py", "--stop", ""), "--stop")
     assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "no" / "x.json")), "--json")
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": 3}\n')

@@ -137,3 +137,20 @@ def test_stops_and_budget(target, prompts, reference):
     out = dec.generate([Request(tuple(prompts[0]), 3)])
     assert out[0].output_ids == reference[0][:3] and out[0].finish_reason == "length"
     assert out[0].committed == 2 and out[0].steps == 1  # the step was cut short: it counts what it committed
+
+
+def test_stop_strings(target, prompts, reference):
+    words = [f"<{t}>" for t in reference[1]]
+    stop = words[4]
+    dec = SpeculativeDecoder(TorchTarget(target), OracleDrafter([prompts[1] + reference[1]], hit=1.0), block_size=8,
+                             detokenize=lambda ids: "".join(f"<{t}>" for t in ids))
+    out = dec.generate([Request(tuple(prompts[1]), MAX_NEW, stop_strings=(stop,))])
+    assert out[0].finish_reason == "stop"
+    assert out[0].output_ids == reference[1][:words.index(stop) + 1]
+
+
+def test_cut_at_stop():
+    from beamtrt.runtime.cli import cut_at_stop
+
+    assert cut_at_stop("abc STOP def END", ["END", "STOP"]) == "abc "
+    assert cut_at_stop("abc", ["x"]) == "abc"

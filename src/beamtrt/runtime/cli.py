@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop a request when its text contains this string (repeatable; the text is cut before it)")
     p.add_argument("--block-size", type=int, default=8,
                    help="tokens per verification block: the anchor + block-1 drafts (default: %(default)s)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
@@ -83,6 +85,12 @@ def read_prompts(path: str) -> list[list[dict]]:
     return chats
 
 
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """The text before the earliest stop string (the whole text when none occurs)."""
+    cut = min((text.index(s) for s in stops if s in text), default=len(text))
+    return text[:cut]
+
+
 def _validate(args: argparse.Namespace) -> SamplingParams:
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     if args.max_new_tokens < 1:
@@ -91,6 +99,8 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--block-size must be >= 2 (1 anchor + at least 1 draft), got {args.block_size}")
     if args.prompt and args.prompts:
         raise ValueError("give --prompt or --prompts, not both")
+    if any(not s for s in args.stop):
+        raise ValueError("--stop needs a non-empty string")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise ValueError(f"--json {args.json}: the folder does not exist")
     return params
@@ -150,7 +160,8 @@ def _run(args: argparse.Namespace) -> None:
         prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
     except Exception as e:  # a malformed chat (roles the template rejects)
         raise BeamtrtError(f"the chat template rejected a prompt: {str(e).strip().splitlines()[0]}") from None
-    requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids)) for ids in prompt_ids]
+    requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids), tuple(args.stop))
+                for ids in prompt_ids]
     decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
                                  detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     stream = not args.quiet and len(requests) == 1
@@ -166,7 +177,8 @@ def _run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     completions = decoder.generate(requests, on_tokens if stream else None)
     elapsed = time.perf_counter() - start
-    texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True).strip() for c in completions]
+    texts = [cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), args.stop).strip()
+             for c in completions]
     if stream:
         print()
     elif not args.quiet:

@@ -170,13 +170,24 @@ class SpeculativeDecoder:
                 kept = kept[:j + 1]
                 completion.finish_reason = "stop"
                 break
-        completion.output_ids.extend(kept)
         if request.stop_strings and self.detokenize is not None and not completion.finish_reason:
-            text = self.detokenize(completion.output_ids)
-            if any(s in text for s in request.stop_strings):
+            end = self._stop_string_end(completion.output_ids, kept, request.stop_strings)
+            if end is not None:
+                kept = kept[:end]
                 completion.finish_reason = "stop"
+        completion.output_ids.extend(kept)
         if not completion.finish_reason and len(completion.output_ids) >= request.max_new_tokens:
             completion.finish_reason = "length"
         if on_tokens is not None and kept:
             on_tokens(i, kept)
         return len(kept)
+
+    def _stop_string_end(self, before: list[int], new: list[int], stops: tuple[str, ...]) -> int | None:
+        """How many of `new` to keep when they complete a stop string (up to the completing token), else None."""
+        def stopped(ids: list[int]) -> bool:
+            text = self.detokenize(ids)
+            return any(s in text for s in stops)
+
+        if not stopped(before + new):
+            return None
+        return next(j for j in range(1, len(new) + 1) if stopped(before + new[:j]))
