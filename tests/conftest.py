@@ -35,3 +35,12 @@ def beam_mini(smollm2, tmp_path_factory):
     from beamtrt.models.beam_mini import build_beam_mini
 
     return build_beam_mini(tmp_path_factory.mktemp("mini") / "beam-mini", source=smollm2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and OpenMP spin-waits make them slow on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,6 +22,8 @@ from beamtrt.config import BeamConfig
 from beamtrt.errors import BeamtrtError, CheckpointError, ConfigError
 from beamtrt.models.beam import BeamForCausalLM, hf_tensor_specs, load_beam, load_state
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
+
 TOL = 1e-5
 SEQ = 24  # > original_max_position_embeddings=16 of the llama3 case, so RoPE scaling matters
 VOCAB = 128
@@ -61,13 +63,6 @@ CASES = [("qwen3", name) for name in QWEN3_CASES] + [("qwen2", name) for name in
 CASE_IDS = [f"{family}-{name}" for family, name in CASES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and OpenMP spin-waits make them ~50x slower on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Case(NamedTuple):

@@ -17,17 +17,12 @@ from beamtrt.models.dflash2 import (CandidateSelector, DFlash2Drafter, GroupedCo
                                     load_drafter, random_drafter, save_drafter, state_tensors)
 from conftest import TINY, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
+
 TAPS = (0, 2)
 BLOCK = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and OpenMP spin-waits make them slow on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,11 @@ from beamtrt.runtime.torch_backend import TorchTarget
 from beamtrt.spec.decoder import Request, SpeculativeDecoder
 from conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
+
 N_PROMPTS, MAX_NEW = 20, 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,9 @@ import torch
 
 from beamtrt.spec.metrics import SpecMetrics
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def test_docstring_example():

@@ -9,15 +9,11 @@ import torch
 
 from beamtrt.spec.selector import ANCHOR_ROW, draft_probs, walk_greedy, walk_sampled
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
+
 ALPHA = 1e-6  # false-alarm probability allowed to each statistical check (the tests are seeded, so deterministic)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_lattice(n: int, s: int, k: int, vocab: int, seed: int, scale: float = 2.0):

@@ -16,19 +16,14 @@ import torch
 from beamtrt.spec import verify as verify_mod
 from beamtrt.spec.sampling import sample_from
 from beamtrt.spec.selector import walk_greedy, walk_sampled
+from spec_stats import ALPHA, MUTANTS, law_stats
+
 from beamtrt.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyResult, onehot_q, verify_greedy, verify_sampled
 
-ALPHA = 1e-6         # false-alarm probability allowed to each statistical check (the tests are seeded: deterministic)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
+
 N_CHAINS = 1_000_000  # TV limit at the first emitted position ~0.004 for V = 8, well below a 1% bias
 V, K, GAMMA = 8, 4, 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------- greedy
@@ -159,35 +154,18 @@ def test_draw_stays_in_support():
 # ----------------------------------------------------------------------------------------------- sampled, law
 
 
-def law_stats(tokens: torch.Tensor, p: torch.Tensor) -> tuple[float, float, float]:
-    """tokens [n] drawn iid from some law, p [V] -> (TV(empirical, p), TV limit, chi-square p-value).
-
-    The TV limit is exceeded with probability <= ALPHA when the law is p: E[TV] <= sum sqrt(p (1 - p) / n) / 2
-    (Jensen), and one sample moves TV by at most 1/n, so McDiarmid gives the tail sqrt(ln(1/ALPHA) / 2n).
-    Chi-square over p's support with |support| - 1 degrees of freedom; any token outside p's support -> 0.
-    """
-    n = tokens.numel()
-    p = p.double()
-    counts = torch.bincount(tokens, minlength=p.numel()).double()
-    tv = 0.5 * float((counts / n - p).abs().sum())
-    limit = 0.5 * float((p * (1 - p)).sqrt().sum()) / math.sqrt(n) + math.sqrt(math.log(1 / ALPHA) / (2 * n))
-    support = p > 0
-    if counts[~support].sum() > 0:
-        return tv, limit, 0.0
-    chi2 = float(((counts[support] - n * p[support]) ** 2 / (n * p[support])).sum())
-    df = int(support.sum()) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
-    return tv, limit, p_value
-
-
 def emitted_at(result: VerifyResult, j: int) -> torch.Tensor:
     """Emitted token j of the chains that accepted their first j drafts (its law must be p_j)."""
     return result.tokens[result.num_accepted >= j, j]
 
 
+def token_stats(tokens: torch.Tensor, p: torch.Tensor) -> tuple[float, float, float]:
+    """tokens [n] drawn iid, p [V] -> `law_stats` of their counts."""
+    return law_stats(torch.bincount(tokens, minlength=p.numel()), p)
+
+
 def assert_law(tokens: torch.Tensor, p: torch.Tensor, what: str) -> None:
-    tv, limit, p_value = law_stats(tokens, p)
+    tv, limit, p_value = token_stats(tokens, p)
     assert tv < limit and p_value > ALPHA, \
         f"{what}: TV {tv:.5f} (limit {limit:.5f}), chi-square p-value {p_value:.2e}, n = {tokens.numel()}"
 
@@ -221,7 +199,7 @@ def test_single_slot_is_exact(single_slot):
     result = verify_sampled(**inputs)
     assert_law(emitted_at(result, 0), p[0], "first emitted token")
     assert_law(emitted_at(result, 1), p[1], "bonus token")
-    assert law_stats(emitted_at(result, 0), p[0])[1] < 0.005  # a 1% TV bias is far above the limit
+    assert token_stats(emitted_at(result, 0), p[0])[1] < 0.005  # a 1% TV bias is far above the limit
 
 
 def test_statistic_detects_a_one_percent_bias(single_slot):
@@ -232,7 +210,7 @@ def test_statistic_detects_a_one_percent_bias(single_slot):
     biased[hi] -= 0.01
     biased[lo] += 0.01
     tokens = sample_from(biased.expand(N_CHAINS, V), torch.rand(N_CHAINS, generator=torch.Generator().manual_seed(11)))
-    tv, limit, p_value = law_stats(tokens, p[0])
+    tv, limit, p_value = token_stats(tokens, p[0])
     assert tv > limit and p_value < ALPHA, (tv, limit, p_value)
 
 
@@ -276,30 +254,12 @@ def test_three_slot_greedy_walk_with_sampled_target_is_exact(three_slot_lattice)
 
 
 # Mutants: each breaks one rule of the verifier. The exactness checks above must catch every one of them.
-def _accept_with_scaled_q(u_accept, q_draft, p_draft):
-    return u_accept * (1.5 * q_draft) < p_draft
-
-
-def _residual_is_p(p_row, cand_row, q_row):
-    return p_row
-
-
-def _draw_unnormalized(probs, uniform):  # inverse CDF that assumes the residual sums to 1: overflow to the last id
-    ids = torch.searchsorted(probs.cumsum(-1), uniform.unsqueeze(-1), right=True).squeeze(-1)
-    return ids.clamp_(max=probs.shape[-1] - 1)
-
-
-MUTANTS = {"accept_with_1.5q": ("_accepted", _accept_with_scaled_q),
-           "residual_replaced_by_p": ("_residual", _residual_is_p),
-           "residual_unnormalized": ("_draw", _draw_unnormalized)}
-
-
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_verifier_fails_the_exactness_check(single_slot, monkeypatch, mutant):
     inputs, p = single_slot
     name, wrong = MUTANTS[mutant]
     monkeypatch.setattr(verify_mod, name, wrong)
-    tv, limit, p_value = law_stats(emitted_at(verify_sampled(**inputs), 0), p[0])
+    tv, limit, p_value = token_stats(emitted_at(verify_sampled(**inputs), 0), p[0])
     assert tv > limit and p_value < ALPHA, f"{mutant} went undetected: TV {tv:.5f} (limit {limit:.5f})"
 
 
@@ -314,5 +274,5 @@ def test_mutant_verifier_fails_on_the_selector_chain(three_slot_lattice, monkeyp
     monkeypatch.setattr(verify_mod, name, wrong)
     result = verify_sampled(draft, cand_ids, q, p.expand(n, GAMMA + 1, V), torch.rand(n, GAMMA, generator=g),
                             torch.rand(n, generator=g))
-    stats = [law_stats(emitted_at(result, j), p[j]) for j in range(GAMMA)]
+    stats = [token_stats(emitted_at(result, j), p[j]) for j in range(GAMMA)]
     assert any(tv > limit and p_value < ALPHA for tv, limit, p_value in stats), f"{mutant} went undetected: {stats}"

@@ -14,7 +14,7 @@ import torch
 from beamtrt.cli_util import run_cli
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
-BENCH_PROMPTS = DEFAULT_PROMPTS + (
+BENCH_PROMPTS = DEFAULT_PROMPTS[::-1] + (  # the longest answer first: batch 1 runs it
     "Explain how a rainbow forms.", "Write a short poem about the sea.", "What is 17 times 3?",
     "Name three programming languages and one strength of each.", "Summarize the plot of Cinderella.",
     "How do I boil an egg?", "Write a Python function that checks if a number is prime.",
@@ -30,12 +30,11 @@ def profile(decoder_factory, requests) -> dict:
     completions = decoder.generate(requests)
     wall = time.perf_counter() - start
     t = decoder.times
-    steps = decoder.metrics.steps
     tokens = sum(len(c.output_ids) for c in completions)
     return {
         "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
-        "acceptance_length": decoder.metrics.summary()["acceptance_length"], "steps": steps,
-        "step_s": round(t.total_s / max(steps, 1), 5),
+        "acceptance_length": decoder.metrics.summary()["acceptance_length"], "steps": t.steps,
+        "request_steps": decoder.metrics.steps, "step_s": round(t.total_s / max(t.steps, 1), 5),
         "target_s": round(t.target_s, 3), "drafter_s": round(t.drafter_s, 3), "other_s": round(t.other_s, 3),
         "other_fraction": round(t.other_s / t.total_s, 4) if t.total_s else None,
         "decode_tokens_per_s": round((tokens - len(requests)) / t.total_s, 2) if t.total_s else None,

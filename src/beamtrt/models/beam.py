@@ -136,7 +136,6 @@ class Attention(nn.Module):
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=qkv_bias)  # fused [q; k; v]
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.scale = cfg.head_dim ** -0.5
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.use_qk_norm else None
 
@@ -150,13 +149,12 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :, :self.n_heads]), self.k_norm(qk[:, :, self.n_heads:])), dim=2)
         qk = _rotate(qk, rope[0].unsqueeze(2), rope[1].unsqueeze(2))  # q and k rotated together
         q, k = qk[:, :, :self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:]
-        if step.mask is None:  # one row, one query, every key visible: plain GQA matmuls beat SDPA's dispatch
+        if step.mask is None:  # one row, one query: every key is visible
             keys, values = k_cache[step.slot, :, :step.kv_len], v_cache[step.slot, :, :step.kv_len]  # [KV, S, D]
             keys[:, -1], values[:, -1] = k[0, 0], v[0, 0]
-            q = q.reshape(self.n_kv, -1, self.head_dim)  # [KV, G, D]
-            scores = torch.baddbmm(q.new_empty(()), q, keys.transpose(-1, -2), beta=0, alpha=self.scale)
-            out = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), values)
-            out = out.view(B, -1, T, self.head_dim)
+            # the G query heads sharing a KV head act as G queries of one head (no mask: all keys are visible)
+            q = q.reshape(1, self.n_kv, -1, self.head_dim)  # [1, KV, G, D]
+            out = F.scaled_dot_product_attention(q, keys[None], values[None]).view(B, -1, T, self.head_dim)
         else:
             k_cache[step.rows, :, step.positions] = k  # advanced indices first: [B, T, KV, D]
             v_cache[step.rows, :, step.positions] = v

@@ -46,6 +46,7 @@ class Completion:
 
 @dataclass
 class StepTimes:
+    steps: int = 0              # batched steps (each verifies one block for every active request)
     target_s: float = 0.0
     drafter_s: float = 0.0
     total_s: float = 0.0
@@ -155,6 +156,7 @@ class SpeculativeDecoder:
             if not done[i].finish_reason:
                 still.append(i)
         self.times.total_s += time.perf_counter() - start
+        self.times.steps += 1
         return still
 
     def _commit(self, i: int, request: Request, completion: Completion, tokens: list[int],
