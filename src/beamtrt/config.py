@@ -55,6 +55,14 @@ class _HFConfig:
         path = Path(path)
         write_json(path / "config.json" if path.is_dir() else path, self.to_dict())
 
+    def _derive_head_dim(self) -> None:
+        """head_dim 0 means hidden_size // num_attention_heads, which must then divide evenly."""
+        if self.head_dim == 0:
+            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+                _fail(f"num_attention_heads={self.num_attention_heads} does not divide "
+                      f"hidden_size={self.hidden_size} (set head_dim explicitly)")
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
+
     @classmethod
     def _construct(cls, kwargs: dict[str, Any], source: str):
         missing = [f.name for f in dataclasses.fields(cls)
@@ -100,11 +108,7 @@ class BeamConfig(_HFConfig):
     eos_token_id: int | list[int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
-                _fail(f"num_attention_heads={self.num_attention_heads} does not divide "
-                      f"hidden_size={self.hidden_size} (set head_dim explicitly)")
-            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
+        self._derive_head_dim()
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         self._validate()
 
@@ -274,11 +278,7 @@ class DrafterConfig(_HFConfig):
     version: int = 2                     # 1 = DFlashDraftModel, 2 = DFlash2DraftModel
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
-                _fail(f"num_attention_heads={self.num_attention_heads} does not divide "
-                      f"hidden_size={self.hidden_size} (set head_dim explicitly)")
-            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
+        self._derive_head_dim()
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         self._validate()
 
