@@ -25,7 +25,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 @pytest.mark.parametrize("script, flags", [
     ("runtime/run.py", ["--model", "--drafter", "--prompt", "--prompts", "--max-new-tokens", "--temperature",
-                        "--top-p", "--top-k", "--stop", "--block-size", "--no-spec", "--seed", "--json", "--dtype", "--device",
+                        "--top-p", "--top-k", "--stop", "--block-size", "--no-spec", "--seed", "--json", "--backend",
+                        "--dtype", "--device",
                         "--threads", "--quiet"]),
     ("scripts/make_beam_mini.py", ["--out", "--num-experts", "--top-k", "--perturbation", "--dtype", "--seed",
                                    "--force"]),

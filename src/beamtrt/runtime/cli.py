@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
     p.add_argument("--seed", type=int, default=0, help="seed of every random decision (default: %(default)s)")
     p.add_argument("--json", help="write per-request outputs and the acceptance summary to this file")
+    p.add_argument("--backend", choices=("auto", "torch"), default="auto",
+                   help="runtime backend; auto picks torch (the TensorRT engine backend is not built yet) "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
@@ -187,6 +190,7 @@ def _run(args: argparse.Namespace) -> None:
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
     mode = "no-spec" if args.no_spec else f"block {args.block_size}, drafter {drafter_dir}"
+    mode += ", backend torch"
     print(f"\n[{len(requests)} requests, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
           f"acceptance length {summary['acceptance_length']:.2f}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:
