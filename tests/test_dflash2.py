@@ -15,6 +15,7 @@ from beamtrt.config import DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.models.dflash2 import (CandidateSelector, DFlash2Drafter, GroupedConv2Tap, drafter_tensor_specs,
                                     load_drafter, random_drafter, save_drafter, state_tensors)
+from beamtrt.spec.selector import walk_greedy
 from conftest import TINY, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
@@ -300,7 +301,7 @@ def test_v1_checkpoint_loads_as_identity_dflash2(target, tmp_path):
     unary = out.logits.gather(-1, out.cand_ids)  # [N, S, K]
     assert torch.equal(out.scores, unary.unsqueeze(2).expand_as(out.scores))
     assert torch.equal(out.cand_ids[..., 0], out.logits.argmax(-1))
-    walk = CandidateSelector.greedy_walk(out.cand_ids, out.scores)
+    walk = walk_greedy(out.cand_ids, out.scores)[0]
     assert torch.equal(walk, out.logits.argmax(-1))
 
 
@@ -408,7 +409,7 @@ def test_greedy_walk_follows_predecessor_rows():
     scores[0, 1, 1, 0] = 1.0         # slot 1: row of index 1 picks 20 (index 0); row 0 would pick 21
     scores[0, 1, 0, 1] = 5.0
     scores[0, 2, 0, 1] = 1.0         # slot 2: row 0 picks 31
-    assert CandidateSelector.greedy_walk(cand, scores).tolist() == [[11, 20, 31]]
+    assert walk_greedy(cand, scores)[0].tolist() == [[11, 20, 31]]
 
 
 # ---- save / load -------------------------------------------------------------------------------------------

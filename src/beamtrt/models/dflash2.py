@@ -168,20 +168,6 @@ class CandidateSelector(nn.Module):
         edge = torch.einsum("nsir,nsjr->nsij", a * g.unsqueeze(2), b)
         return cand, unary.float().unsqueeze(2) + edge
 
-    @staticmethod
-    def greedy_walk(cand_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Local greedy path: slot 0 takes argmax of row 0 (the anchor's row), slot t the row of the token chosen
-        at slot t-1. cand_ids: [N, S, K]; scores: [N, S, K, K] -> draft tokens [N, S] long."""
-        N, S, K = cand_ids.shape
-        row = torch.zeros(N, dtype=torch.long, device=cand_ids.device)
-        rows = torch.arange(N, device=cand_ids.device)
-        out = []
-        for t in range(S):
-            pick = scores[rows, t, row].argmax(dim=-1)  # [N] index into slot t's candidates
-            out.append(cand_ids[rows, t, pick])
-            row = pick
-        return torch.stack(out, dim=1)
-
 
 # ---- windowed context cache (dflash.md §1.2) -----------------------------------------------------------------
 
