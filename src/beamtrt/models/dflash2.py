@@ -302,10 +302,11 @@ class DFlash2Drafter(nn.Module):
         ids[:, 0] = anchor_ids
         h = target.embed(ids).to(self.dtype)
         rope = self.rotary(positions, self.dtype)
-        ctx = cache.visible()[:, None, :].expand(N, B, cache.window)  # [N, B, W]
-        mask = torch.cat((ctx, ctx.new_ones(N, B, B)), dim=-1)[:, None]  # [N, 1, B, W + B]
+        used = min(cache.window, int(start.max()))  # ring slots ever written: attend over those only
+        ctx = cache.visible()[:, None, :used].expand(N, B, used)  # [N, B, used]
+        mask = torch.cat((ctx, ctx.new_ones(N, B, B)), dim=-1)[:, None]  # [N, 1, B, used + B]
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, cache.k[i], cache.v[i], mask, B, self.use_conv)
+            h = layer(h, rope, cache.k[i][:, :, :used], cache.v[i][:, :, :used], mask, B, self.use_conv)
         z = self.norm(h[:, 1:])
         logits = target.lm_logits(z.to(target.dtype))  # fp32 [N, B-1, V]
         top_k = min(self.cfg.selector_top_k, logits.shape[-1])
