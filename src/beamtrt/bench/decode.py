@@ -1,8 +1,8 @@
 """Decode-throughput benchmark: tokens/s per batch size and dtype beside the weight-streaming bound, as JSON.
 
-The bound at batch 1 is (weight bytes one decode step must read) / (matrix-vector bandwidth), both measured in
-this run: the bandwidth is that of one large GEMV in the same dtype, so the ratio says how much of the step is
-spent on anything other than streaming weights.
+The bound at batch 1 is (weight bytes one decode step must read) / (matrix-vector bandwidth): the bandwidth is that
+of one large GEMV in the same dtype, measured in rounds interleaved with the decode steps, so the ratio says how
+much of the step is spent on anything other than streaming weights.
 """
 
 from __future__ import annotations
@@ -39,35 +39,44 @@ def active_weight_bytes(model: BeamForCausalLM) -> int:
     return total * size
 
 
-def gemv_bandwidth(dtype: torch.dtype, mbytes: int = 256, repeats: int = 20) -> float:
-    """Bytes/s of y = W x with W far larger than the caches (median of `repeats`)."""
-    cols = 4096
-    w = torch.randn(mbytes * 2**20 // (cols * dtype.itemsize), cols).to(dtype)
-    x = torch.randn(1, cols).to(dtype)
-    for _ in range(3):
-        x @ w.T
-    times = []
-    for _ in range(repeats):
+class GemvProbe:
+    """y = W x with W far larger than the caches: the matrix-vector bandwidth the decode step could reach."""
+
+    def __init__(self, dtype: torch.dtype, mbytes: int = 256, cols: int = 4096):
+        self.w = torch.randn(mbytes * 2**20 // (cols * dtype.itemsize), cols).to(dtype)
+        self.x = torch.randn(1, cols).to(dtype)
+        self.x @ self.w.T  # warm-up
+
+    def seconds(self) -> float:
         t = time.perf_counter()
-        x @ w.T
-        times.append(time.perf_counter() - t)
-    return w.numel() * dtype.itemsize / statistics.median(times)
+        self.x @ self.w.T
+        return time.perf_counter() - t
+
+    @property
+    def bytes(self) -> int:
+        return self.w.numel() * self.w.dtype.itemsize
 
 
-def decode_rate(model: BeamForCausalLM, batch: int, context: int, steps: int) -> float:
-    """Median-step tokens/s of `steps` single-token decode steps for `batch` rows after a `context`-token prefill."""
-    cache = model.new_cache(batch, context + steps + 4)
+def measure(model: BeamForCausalLM, probe: GemvProbe, batch: int, context: int, steps: int,
+            rounds: int = 4) -> tuple[float, float]:
+    """(decode tokens/s, GEMV bytes/s), medians over `rounds` interleaved rounds of probe GEMVs and decode steps,
+    so that both see the same machine (a shared host drifts by tens of percent within a minute)."""
+    cache = model.new_cache(batch, context + steps + 8)
     gen = torch.Generator().manual_seed(0)
     model(torch.randint(0, model.cfg.vocab_size, (batch, context), generator=gen), cache, last_only=True)
     token = torch.randint(0, model.cfg.vocab_size, (batch, 1), generator=gen)
-    for _ in range(3):
-        model(token, cache)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
+    for _ in range(2):
         token = model(token, cache).logits[:, -1].argmax(-1, keepdim=True)
-        times.append(time.perf_counter() - t)
-    return batch / statistics.median(times)
+    cache.crop(cache.lengths - 2)
+    step_times, probe_times = [], []
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        probe_times += [probe.seconds() for _ in range(5)]
+        for _ in range(per_round):
+            t = time.perf_counter()
+            token = model(token, cache).logits[:, -1].argmax(-1, keepdim=True)
+            step_times.append(time.perf_counter() - t)
+    return batch / statistics.median(step_times), probe.bytes / statistics.median(probe_times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                   "device": "cpu", "results": []}
         for name in args.dtypes:
             model = load_beam(model_dir, dtype=DTYPES[name])
-            bandwidth = gemv_bandwidth(DTYPES[name])
+            probe = GemvProbe(DTYPES[name])
             step_bytes = active_weight_bytes(model)
-            bound = bandwidth / step_bytes  # tokens/s at batch 1 if only weight streaming took time
             for batch in args.batches:
-                rate = decode_rate(model, batch, args.context, args.steps)
+                rate, bandwidth = measure(model, probe, batch, args.context, args.steps)
+                bound = bandwidth / step_bytes  # tokens/s at batch 1 if only weight streaming took time
                 point = {"dtype": name, "batch": batch, "tokens_per_s": round(rate, 2),
                          "gemv_bandwidth_gb_s": round(bandwidth / 1e9, 2),
                          "active_weight_mb_per_step": round(step_bytes / 1e6, 1),
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     point["fraction_of_bound"] = round(rate / bound, 3)
                 result["results"].append(point)
                 print(json.dumps(point), file=sys.stderr, flush=True)
-            del model
+            del model, probe
         text = json.dumps(result, indent=2)
         print(text)
         if args.json:
