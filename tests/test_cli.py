@@ -33,6 +33,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     ("scripts/make_random_beam.py", ["--out", "--hidden-size", "--layers", "--experts", "--top-k", "--dtype",
                                      "--max-shard-gb"]),
     ("build/build_engines.py", []),
+    ("scripts/bench_decode.py", ["--model", "--dtypes", "--batches", "--context", "--steps", "--threads", "--json"]),
+    ("scripts/bench_spec.py", ["--model", "--drafter", "--batches", "--block-size", "--max-new-tokens", "--dtype",
+                               "--threads", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags):
     proc = run(script, "--help")
@@ -94,3 +97,9 @@ def test_run_generates_coherent_text(beam_mini):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tok/s" in proc.stderr
+
+
+def test_bench_bad_values_are_one_line(tmp_path):
+    assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
+    assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
+    assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
