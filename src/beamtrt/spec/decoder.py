@@ -92,9 +92,8 @@ class SpeculativeDecoder:
         done = [Completion() for _ in requests]
 
         # prefill: the whole prompt in one ragged pass; its taps become the drafter's context
-        ids = torch.zeros(n, int(lengths.max()), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        width = int(lengths.max())
+        ids = torch.tensor([r.prompt_ids + (0,) * (width - len(r.prompt_ids)) for r in requests])  # right-padded
         out = self.target.forward(ids, torch.arange(n), lengths, taps=self.taps, last_only=True)
         if self.drafter is not None:
             self.drafter.append_context(out.taps, lengths)
