@@ -35,7 +35,8 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class _HFConfig:
-    """What the config dataclasses share: config.json file I/O and construction with the file named in errors.
+    """What the config dataclasses share: config.json file I/O, construction with the file named in errors, and
+    the attention shape fields (heads, head_dim, RoPE) they both have.
 
     Subclasses define from_dict(raw, source) and to_dict().
     """
@@ -54,6 +55,20 @@ class _HFConfig:
 
         path = Path(path)
         write_json(path / "config.json" if path.is_dir() else path, self.to_dict())
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rope_type not in _ROPE_TYPES:
+                _fail(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
 
     def _derive_head_dim(self) -> None:
         """head_dim 0 means hidden_size // num_attention_heads, which must then divide evenly."""
@@ -141,23 +156,12 @@ class BeamConfig(_HFConfig):
             _fail(f"final_logit_softcapping must be positive or null, got {self.final_logit_softcapping}")
         if self.hidden_act != "silu":
             _fail(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if rope_type not in _ROPE_TYPES:
-                _fail(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+        self._check_rope_scaling()
 
     # ---- derived layout -------------------------------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
 
     # ---- Hugging Face config.json ---------------------------------------------------------------------------
     @classmethod
@@ -312,18 +316,7 @@ class DrafterConfig(_HFConfig):
             _fail(f"version must be 1 (DFlashDraftModel) or 2 (DFlash2DraftModel), got {self.version}")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             _fail("rms_norm_eps and rope_theta must be positive")
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if rope_type not in _ROPE_TYPES:
-                _fail(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
+        self._check_rope_scaling()
 
     @property
     def num_taps(self) -> int:
