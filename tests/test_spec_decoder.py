@@ -150,3 +150,15 @@ def test_cut_at_stop():
 
     assert cut_at_stop("abc STOP def END", ["END", "STOP"]) == "abc "
     assert cut_at_stop("abc", ["x"]) == "abc"
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_sampling_with_top_k_1_is_greedy(target, prompts, reference, spec):
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from beamtrt.spec.sampling import SamplingParams
+    from test_dflash2 import make_drafter
+
+    drafter = TorchDrafter(make_drafter(target, seed=3)) if spec else None
+    dec = SpeculativeDecoder(TorchTarget(target), drafter, block_size=4, params=SamplingParams(0.8, 0.9, 1), seed=5)
+    out = dec.generate([Request(tuple(p), MAX_NEW) for p in prompts[:4]])
+    assert [c.output_ids for c in out] == reference[:4]
