@@ -530,3 +530,18 @@ def test_bf16_draft_tracks_fp32(target):
     assert got.logits.dtype == torch.float32 and got.scores.dtype == torch.float32
     assert got.hidden.dtype == torch.bfloat16 and torch.isfinite(got.scores).all()
     assert rel_err(got.logits, ref.logits) < 5e-2
+
+
+def test_draft_on_a_subset_of_slots_equals_those_rows(target):
+    drafter = make_drafter(target)
+    g = torch.Generator().manual_seed(9)
+    cache = drafter.new_cache(3)
+    drafter.append_context(cache, torch.randn(3, 20, drafter.fc.in_features, generator=g),
+                           torch.tensor([20, 7, 12]))
+    anchors = torch.tensor([3, 50, 77])
+    full = drafter.draft(cache, anchors, BLOCK)
+    slots = torch.tensor([2, 0])
+    sub = drafter.draft(cache, anchors[slots], BLOCK, slots=slots)
+    assert torch.equal(sub.cand_ids, full.cand_ids[slots])
+    assert rel_err(sub.logits, full.logits[slots]) < 1e-6
+    assert rel_err(sub.scores, full.scores[slots]) < 1e-6

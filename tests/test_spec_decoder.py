@@ -52,11 +52,11 @@ class OracleDrafter:
         assert taps.shape[-1] == 2 * 64 and taps.shape[:2][0] == len(self.length)
         self.length += num_tokens
 
-    def draft(self, anchor_ids: torch.Tensor, block_size: int) -> DraftStep:
+    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor) -> DraftStep:
         n, s = len(anchor_ids), block_size - 1
         cand = torch.randint(0, 101, (n, s, self.k), generator=self.g)
-        for i in range(n):
-            seq, pos = self.sequences[i], int(self.length[i])  # the anchor sits at position `pos`
+        for i, slot in enumerate(slots.tolist()):
+            seq, pos = self.sequences[slot], int(self.length[slot])  # the anchor sits at position `pos`
             for t in range(s):
                 if pos + 1 + t < len(seq) and float(torch.rand(1, generator=self.g)) < self.hit:
                     cand[i, t, 0] = seq[pos + 1 + t]

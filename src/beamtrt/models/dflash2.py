@@ -273,10 +273,12 @@ class DFlash2Drafter(nn.Module):
         cache.lengths = end
 
     @torch.inference_mode()
-    def draft(self, cache: DraftCache, anchor_ids: torch.Tensor, block_size: int) -> DraftOutput:
+    def draft(self, cache: DraftCache, anchor_ids: torch.Tensor, block_size: int,
+              slots: torch.Tensor | None = None) -> DraftOutput:
         """Run one block per sequence and return its drafts' logits, hidden states and selector lattice.
 
-        anchor_ids: [N], the last committed token x_s of each sequence, whose position s = cache.lengths[n] (the
+        anchor_ids: [N], the last committed token x_s of each sequence (of cache slot slots[n] when `slots` [N] is
+        given, else of slot n), whose position s = the slot's length (the
         cache must already hold every token before it, and not the anchor itself: the anchor's target features
         are not known until the next verify). The block is [x_s, MASK × (block_size−1)] at positions
         s .. s+block_size−1, embedded with the target's embedding; its queries see context positions
@@ -290,12 +292,12 @@ class DFlash2Drafter(nn.Module):
         lengths → 8, the ring now holds 4..7) and drafts again with anchor x8 at position 8.
         """
         N, B = anchor_ids.shape[0], block_size
-        if N != cache.batch:
+        if slots is None and N != cache.batch:
             raise ValueError(f"anchor batch {N} != cache batch {cache.batch}")
         if B < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
         target = self.target
-        start = cache.lengths
+        start = cache.lengths if slots is None else cache.lengths[slots]  # [N]
         positions = start[:, None] + torch.arange(B, device=start.device)  # [N, B]
         ids = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         anchor_ids = anchor_ids.to(self.device)
@@ -303,10 +305,14 @@ class DFlash2Drafter(nn.Module):
         h = target.embed(ids).to(self.dtype)
         rope = self.rotary(positions, self.dtype)
         used = min(cache.window, int(start.max()))  # ring slots ever written: attend over those only
-        ctx = cache.visible()[:, None, :used].expand(N, B, used)  # [N, B, used]
+        visible = cache.visible() if slots is None else cache.visible()[slots]
+        ctx = visible[:, None, :used].expand(N, B, used)  # [N, B, used]
         mask = torch.cat((ctx, ctx.new_ones(N, B, B)), dim=-1)[:, None]  # [N, 1, B, used + B]
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, cache.k[i][:, :, :used], cache.v[i][:, :, :used], mask, B, self.use_conv)
+            k, v = cache.k[i][:, :, :used], cache.v[i][:, :, :used]  # [slots, KV, used, D]
+            if slots is not None:  # only the requested sequences (gathered)
+                k, v = k[slots], v[slots]
+            h = layer(h, rope, k, v, mask, B, self.use_conv)
         z = self.norm(h[:, 1:])
         logits = target.lm_logits(z.to(target.dtype))  # fp32 [N, B-1, V]
         top_k = min(self.cfg.selector_top_k, logits.shape[-1])

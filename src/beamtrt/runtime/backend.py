@@ -51,8 +51,9 @@ class DrafterBackend(Protocol):
     def append_context(self, taps: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Append committed tokens' taps [slots, T, n_taps * H] (right-padded; num_tokens [slots]) to every slot."""
 
-    def draft(self, anchor_ids: torch.Tensor, block_size: int) -> DraftStep:
-        """Draft a block after each slot's anchor [slots] (the last committed token, not yet in the context)."""
+    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor) -> DraftStep:
+        """Draft a block after each anchor [N] (the last committed token of cache slot slots[n], not yet in the
+        context); only those slots are computed."""
 
     def reset(self, slots: list[int]) -> None:
         """Empty slots for new requests."""

@@ -49,8 +49,10 @@ class TorchDrafter:
         device = self.drafter.device
         self.drafter.append_context(self.cache, taps.to(device, self.drafter.dtype), num_tokens.to(device))
 
-    def draft(self, anchor_ids: torch.Tensor, block_size: int) -> DraftStep:
-        out = self.drafter.draft(self.cache, anchor_ids.to(self.drafter.device), block_size)
+    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor) -> DraftStep:
+        device = self.drafter.device
+        every = len(slots) == self.cache.batch and bool((slots == torch.arange(len(slots))).all())
+        out = self.drafter.draft(self.cache, anchor_ids.to(device), block_size, None if every else slots.to(device))
         return DraftStep(out.cand_ids.cpu(), out.scores.float().cpu())
 
     def reset(self, slots: list[int]) -> None:

@@ -1,7 +1,7 @@
 """The speculative decoding loop: prefill, then draft a block -> verify it in one target pass -> commit, per step.
 
 One step for the active requests (ragged acceptance; shapes in comments):
-  drafter.draft(anchors)                 candidates [N, S, K] and selector scores [N, S, K, K], S = block - 1
+  drafter.draft(anchors, slots)          candidates [N, S, K] and selector scores [N, S, K, K], S = block - 1
   selector walk                          drafts [N, S] (+ the exact proposal q [N, S, K] when sampling)
   target.forward([anchor, drafts])       logits [N, S + 1, V], taps [N, S + 1, n_taps * H]
   verify                                 accepted drafts + one recovered or bonus token per request
@@ -118,9 +118,9 @@ class SpeculativeDecoder:
         drafts = torch.zeros(len(active), 0, dtype=torch.long)  # [N, gamma]
         if self.drafter is not None:
             t = time.perf_counter()
-            proposal = self.drafter.draft(self.anchor, self.block_size)
+            proposal = self.drafter.draft(anchors, self.block_size, slots)
             self.times.drafter_s += time.perf_counter() - t
-            cand, scores = proposal.cand_ids[slots], proposal.scores[slots]
+            cand, scores = proposal.cand_ids, proposal.scores
             if self.params.greedy:
                 drafts, _ = walk_greedy(cand, scores)
             else:
