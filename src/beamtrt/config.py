@@ -64,6 +64,17 @@ class _HFConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def _check_shape(self, positive: tuple[str, ...]) -> None:
+        """The named sizes are positive, KV heads divide query heads, head_dim is even (RoPE)."""
+        for name in positive:
+            if getattr(self, name) <= 0:
+                _fail(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail(f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                  f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            _fail(f"head_dim={self.head_dim} must be even for RoPE")
+
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
@@ -128,15 +139,8 @@ class BeamConfig(_HFConfig):
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "decoder_sparse_step", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                _fail(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            _fail(f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                  f"num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            _fail(f"head_dim={self.head_dim} must be even for RoPE")
+        self._check_shape(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "decoder_sparse_step", "max_position_embeddings"))
         for name in ("intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
                      "shared_expert_intermediate_size"):  # 0 may mean unused; negative is always corrupt
             if getattr(self, name) < 0:
@@ -287,16 +291,9 @@ class DrafterConfig(_HFConfig):
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers",
-                     "max_position_embeddings", "block_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, name) <= 0:
-                _fail(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            _fail(f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                  f"num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            _fail(f"head_dim={self.head_dim} must be even for RoPE")
+        self._check_shape(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers",
+                          "max_position_embeddings", "block_size", "conv_group_size", "selector_rank", "selector_top_k"))
         if self.hidden_size % self.conv_group_size:
             _fail(f"conv_group_size={self.conv_group_size} does not divide hidden_size={self.hidden_size}")
         if self.conv_kernel_size != 2:
