@@ -1,21 +1,19 @@
-"""Plain (non-speculative) batched generation on the reference target: ragged prefill, then one token per step."""
+"""Plain greedy decoding on the reference target, independent of the speculative loop (the reference it is tested against)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from beamtrt.models.beam import BeamForCausalLM
-from beamtrt.spec.sampling import SamplingParams, sample
 
 
 @torch.inference_mode()
 def generate(model: BeamForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             params: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-             generator: torch.Generator | None = None,
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-    """Generate for every prompt in one batch; a row stops at an EOS id (kept in its output) or max_new_tokens."""
+             eos_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Greedy tokens for every prompt in one batch: ragged prefill, then one token per step; a row stops at an EOS
+    id (kept in its output) or max_new_tokens."""
     B, device = len(prompts), model.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     ids = torch.zeros(B, int(lengths.max()), dtype=torch.long, device=device)
@@ -27,12 +25,9 @@ def generate(model: BeamForCausalLM, prompts: Sequence[Sequence[int]], max_new_t
     out: list[list[int]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        uniform = None if params.greedy else torch.rand(B, generator=generator, device=device)
-        token = sample(logits, params, uniform)
+        token = logits.argmax(-1)
         for b in (~done).nonzero().flatten().tolist():
             out[b].append(int(token[b]))
-            if on_token is not None:
-                on_token(b, int(token[b]))
         done |= torch.isin(token, eos)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
