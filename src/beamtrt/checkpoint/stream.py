@@ -1,0 +1,78 @@
+"""A safetensors file whose tensors are declared up front and written piece by piece (streaming conversion)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from beamtrt.errors import CheckpointError
+
+_CODES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64",
+    torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor
+
+
+def nbytes(spec: Spec) -> int:
+    shape, dtype = spec
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+class StreamingSafetensors:
+    """Write the header for `specs` first, then each tensor (or each slice along its first dim) at its offset.
+
+    Peak memory is one piece, whatever the file's size. close() fails if any byte was never written.
+    """
+
+    def __init__(self, path: str | Path, specs: dict[str, Spec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.specs = dict(sorted(specs.items()))
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        self._offset: dict[str, int] = {}
+        offset = 0
+        for name, spec in self.specs.items():
+            size = nbytes(spec)
+            header[name] = {"dtype": _CODES[spec[1]], "shape": list(spec[0]), "data_offsets": [offset, offset + size]}
+            self._offset[name] = offset
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self._base = 8 + len(raw)
+        self._pending = {name: nbytes(spec) for name, spec in self.specs.items()}
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(self._fd, len(raw).to_bytes(8, "little") + raw)
+        os.ftruncate(self._fd, self._base + offset)
+
+    def write(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
+        """Write the whole tensor, or row `index` of its first dim (e.g. one expert of a stacked weight)."""
+        shape, dtype = self.specs[name]
+        want = shape if index is None else shape[1:]
+        if tuple(tensor.shape) != tuple(want) or tensor.dtype != dtype:
+            raise CheckpointError(f"{self.path}: internal error: {name}{'' if index is None else f'[{index}]'} is "
+                                  f"{tuple(tensor.shape)} {tensor.dtype}, declared {tuple(want)} {dtype}")
+        data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()  # no copy
+        start = self._offset[name] + (0 if index is None else index * data.nbytes)
+        if os.pwrite(self._fd, data.data, self._base + start) != data.nbytes:
+            raise CheckpointError(f"{self.path}: short write of {name!r} (disk full?)")
+        self._pending[name] -= data.nbytes
+
+    def close(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+        unwritten = [name for name, left in self._pending.items() if left]
+        if unwritten:
+            raise CheckpointError(f"{self.path}: internal error: {len(unwritten)} tensor(s) not fully written, "
+                                  f"first {unwritten[0]!r}")
+
+    def abort(self) -> None:
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)

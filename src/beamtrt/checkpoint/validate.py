@@ -1,0 +1,108 @@
+"""`python -m beamtrt.checkpoint.validate DIR`: check a build output against its config and manifest, print a summary.
+
+Checks every rank file of the target and drafter checkpoints holds exactly the tensors the name table declares,
+with the right shapes and dtypes, finite values and positive scales, and that every file's sha256 matches the
+manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from beamtrt.checkpoint import manifest as mf
+from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, rank_file
+from beamtrt.cli_util import run_cli
+from beamtrt.errors import CheckpointError
+
+_SCALES = ("scaling_factor", "scaling_factor_2")
+
+
+def _check_tensor(file: Path, name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        return
+    wide = t.to(torch.float32)
+    if not bool(torch.isfinite(wide).all()):
+        raise CheckpointError(f"{file}: tensor {name!r} has NaN or Inf values")
+    if name.endswith(_SCALES) and not bool((wide > 0).all()):
+        raise CheckpointError(f"{file}: scale tensor {name!r} has zero or negative entries")
+
+
+def check_checkpoint(path: Path, manifest: dict) -> dict:
+    """Validate one TensorRT-LLM checkpoint directory; returns its summary numbers."""
+    ckpt = TrtllmCheckpoint(path)
+    tp = ckpt.mapping.tp_size
+    if ckpt.mapping.to_json() != manifest["mapping"]:
+        raise CheckpointError(f"{path / 'config.json'}: mapping {ckpt.config['mapping']} differs from the manifest's "
+                              f"{manifest['mapping']}")
+    specs = ckpt.specs()
+    extra = sorted(p.name for p in path.glob("rank*.safetensors") if p.name not in
+                   {rank_file(path, r).name for r in range(tp)})
+    if extra:
+        raise CheckpointError(f"{path}: unexpected rank file {extra[0]} for tp_size {tp}")
+    total = quantized = 0
+    for r in range(tp):
+        file = rank_file(path, r)
+        handle = ckpt.open(r)
+        names = set(handle.keys())
+        missing, unexpected = sorted(set(specs) - names), sorted(names - set(specs))
+        if missing:
+            raise CheckpointError(f"{file}: missing {len(missing)} tensor(s), first {missing[0]!r}")
+        if unexpected:
+            raise CheckpointError(f"{file}: {len(unexpected)} unexpected tensor(s), first {unexpected[0]!r}")
+        for name, (shape, dtype) in specs.items():
+            t = ckpt.get(r, name)
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise CheckpointError(f"{file}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, expected "
+                                      f"{tuple(shape)} {dtype}")
+            _check_tensor(file, name, t)
+            total += t.numel() * t.element_size()
+            quantized += t.dtype in (torch.uint8, torch.float8_e4m3fn) and name.endswith(".weight")
+    return {"ranks": tp, "tensors_per_rank": len(specs), "bytes": total, "quantized_weights": quantized // tp,
+            "precision": ckpt.precision, "architecture": ckpt.config.get("architecture")}
+
+
+def validate(root: str | Path) -> list[str]:
+    """Validate a build output directory; returns the summary lines. Raises CheckpointError on the first problem."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such build output directory")
+    manifest = mf.read_manifest(root)
+    for rel, digest in manifest.get("files", {}).items():
+        file = root / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in {mf.MANIFEST} but missing")
+        if mf.sha256_file(file) != digest:
+            raise CheckpointError(f"{file}: sha256 differs from {mf.MANIFEST} (modified or corrupt)")
+    listed = set(manifest.get("files", {})) | {mf.MANIFEST}
+    unlisted = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+                      and str(p.relative_to(root)) not in listed)
+    if unlisted:
+        raise CheckpointError(f"{root / unlisted[0]}: not listed in {mf.MANIFEST}")
+    m = manifest["mapping"]
+    lines = [f"{root}: {manifest['precision']} (KV cache {manifest['kv_cache']}), tp {m['tp_size']} "
+             f"(moe_tp {m['moe_tp_size']} × moe_ep {m['moe_ep_size']})"]
+    for part in ("target", "drafter"):
+        s = check_checkpoint(root / manifest[part]["dir"], manifest)
+        lines.append(f"  {part:8s} {s['architecture']}: {s['ranks']} rank file(s) × {s['tensors_per_rank']} tensors, "
+                     f"{s['bytes'] / 1e6:.1f} MB, {s['quantized_weights']} quantized weight tensors per rank: OK")
+    for name, stage in manifest.get("stages", {}).items():
+        why = f" ({stage['reason']})" if stage.get("reason") else ""
+        lines.append(f"  stage {name:9s} {stage['status']}{why}")
+    lines.append(f"  {len(manifest.get('files', {}))} files, sha256 verified")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m beamtrt.checkpoint.validate",
+                                description="Check a build_engines.py output directory (manifest, TensorRT-LLM "
+                                            "checkpoints, every rank's tensors, sha256) and print a summary.")
+    p.add_argument("dir", help="the build output directory (holds manifest.json, target/, drafter/)")
+    args = p.parse_args(argv)
+    return run_cli(lambda: print("\n".join(validate(args.dir))))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Layer-by-layer max calibration: activation ranges (amax) at every GEMM input and of the cached K / V.
+
+Only one decoder layer is in memory at a time (loaded from the checkpoint, run on every calibration sequence,
+freed), so the model may be larger than RAM. Ranges are max |x| over all calibration tokens, as nvidia-modelopt's
+default max calibration records them: experts see the tokens routed to them, and a layer's experts share one input
+range (the max over them), as modelopt syncs expert input ranges and TensorRT-LLM stores one activation scale per
+MoE GEMM.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from beamtrt.checkpoint.hf import CheckpointReader
+from beamtrt.config import BeamConfig
+from beamtrt.errors import ConfigError
+
+DEFAULT_PROMPTS = "calib_prompts.jsonl"
+
+
+def default_prompts_path() -> Path:
+    return Path(str(resources.files("beamtrt") / "data" / DEFAULT_PROMPTS))
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """A JSONL file with one {"prompt": "..."} object (or a JSON string) per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: calibration prompt file not found")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+        text = obj.get("prompt") if isinstance(obj, dict) else obj
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"{path}:{n}: expected a non-empty string or {{\"prompt\": \"...\"}}")
+        prompts.append(text)
+    if not prompts:
+        raise ConfigError(f"{path}: no calibration prompts")
+    return prompts
+
+
+def tokenize(model_dir: str | Path, prompts: list[str], samples: int, max_len: int = 256) -> list[torch.Tensor]:
+    """Chat-formatted token ids of the first `samples` prompts (cycled if fewer), each at most max_len tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    for i in range(samples):
+        chat = [{"role": "user", "content": prompts[i % len(prompts)]}]
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True) if tok.chat_template else tok.encode(
+            prompts[i % len(prompts)])
+        out.append(torch.tensor(ids[:max_len], dtype=torch.long))
+    return out
+
+
+def random_tokens(vocab: int, samples: int, length: int = 64, seed: int = 0) -> list[torch.Tensor]:
+    """Calibration ids for a checkpoint without a tokenizer (random Beam-architecture models)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen) for _ in range(samples)]
+
+
+class _Observer:
+    """A hook that records max |x| and passes x through."""
+
+    def __init__(self):
+        self.amax = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel():
+            self.amax = max(self.amax, float(x.detach().abs().amax()))
+        return x
+
+
+@torch.inference_mode()
+def calibrate(model_dir: str | Path, cfg: BeamConfig, sequences: list[torch.Tensor], progress: bool = False
+              ) -> dict[str, float]:
+    """amax per calibration site (TensorRT-LLM module names, see trtllm_files.act_hooks) over `sequences`."""
+    from beamtrt.checkpoint.trtllm_files import act_hooks
+    from beamtrt.models.beam import BeamForCausalLM, load_state
+
+    reader = CheckpointReader(model_dir)
+    with torch.device("meta"):
+        model = BeamForCausalLM(cfg)
+    embed = reader.get("model.embed_tokens.weight", dtype=torch.float32)
+    hidden = [embed[ids][None] for ids in sequences]  # [1, T, H] each
+    del embed
+    sites = act_hooks(model)
+    amax: dict[str, float] = {}
+    layers = range(cfg.num_hidden_layers)
+    if progress:
+        from tqdm import tqdm
+        layers = tqdm(layers, desc="calibrate", unit="layer")
+    for i in layers:
+        layer = model.layers[i].to_empty(device="cpu").float()
+        prefix = f"model.layers.{i}."
+        load_state(model, ((n, reader.get(n)) for n in reader.names() if n.startswith(prefix)), only=prefix)
+        observers = {name: _Observer() for name in sites if name.startswith(f"transformer.layers.{i}.")}
+        for name, obs in observers.items():
+            setattr(*sites[name], obs)
+        for j, h in enumerate(hidden):
+            T = h.shape[1]
+            kv = torch.zeros(1, cfg.num_key_value_heads, T, cfg.head_dim)
+            hidden[j] = layer(h, model.step_layout(torch.zeros(1, dtype=torch.long), T), kv, kv.clone())
+        for name, obs in observers.items():
+            amax[name] = obs.amax
+            setattr(*sites[name], None)
+        layer.to("meta")  # free it
+    return amax

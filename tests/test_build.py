@@ -1,0 +1,209 @@
+"""build_engines.py end to end on tiny random checkpoints: outputs, manifest, idempotency, atomicity, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from beamtrt.checkpoint.manifest import read_manifest
+from beamtrt.config import BeamConfig, DrafterConfig
+from beamtrt.models.beam import load_beam
+from beamtrt.models.dflash2 import random_drafter, save_drafter
+from beamtrt.models.random_beam import write_random_beam
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = BeamConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                 mlp_only_layers=(0,))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    write_random_beam(root / "target", CFG)
+    target = load_beam(root / "target")
+    drafter = DrafterConfig.for_target(CFG, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=0)
+    save_drafter(random_drafter(drafter, target), root / "drafter")
+    return root
+
+
+def build(sources: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "build/build_engines.py"), "--model", str(sources / "target"),
+           "--drafter", str(sources / "drafter"), "--out", str(out), "--quiet", "--tp", "2", *args]
+    if "--precision" not in args:
+        cmd += ["--precision", "bf16"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def no_leftovers(parent: Path) -> None:
+    assert not [p for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_build_writes_checkpoints_manifest_and_skips_engines(sources, tmp_path):
+    out = tmp_path / "bf16-tp2"
+    proc = build(sources, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "engines: skipped (TensorRT-LLM is not installed on this host)" in proc.stderr
+    assert "target   Qwen3MoeForCausalLM: 2 rank file(s)" in proc.stdout and "sha256 verified" in proc.stdout
+    assert sorted(p.name for p in (out / "target").iterdir()) == ["config.json", "rank0.safetensors",
+                                                                  "rank1.safetensors"]
+    m = read_manifest(out)
+    assert m["precision"] == "bf16" and m["mapping"]["tp_size"] == 2
+    assert m["drafter"]["target_layer_ids"] == [0, 2] and m["drafter"]["block_size"] == 8
+    assert {k: v["status"] for k, v in m["stages"].items()} == {"calibrate": "skipped", "target": "ran",
+                                                               "drafter": "ran", "engines": "skipped"}
+    assert set(m["files"]) == {"target/config.json", "target/rank0.safetensors", "target/rank1.safetensors",
+                               "drafter/config.json", "drafter/rank0.safetensors", "drafter/rank1.safetensors"}
+    no_leftovers(tmp_path)
+
+
+def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path):
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0
+    inode = (out / "target" / "rank0.safetensors").stat().st_ino
+    again = build(sources, out)
+    assert again.returncode == 0 and "up to date" in again.stderr
+    assert (out / "target" / "rank0.safetensors").stat().st_ino == inode
+
+    changed = build(sources, out, "--kv-cache", "fp8")
+    one_line_error(changed, "already exists and was built from other inputs", "--force")
+    assert read_manifest(out)["kv_cache"] == "auto"  # untouched
+
+    forced = build(sources, out, "--kv-cache", "fp8", "--force")
+    assert forced.returncode == 0, forced.stderr
+    m = read_manifest(out)
+    assert m["kv_cache"] == "fp8" and m["stages"]["drafter"]["status"] == "reused"
+    assert m["stages"]["calibrate"]["status"] == m["stages"]["target"]["status"] == "ran"
+    no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_quantized_build_validates(sources, tmp_path, precision):
+    out = tmp_path / precision
+    proc = build(sources, out, "--precision", precision, "--calib-samples", "3")
+    assert proc.returncode == 0, proc.stderr
+    calib = json.loads((out / "calibration.json").read_text())
+    assert calib["samples"] == 3 and "random token ids" in calib["source"]
+    assert all(v > 0 for v in calib["amax"].values())
+    assert "quantized weight tensors per rank: OK" in proc.stdout
+
+
+def test_validate_catches_a_modified_file(sources, tmp_path):
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0
+    cmd = [sys.executable, "-m", "beamtrt.checkpoint.validate", str(out)]
+    env = {"PYTHONPATH": str(ROOT / "src")}
+    ok = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert ok.returncode == 0 and "sha256 verified" in ok.stdout, ok.stderr
+    with open(out / "drafter" / "rank1.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x7f\x7f\x7f\x7f")
+    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    one_line_error(bad, "rank1.safetensors", "sha256 differs")
+
+
+def _corrupt_copy(sources: Path, tmp_path: Path, edit) -> Path:
+    dst = tmp_path / "src"
+    shutil.copytree(sources, dst)
+    edit(dst)
+    return dst
+
+
+def _rewrite(path: Path, name: str, fn) -> None:
+    from safetensors.torch import load_file, save_file
+    file = next(p for p in path.glob("*.safetensors"))
+    tensors = load_file(file)
+    fn(tensors, name)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda d: _rewrite(d / "target", "model.layers.1.mlp.gate.weight", lambda t, n: t.pop(n)),
+     ["missing 1 tensor", "model.layers.1.mlp.gate.weight"]),
+    (lambda d: _rewrite(d / "target", "model.layers.2.self_attn.o_proj.weight",
+                        lambda t, n: t.__setitem__(n, t[n][:, :32].contiguous())),
+     ["o_proj.weight", "shape (64, 32), expected (64, 64)"]),
+    (lambda d: _rewrite(d / "target", "model.layers.2.mlp.experts.1.up_proj.weight",
+                        lambda t, n: t[n].view(-1).__setitem__(5, float("nan"))),
+     ["experts.1.up_proj.weight", "NaN"]),
+    (lambda d: (d / "target" / "config.json").write_text("{not json"), ["config.json", "not valid JSON"]),
+], ids=["missing", "mis-shaped", "nan", "corrupt-json"])
+def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needles):
+    src = _corrupt_copy(sources, tmp_path, edit)
+    out = tmp_path / "out"
+    one_line_error(build(src, out), *needles)
+    assert not out.exists()
+    no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, needles", [
+    ("hidden_size", 32, ["does not fit target", "hidden_size"]),
+    ("vocab_size", 100, ["does not fit target", "vocab_size=100"]),
+    ("dflash_config", {"mask_token_id": 0, "target_layer_ids": [4, 46], "block_size": 16},
+     ["does not fit target", "num_target_layers=48 != target num_hidden_layers=3"]),
+])
+def test_drafter_target_mismatch(sources, tmp_path, field, value, needles):
+    def edit(d: Path) -> None:  # the last case: a drafter made for a 48-layer target, tapping layers 4 and 46
+        cfg = json.loads((d / "drafter" / "config.json").read_text())
+        cfg[field] = value
+        if field == "dflash_config":
+            cfg["num_target_layers"] = 48
+        (d / "drafter" / "config.json").write_text(json.dumps(cfg))
+    src = _corrupt_copy(sources, tmp_path, edit)
+    one_line_error(build(src, tmp_path / "out"), *needles)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--tp", "3"], ["TP 3 does not divide the target's 4 attention heads"]),
+    (["--tp", "4", "--moe-ep", "4", "--precision", "bf16"], []),  # 4 experts over 4 ranks: fine
+    (["--tp", "2", "--moe-ep", "3"], ["--moe-ep 3 must divide --tp 2"]),
+    (["--calib-samples", "0"], ["--calib-samples must be at least 1"]),
+])
+def test_bad_layouts(sources, tmp_path, args, needles):
+    proc = build(sources, tmp_path / "out", *args)
+    if not needles:
+        assert proc.returncode == 0, proc.stderr
+        return
+    one_line_error(proc, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_foreign_directory_needs_force(sources, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    one_line_error(build(sources, out), "exists and is not a build output", "--force")
+    assert (out / "notes.txt").read_text() == "mine"
+    assert build(sources, out, "--force").returncode == 0
+    assert not (out / "notes.txt").exists()
+
+
+def test_build_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
+    """A failure inside a stage (here: the drafter writer) removes the temporary directory; no output appears."""
+    from beamtrt.build import pipeline
+    from beamtrt.config import BuildConfig
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(pipeline, "_write_drafter", boom)
+    bc = BuildConfig(model=sources / "target", drafter=sources / "drafter", out=tmp_path / "out", precision="bf16",
+                     tp=2)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        pipeline.build(bc, progress=False)
+    assert not (tmp_path / "out").exists()
+    no_leftovers(tmp_path)

@@ -1,0 +1,151 @@
+"""TensorRT-LLM checkpoint name tables: every TP / EP split round-trips bit for bit, rank files load back to the
+same logits, and what cannot be split fails with one clear message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beamtrt.checkpoint import trtllm
+from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, load_target, write_checkpoint
+from beamtrt.config import BeamConfig, DrafterConfig
+from beamtrt.errors import ConfigError
+from beamtrt.models.beam import hf_tensor_specs
+from beamtrt.models.dflash2 import drafter_tensor_specs
+from beamtrt.models.random_beam import random_tensors
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# 8 query / 2 KV heads: KV heads are duplicated at TP 4 and 8; 8 experts split every moe_tp × moe_ep way.
+SPLITTABLE = BeamConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
+                        num_experts=8, num_experts_per_tok=2, mlp_only_layers=(1,), use_qk_norm=True)
+SHARED = BeamConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                    head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=False, use_qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=64)
+SPLITS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 8)]
+
+
+def write(tmp_path, cfg, units, config, tensors, tp, precision="bf16", amax=None):
+    get = dict(tensors).__getitem__
+    mapping = trtllm.Mapping(tp, config["mapping"]["moe_ep_size"])
+    specs = trtllm.unit_specs(units, precision, torch.bfloat16)
+    items = trtllm.produce(units, get, mapping, precision, torch.bfloat16, amax or {})
+    write_checkpoint(tmp_path, config, specs, tp, items)
+    return TrtllmCheckpoint(tmp_path)
+
+
+@pytest.mark.parametrize("tp, ep", SPLITS)
+def test_target_round_trip_bit_exact(tmp_path, tp, ep):
+    tensors = dict(random_tensors(SPLITTABLE, seed=tp * 10 + ep))
+    mapping = trtllm.Mapping(tp, ep)
+    ckpt = write(tmp_path, SPLITTABLE, trtllm.target_units(SPLITTABLE, mapping),
+                 trtllm.target_config(SPLITTABLE, mapping, "bf16", "auto", torch.bfloat16), tensors, tp)
+    back = dict(ckpt.unshard())
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(back[name].to(t.dtype), t), name
+    # each rank holds only its share: qkv rows = its query heads plus one (duplicated) KV head each for K and V
+    qkv = ckpt.get(tp - 1, "transformer.layers.0.attention.qkv.weight")
+    assert qkv.shape == ((8 // tp + 2 * max(2 // tp, 1)) * 16, 64)
+    fc = ckpt.get(0, "transformer.layers.0.mlp.fc.weight")
+    assert fc.shape == (8 // ep, 2 * 64 // (tp // ep), 64)
+
+
+def test_kv_heads_duplicated_in_tensorrt_llm_order(tmp_path):
+    """At TP 4 with 2 KV heads, ranks 0-1 hold KV head 0 and ranks 2-3 KV head 1 (TensorRT-LLM's dup_kv_weight)."""
+    tensors = dict(random_tensors(SPLITTABLE))
+    mapping = trtllm.Mapping(4)
+    ckpt = write(tmp_path, SPLITTABLE, trtllm.target_units(SPLITTABLE, mapping),
+                 trtllm.target_config(SPLITTABLE, mapping, "bf16", "auto", torch.bfloat16), tensors, 4)
+    k = tensors["model.layers.0.self_attn.k_proj.weight"]
+    for rank in range(4):
+        qkv = ckpt.get(rank, "transformer.layers.0.attention.qkv.weight")
+        assert torch.equal(qkv[32:48], k[16 * (rank // 2):16 * (rank // 2 + 1)])
+    up, gate = (tensors[f"model.layers.0.mlp.experts.3.{p}_proj.weight"] for p in ("up", "gate"))
+    fc = ckpt.get(1, "transformer.layers.0.mlp.fc.weight")[3]  # moe_tp rank 1 of 4: rows 16:32 of up, then gate
+    assert torch.equal(fc, torch.cat((up[16:32], gate[16:32])))
+
+
+def test_shared_expert_and_bias_round_trip(tmp_path):
+    tensors = dict(random_tensors(SHARED, seed=3))
+    mapping = trtllm.Mapping(2, 2)
+    assert trtllm.target_architecture(SHARED) == ("Qwen2MoeForCausalLM", "qwen2_moe")
+    ckpt = write(tmp_path, SHARED, trtllm.target_units(SHARED, mapping),
+                 trtllm.target_config(SHARED, mapping, "bf16", "auto", torch.bfloat16), tensors, 2)
+    back = dict(ckpt.unshard())
+    for name, t in tensors.items():
+        assert torch.equal(back[name].to(t.dtype), t), name
+
+
+def test_converted_target_gives_identical_logits(tmp_path):
+    from beamtrt.models.beam import BeamForCausalLM, load_state
+
+    tensors = dict(random_tensors(SPLITTABLE, seed=5))
+    ref = BeamForCausalLM(SPLITTABLE)
+    load_state(ref, tensors.items())
+    mapping = trtllm.Mapping(4, 2)
+    write(tmp_path, SPLITTABLE, trtllm.target_units(SPLITTABLE, mapping),
+          trtllm.target_config(SPLITTABLE, mapping, "bf16", "auto", torch.bfloat16), tensors, 4)
+    model = load_target(tmp_path)
+    ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(ids, model.new_cache(2, 16)).logits, ref.eval()(ids, ref.new_cache(2, 16)).logits)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_drafter_round_trip_bit_exact(tmp_path, tp):
+    cfg = DrafterConfig.for_target(SPLITTABLE, num_hidden_layers=2, target_layer_ids=(0, 1), mask_token_id=0)
+    gen = torch.Generator().manual_seed(tp)
+    tensors = {n: torch.randn(shape, generator=gen).to(torch.bfloat16)
+               for n, (shape, _, _) in drafter_tensor_specs(cfg).items()}
+    mapping = trtllm.Mapping(tp)
+    ckpt = write(tmp_path, cfg, trtllm.drafter_units(cfg, mapping), trtllm.drafter_config(cfg, mapping, torch.bfloat16),
+                 tensors, tp)
+    assert ckpt.is_drafter() and ckpt.drafter_config() == cfg
+    back = dict(ckpt.unshard())
+    assert set(back) == set(tensors)  # no embedding, no LM head: the drafter uses the target's
+    for name, t in tensors.items():
+        assert torch.equal(back[name].to(t.dtype), t), name
+    assert ckpt.get(0, "candidate_selector.predecessor_codebook").shape == (120 // tp, cfg.selector_rank)
+
+
+def test_vocab_padded_to_a_multiple_of_tp(tmp_path):
+    cfg = BeamConfig.from_dict({**SPLITTABLE.to_dict(), "vocab_size": 119})
+    tensors = dict(random_tensors(cfg))
+    mapping = trtllm.Mapping(4)
+    ckpt = write(tmp_path, cfg, trtllm.target_units(cfg, mapping),
+                 trtllm.target_config(cfg, mapping, "bf16", "auto", torch.bfloat16), tensors, 4)
+    last = ckpt.get(3, "lm_head.weight")
+    assert last.shape == (30, 64) and torch.equal(last[-1], torch.zeros(64, dtype=torch.bfloat16))
+    assert torch.equal(dict(ckpt.unshard())["lm_head.weight"], tensors["lm_head.weight"])
+
+
+@pytest.mark.parametrize("tp, ep, message", [
+    (3, 1, "does not divide the target's 8 attention heads"),
+    (4, 3, "--moe-ep 3 must divide --tp 4"),
+    (16, 1, "does not divide the target's 8 attention heads"),
+])
+def test_unsplittable_layouts_fail_clearly(tp, ep, message):
+    with pytest.raises(ConfigError, match=message):
+        trtllm.target_units(SPLITTABLE, trtllm.Mapping(tp, ep))
+
+
+def test_too_many_expert_ways_fail_clearly():
+    cfg = BeamConfig.from_dict({**SPLITTABLE.to_dict(), "num_experts": 6})
+    with pytest.raises(ConfigError, match=r"number of experts with moe_ep 4 \(6\) is not divisible by 4"):
+        trtllm.target_units(cfg, trtllm.Mapping(4, 4))
+
+
+def test_architecture_choice():
+    assert trtllm.target_architecture(SPLITTABLE) == ("Qwen3MoeForCausalLM", "qwen3_moe")
+    mini_like = BeamConfig.from_dict({**SPLITTABLE.to_dict(), "use_qk_norm": False, "mlp_only_layers": []})
+    assert trtllm.target_architecture(mini_like) == ("MixtralForCausalLM", None)
+    config = trtllm.target_config(mini_like, trtllm.Mapping(4, 2), "nvfp4", "fp8", torch.bfloat16)
+    assert config["mapping"] == {"world_size": 4, "tp_size": 4, "pp_size": 1, "cp_size": 1, "moe_tp_size": 2,
+                                 "moe_ep_size": 2}
+    assert config["quantization"]["quant_algo"] == "NVFP4" and config["quantization"]["group_size"] == 16
+    assert config["quantization"]["kv_cache_quant_algo"] == "FP8"
+    assert config["moe"] == {"num_experts": 8, "top_k": 2, "normalization_mode": 1,
+                             "shared_expert_intermediate_size": 0}
+    assert "transformer.layers.0.mlp.router" in config["quantization"]["exclude_modules"]
+    assert config["moe_intermediate_size"] == 64 and config["intermediate_size"] == 64  # Mixtral: expert size
