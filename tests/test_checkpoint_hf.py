@@ -90,7 +90,7 @@ def test_get_casts_when_asked(tmp_path):
 
 
 class NoDataHandle:
-    """Wraps a safe_open handle so that reading tensor data fails."""
+    """Wraps a shard handle so that reading tensor data fails."""
 
     def __init__(self, handle):
         self._handle = handle
@@ -98,8 +98,11 @@ class NoDataHandle:
     def keys(self):
         return self._handle.keys()
 
-    def get_slice(self, name):
-        return self._handle.get_slice(name)
+    def shape(self, name):
+        return self._handle.shape(name)
+
+    def dtype(self, name):
+        return self._handle.dtype(name)
 
     def get_tensor(self, name):
         raise AssertionError(f"tensor data of {name} was read")
@@ -107,8 +110,8 @@ class NoDataHandle:
 
 def test_shape_and_dtype_come_from_header(tmp_path, monkeypatch):
     save_state_dict(tmp_path, {"w": torch.zeros(4, 6, dtype=torch.bfloat16), "i": torch.zeros(3, dtype=torch.int64)})
-    real_open = hf.safe_open
-    monkeypatch.setattr(hf, "safe_open", lambda *a, **k: NoDataHandle(real_open(*a, **k)))
+    real_open = hf.SafetensorsFile
+    monkeypatch.setattr(hf, "SafetensorsFile", lambda *a, **k: NoDataHandle(real_open(*a, **k)))
     reader = CheckpointReader(tmp_path)
     assert reader.shape("w") == (4, 6) and reader.dtype("w") == torch.bfloat16
     assert reader.shape("i") == (3,) and reader.dtype("i") == torch.int64
@@ -124,13 +127,13 @@ def test_get_streams_from_only_the_needed_shard(sharded, monkeypatch):
     monkeypatch.setattr(safetensors.torch, "load_file", forbidden)
     monkeypatch.setattr(safetensors.torch, "load", forbidden)
     opened: list[str] = []
-    real_open = hf.safe_open
+    real_open = hf.SafetensorsFile
 
     def spy(path, **kwargs):
         opened.append(Path(path).name)
         return real_open(path, **kwargs)
 
-    monkeypatch.setattr(hf, "safe_open", spy)
+    monkeypatch.setattr(hf, "SafetensorsFile", spy)
     reader = CheckpointReader(sharded)
     assert opened == []  # the index alone is enough to list names
     assert torch.equal(reader.get("layer.2.weight"), six_tensors()["layer.2.weight"])

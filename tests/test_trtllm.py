@@ -149,3 +149,27 @@ def test_architecture_choice():
                              "shared_expert_intermediate_size": 0}
     assert "transformer.layers.0.mlp.router" in config["quantization"]["exclude_modules"]
     assert config["moe_intermediate_size"] == 64 and config["intermediate_size"] == 64  # Mixtral: expert size
+
+
+def test_fp8_kv_cache_emulated_from_its_scale(tmp_path):
+    """With kv_cache_quant_algo FP8 the reference model stores K and V on the E4M3 grid of kv_cache_scaling_factor
+    (max of the k and v scales, each at least 1.0 as modelopt's export writes them)."""
+    tensors = dict(random_tensors(SPLITTABLE, seed=2))
+    mapping = trtllm.Mapping(2)
+    units = trtllm.target_units(SPLITTABLE, mapping)
+    amax = {f"transformer.layers.{i}.attention.{kind}_cache": a for i in range(2)
+            for kind, a in (("k", 900.0), ("v", 300.0))}
+    specs = trtllm.unit_specs(units, "bf16", torch.bfloat16, "fp8", 2)
+    kv = [(r, n, t, None) for n, t in trtllm.kv_cache_scales(2, amax) for r in range(2)]
+    items = list(trtllm.produce(units, tensors.__getitem__, mapping, "bf16", torch.bfloat16, {})) + kv
+    write_checkpoint(tmp_path, trtllm.target_config(SPLITTABLE, mapping, "bf16", "fp8", torch.bfloat16), specs, 2,
+                     items)
+    ckpt = TrtllmCheckpoint(tmp_path)
+    assert float(ckpt.get(1, "transformer.layers.0.attention.v_cache_scaling_factor")) == 1.0  # 300/448 -> 1.0
+    scale = float(ckpt.get(0, "transformer.layers.0.attention.kv_cache_scaling_factor"))
+    assert scale == pytest.approx(900 / 448)
+    model = load_target(tmp_path)
+    cache = model.new_cache(1, 8)
+    model(torch.arange(8)[None], cache)
+    k = cache.k[0, 0, :, :8]
+    assert k.abs().sum() > 0 and torch.equal((k / scale).to(torch.float8_e4m3fn).float() * scale, k)

@@ -166,7 +166,7 @@ def _run(plan: Plan, tmp: Path, reusable: dict, engines: str | None, progress: b
                          "reason": engines or "the TensorRT engine stage is not implemented in this version"}
     from beamtrt.checkpoint.validate import validate
 
-    manifest = _manifest(plan, stages, tmp)
+    manifest = _manifest(plan, stages)
     mf.write_manifest(tmp, manifest)
     return validate(tmp)
 
@@ -259,9 +259,9 @@ def _versions() -> dict:
     return out
 
 
-def _manifest(plan: Plan, stages: dict, root: Path) -> dict:
+def _manifest(plan: Plan, stages: dict) -> dict:
     bc, d = plan.bc, plan.drafter_cfg
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != mf.MANIFEST)
+    files = {name: digest for stage in stages.values() for name, digest in (stage.get("files") or {}).items()}
     return {
         "precision": bc.precision, "kv_cache": bc.kv_cache, "drafter_precision": bc.drafter_precision,
         "mapping": plan.mapping.to_json(),
@@ -273,5 +273,5 @@ def _manifest(plan: Plan, stages: dict, root: Path) -> dict:
                     "sliding_window": d.sliding_window},
         "versions": _versions(),
         "stages": stages,
-        "files": mf.file_hashes(root, files),
+        "files": dict(sorted(files.items())),
     }

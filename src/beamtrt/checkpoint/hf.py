@@ -11,33 +11,14 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from beamtrt.checkpoint.stream import DTYPES, SafetensorsError, SafetensorsFile
 from beamtrt.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-
-_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
 
 def read_json(path: Path, what: str) -> dict:
     """Load a JSON object from `path`; `what` names the file's role in error messages."""
@@ -86,7 +67,8 @@ def _matches(name: str, patterns: list[str]) -> bool:
 
 
 class CheckpointReader:
-    """Read tensors one at a time from a HF checkpoint directory; shards are opened lazily and memory-mapped."""
+    """Read tensors one at a time from a HF checkpoint directory; shards are opened lazily, each tensor is one
+    read into its own buffer (no memory map: reading a whole model keeps one tensor resident at a time)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -116,8 +98,8 @@ class CheckpointReader:
         if shard not in self._handles:
             file = self.path / shard
             try:
-                self._handles[shard] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as err:
+                self._handles[shard] = SafetensorsFile(file)
+            except (SafetensorsError, OSError) as err:
                 raise CheckpointError(f"{file}: not a valid safetensors file: {_one_line(err)}") from None
         return self._handles[shard]
 
@@ -126,12 +108,12 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: tensor '{name}' is not in the checkpoint")
         return self.path / self._weight_map[name]
 
-    def _slice(self, name: str):
+    def _header(self, name: str) -> tuple[SafetensorsFile, Path]:
         file = self._locate(name)
-        try:
-            return self._open(file.name).get_slice(name)
-        except SafetensorError as err:
-            raise CheckpointError(f"{file}: cannot read tensor '{name}': {_one_line(err)}") from None
+        handle = self._open(file.name)
+        if name not in handle.keys():
+            raise CheckpointError(f"{file}: cannot read tensor '{name}': it is not in this shard")
+        return handle, file
 
     def names(self) -> list[str]:
         return sorted(self._weight_map)
@@ -140,20 +122,19 @@ class CheckpointReader:
         return name in self._weight_map
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        handle, _ = self._header(name)
+        return handle.shape(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        code = self._slice(name).get_dtype()
-        if code not in _DTYPES:
-            raise CheckpointError(f"{self._locate(name)}: tensor '{name}' has unsupported dtype {code}")
-        return _DTYPES[code]
+        handle, _ = self._header(name)
+        return DTYPES[handle.dtype(name)]
 
     def get(self, name: str, dtype: torch.dtype | None = None, check_finite: bool = True) -> torch.Tensor:
         """Load one tensor (only its bytes are read); optionally reject NaN/Inf and cast to `dtype`."""
-        file = self._locate(name)
+        handle, file = self._header(name)
         try:
-            tensor = self._open(file.name).get_tensor(name)
-        except SafetensorError as err:
+            tensor = handle.get_tensor(name)
+        except (SafetensorsError, OSError) as err:
             raise CheckpointError(f"{file}: cannot read tensor '{name}': {_one_line(err)}") from None
         if check_finite and tensor.is_floating_point():
             self._check_finite(tensor, name, file)

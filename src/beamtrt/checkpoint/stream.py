@@ -1,8 +1,11 @@
-"""A safetensors file whose tensors are declared up front and written piece by piece (streaming conversion)."""
+"""safetensors files read and written piece by piece: a reader that fetches one tensor with one pread (no memory
+map, so reading a whole checkpoint never grows the resident set), and a writer whose tensors are declared up front
+and written one piece at a time (streaming conversion)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -10,13 +13,79 @@ import torch
 
 from beamtrt.errors import CheckpointError
 
-_CODES = {
+_CODES: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64",
     torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 
+DTYPES = {code: dtype for dtype, code in _CODES.items()} | {"U16": torch.uint16, "I16": torch.int16,
+                                                              "U32": torch.uint32, "U64": torch.uint64}
 Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsError(ValueError):
+    """The file is not a well-formed safetensors file (the message says why)."""
+
+
+class SafetensorsFile:
+    """Read a safetensors file tensor by tensor: the header is parsed once, each tensor is one pread."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise SafetensorsError("file too short for a header")
+            n = int.from_bytes(raw, "little")
+            if n > min(_MAX_HEADER, size - 8):
+                raise SafetensorsError(f"header length {n} exceeds the file")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise SafetensorsError("header is not valid JSON") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError("header is not a JSON object")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.base = 8 + n
+        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            try:
+                code, shape, (begin, end) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise SafetensorsError(f"bad header entry for {name!r}") from None
+            if code not in DTYPES:
+                raise SafetensorsError(f"tensor {name!r} has unsupported dtype {code}")
+            if not 0 <= begin <= end or end - begin != DTYPES[code].itemsize * math.prod(shape):
+                raise SafetensorsError(f"tensor {name!r} has inconsistent data offsets")
+            if self.base + end > size:
+                raise SafetensorsError(f"file is truncated (tensor {name!r} ends past its end)")
+            self._entries[name] = (code, shape, begin, end)
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name][1]
+
+    def dtype(self, name: str) -> str:
+        return self._entries[name][0]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        code, shape, begin, end = self._entries[name]
+        buf = bytearray(end - begin)
+        view, done = memoryview(buf), 0
+        with open(self.path, "rb", buffering=0) as f:
+            while done < len(buf):  # one pread moves at most ~2 GiB
+                got = os.preadv(f.fileno(), [view[done:]], self.base + begin + done)
+                if got <= 0:
+                    raise SafetensorsError(f"short read of {name!r} (file truncated?)")
+                done += got
+        if not buf:
+            return torch.empty(shape, dtype=DTYPES[code])
+        return torch.frombuffer(buf, dtype=DTYPES[code]).reshape(shape)
 
 
 def nbytes(spec: Spec) -> int:

@@ -8,11 +8,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-
 from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.hf import read_json, write_json
-from beamtrt.checkpoint.stream import StreamingSafetensors
+from beamtrt.checkpoint.stream import SafetensorsError, SafetensorsFile, StreamingSafetensors
 from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.quant import fp8, nvfp4
@@ -58,7 +56,7 @@ class TrtllmCheckpoint:
         self.precision = precisions[algo]
         self.kv_cache = "fp8" if (self.config.get("quantization") or {}).get("kv_cache_quant_algo") == "FP8" else "auto"
         self.dtype = trtllm.tensor_dtype(source, self.config.get("dtype", ""))
-        self._files: dict[int, object] = {}
+        self._files: dict[int, SafetensorsFile] = {}
 
     def open(self, rank: int):
         if rank not in self._files:
@@ -66,15 +64,18 @@ class TrtllmCheckpoint:
             if not file.is_file():
                 raise CheckpointError(f"{file}: missing rank file (the checkpoint has tp_size {self.mapping.tp_size})")
             try:
-                self._files[rank] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as err:
+                self._files[rank] = SafetensorsFile(file)
+            except (SafetensorsError, OSError) as err:
                 raise CheckpointError(f"{file}: not a valid safetensors file: {' '.join(str(err).split())}") from None
         return self._files[rank]
 
     def get(self, rank: int, name: str) -> torch.Tensor:
+        handle = self.open(rank)
+        if name not in handle.keys():
+            raise CheckpointError(f"{rank_file(self.path, rank)}: missing tensor {name!r}")
         try:
-            return self.open(rank).get_tensor(name)
-        except SafetensorError as err:
+            return handle.get_tensor(name)
+        except (SafetensorsError, OSError) as err:
             raise CheckpointError(f"{rank_file(self.path, rank)}: cannot read {name!r}: {' '.join(str(err).split())}"
                                   ) from None
 

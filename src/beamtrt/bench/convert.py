@@ -1,0 +1,97 @@
+"""Conversion benchmark: build_engines.py on a generated random Beam checkpoint of a few GB, per precision:
+source MB/s of the conversion stage and end to end, and the peak RSS of the build process (JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import run_cli
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def source_config(size_gb: float):
+    """A Beam-architecture config of about size_gb GB in bf16: 32 experts of 1024 × 1024 per layer (≈ 201 MB)."""
+    from beamtrt.config import BeamConfig
+
+    layers = max(2, round((size_gb * 1e9 - 2 * 32768 * 1024 * 2) / (32 * 3 * 1024 * 1024 * 2 + 2.6e6 * 2)))
+    return BeamConfig(vocab_size=32768, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=4, head_dim=64, intermediate_size=2048, moe_intermediate_size=1024,
+                      num_experts=32, num_experts_per_tok=4, mlp_only_layers=(0,))
+
+
+def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
+    from beamtrt.checkpoint.hf import save_state_dict
+    from beamtrt.config import DrafterConfig
+    from beamtrt.models.dflash2 import drafter_tensor_specs
+    from beamtrt.models.random_beam import write_random_beam
+
+    target, drafter = work / "target", work / "drafter"
+    cfg = source_config(size_gb)
+    if not (target / "config.json").is_file():
+        write_random_beam(target, cfg, progress=True)
+    if not (drafter / "config.json").is_file():
+        dcfg = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(1, cfg.num_hidden_layers - 2),
+                                        mask_token_id=0)
+        gen = torch.Generator().manual_seed(0)
+        save_state_dict(drafter, ((n, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+                                  for n, (shape, _, _) in drafter_tensor_specs(dcfg).items()))
+        dcfg.save(drafter / "config.json")
+    return target, drafter
+
+
+def run_build(target: Path, drafter: Path, out: Path, precision: str, tp: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "build" / "build_engines.py"), "--precision", precision, "--model", str(target),
+           "--drafter", str(drafter), "--tp", str(tp), "--out", str(out), "--quiet", "--force"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    err = proc.stderr.read()
+    proc.stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"build failed ({precision}): {err.strip().splitlines()[-1] if err.strip() else status}")
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "stage_seconds": {k: v.get("seconds") for k, v in manifest["stages"].items() if v.get("seconds")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Benchmark build_engines.py conversion speed and peak memory on a random "
+                                            "Beam-architecture checkpoint (generated once into --work).")
+    p.add_argument("--work", type=Path, default=ROOT / "bench" / "convert", help="work directory (default: bench/convert)")
+    p.add_argument("--size-gb", type=float, default=4.5, help="source checkpoint size in GB (default: %(default)s)")
+    p.add_argument("--precisions", nargs="+", default=["bf16", "nvfp4", "fp8"], choices=("bf16", "fp8", "nvfp4"),
+                   help="precisions to build (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=4, help="tensor-parallel ranks (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="write the results to this file")
+    args = p.parse_args(argv)
+
+    def body() -> None:
+        target, drafter = make_sources(args.work, args.size_gb)
+        weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+        results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,
+                   "threads": torch.get_num_threads(), "precisions": {}}
+        for precision in args.precisions:
+            out = args.work / f"out-{precision}"
+            r = run_build(target, drafter, out, precision, args.tp)
+            shutil.rmtree(out, ignore_errors=True)
+            r["convert_mb_per_s"] = round(weights / 1e6 / r["stage_seconds"]["target"], 1)
+            r["end_to_end_mb_per_s"] = round(weights / 1e6 / r["seconds"], 1)
+            results["precisions"][precision] = r
+            print(f"{precision}: convert {r['convert_mb_per_s']} MB/s, end to end {r['end_to_end_mb_per_s']} MB/s "
+                  f"({r['seconds']:.0f} s), peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    return run_cli(body)

@@ -1,0 +1,70 @@
+"""Layer-by-layer calibration records the ranges nvidia-modelopt's max calibration records on the same model and
+data, at every site (GEMM inputs, routed experts, K / V after RoPE), and the prompt file parser rejects bad files."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from beamtrt.checkpoint.hf import save_state_dict
+from beamtrt.config import BeamConfig
+from beamtrt.errors import ConfigError
+from beamtrt.quant import calibrate as cal
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_ranges_equal_modelopt_max_calibration(tmp_path):
+    pytest.importorskip("modelopt")
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from modelopt_ref import quant_config, tiny_qwen3_moe
+
+    hf = tiny_qwen3_moe(seed=7, dtype=torch.float32, mlp_only_layers=[1])
+    cfg = BeamConfig.from_dict(hf.config.to_dict())
+    save_state_dict(tmp_path, hf.state_dict())
+    cfg.save(tmp_path / "config.json")
+    gen = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 256, (n,), generator=gen) for n in (5, 17, 9, 30)]
+
+    ours = cal.calibrate(tmp_path, cfg, sequences)
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        mtq.quantize(hf, quant_config("FP8_DEFAULT_CFG", kv_fp8=True), lambda m: [m(s[None]) for s in sequences])
+    amax = {n: float(m.amax.max()) for n, m in hf.named_modules()
+            if isinstance(m, TensorQuantizer) and m.is_enabled and m.amax is not None and "weight" not in n}
+    theirs: dict[str, float] = {}
+    for i in range(cfg.num_hidden_layers):
+        hf_, trt = f"model.layers.{i}.", f"transformer.layers.{i}."
+        theirs[trt + "attention.qkv"] = amax[hf_ + "self_attn.q_proj.input_quantizer"]
+        theirs[trt + "attention.dense"] = amax[hf_ + "self_attn.o_proj.input_quantizer"]
+        theirs[trt + "attention.k_cache"] = amax[hf_ + "self_attn.k_bmm_quantizer"]
+        theirs[trt + "attention.v_cache"] = amax[hf_ + "self_attn.v_bmm_quantizer"]
+        if cfg.is_moe_layer(i):  # modelopt syncs every expert's input range to the layer's max
+            theirs[trt + "mlp.fc"] = max(amax[hf_ + f"mlp.experts.{e}.gate_proj.input_quantizer"] for e in range(4))
+            theirs[trt + "mlp.proj"] = max(amax[hf_ + f"mlp.experts.{e}.down_proj.input_quantizer"] for e in range(4))
+        else:
+            theirs[trt + "mlp.fc"] = amax[hf_ + "mlp.gate_proj.input_quantizer"]
+            theirs[trt + "mlp.proj"] = amax[hf_ + "mlp.down_proj.input_quantizer"]
+    assert set(ours) == set(theirs)
+    for site, value in theirs.items():
+        assert ours[site] == pytest.approx(value, rel=1e-5), site
+
+
+def test_prompt_files(tmp_path):
+    assert len(cal.read_prompts(cal.default_prompts_path())) >= 32
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a"}\n\n"b"\n')
+    assert cal.read_prompts(good) == ["a", "b"]
+    for text, needle in (('{"prompt": ', "not valid JSON"), ('{"text": "a"}', "expected a non-empty string"),
+                         ("", "no calibration prompts")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=needle):
+            cal.read_prompts(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        cal.read_prompts(tmp_path / "missing.jsonl")
