@@ -102,6 +102,21 @@ def test_quantized_build_validates(sources, tmp_path, precision):
     assert "quantized weight tensors per rank: OK" in proc.stdout
 
 
+def test_fp8_drafter_is_calibrated_and_quantized(sources, tmp_path):
+    out = tmp_path / "out"
+    proc = build(sources, out, "--drafter-precision", "fp8", "--calib-samples", "2")
+    assert proc.returncode == 0, proc.stderr
+    calib = json.loads((out / "calibration.json").read_text())
+    assert set(calib["drafter_amax"]) == {f"transformer.layers.0.{s}" for s in
+                                          ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj")}
+    assert "bf16 target, fp8 drafter" in proc.stdout
+    assert "drafter  DFlash2DraftModel: 2 rank file(s) × 29 tensors" in proc.stdout  # bf16: 19, + 2 scales per GEMM
+    assert "5 quantized weight tensors per rank: OK" in proc.stdout
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] == "FP8"
+    assert read_manifest(out)["stages"]["calibrate"]["status"] == "ran"  # bf16 target, fp8 drafter
+
+
 def test_validate_catches_a_modified_file(sources, tmp_path):
     out = tmp_path / "out"
     assert build(sources, out).returncode == 0

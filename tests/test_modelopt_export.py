@@ -114,8 +114,9 @@ def _reference_with(model, ranges: dict, weight_fq, act_fq) -> None:
 
     with torch.no_grad():
         for layer in model.layers:
-            layer.attn.qkv.weight.data = weight_fq(layer.attn.qkv.weight.data, layer.attn.qkv.weight.abs().amax())
-            layer.attn.o_proj.weight.data = weight_fq(layer.attn.o_proj.weight.data, layer.attn.o_proj.weight.abs().amax())
+            attn = layer.attn if hasattr(layer, "attn") else layer.self_attn  # target / drafter
+            attn.qkv.weight.data = weight_fq(attn.qkv.weight.data, attn.qkv.weight.abs().amax())
+            attn.o_proj.weight.data = weight_fq(attn.o_proj.weight.data, attn.o_proj.weight.abs().amax())
             mlp = layer.mlp
             if hasattr(mlp, "w_gate_up"):
                 for e in range(mlp.w_gate_up.shape[0]):
@@ -198,3 +199,58 @@ def test_fp8_emulation_equals_modelopt_numerics(tmp_path):
     ours, want = _logits(_our_checkpoint(tmp_path, cfg, source, "fp8", ranges), ids), _logits(ref.eval(), ids)
     assert torch.equal(ours, want)
 
+
+
+def test_fp8_drafter_emulation_equals_modelopt_numerics(tmp_path):
+    """The drafter exported in FP8 (decoder-layer GEMMs) drafts exactly what the reference drafter drafts with
+    modelopt's FP8 numerics applied to the same GEMMs."""
+    from modelopt.torch.export.model_config import QUANTIZATION_FP8
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from beamtrt.checkpoint.trtllm_files import load_drafter_checkpoint, write_checkpoint
+    from beamtrt.config import DrafterConfig
+    from beamtrt.models.beam import BeamForCausalLM, load_state
+    from beamtrt.models.dflash2 import drafter_tensor_specs, load_state as load_drafter_state, random_drafter
+    from beamtrt.models.random_beam import random_tensors
+
+    def fake(x, amax):
+        q = TensorQuantizer(QuantizerAttributeConfig(num_bits=(4, 3), axis=None))
+        q.amax = torch.as_tensor(amax, dtype=torch.float32)
+        return q(x)
+
+    def exported(w, amax):
+        scale = (amax.float() / 448).reshape(1)
+        return to_quantized_weight(w, scale, QUANTIZATION_FP8).float() * scale
+
+    cfg = BeamConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    target = BeamForCausalLM(cfg)
+    load_state(target, random_tensors(cfg, seed=1, dtype=torch.float32, std=0.2))
+    dcfg = DrafterConfig.for_target(cfg, num_hidden_layers=2, target_layer_ids=(0, 2), mask_token_id=0)
+    gen = torch.Generator().manual_seed(4)
+    source = {n: (torch.randn(shape, generator=gen) * 0.1 + n.endswith("norm.weight")).to(torch.bfloat16)
+              for n, (shape, _, _) in drafter_tensor_specs(dcfg).items()}
+    ranges = _random_ranges(cfg, 3, fp8_exact=True)
+    ranges = {k: v for k, v in ranges.items() if int(k.split(".")[2]) < 2}  # the drafter's 2 layers
+    mapping = trtllm.Mapping(2)
+    units = trtllm.drafter_units(dcfg, mapping)
+    items = trtllm.produce(units, source.__getitem__, mapping, "fp8", torch.bfloat16, ranges)
+    write_checkpoint(tmp_path, trtllm.drafter_config(dcfg, mapping, torch.bfloat16, "fp8"),
+                     trtllm.unit_specs(units, "fp8", torch.bfloat16), 2, items)
+    ours = load_drafter_checkpoint(tmp_path, target, dtype=torch.float32)
+
+    ref = random_drafter(dcfg, target)  # overwritten below
+    names = drafter_tensor_specs(dcfg)
+    load_drafter_state(ref, ((n, source[n].float()) for n in names))
+    _reference_with(ref, ranges, exported, fake)
+    taps = torch.randn(2, 9, 2 * 64, generator=gen)
+    anchors = torch.tensor([5, 77])
+    outs = []
+    for model in (ours, ref):
+        cache = model.new_cache(2)
+        model.append_context(cache, taps)
+        outs.append(model.draft(cache, anchors, 8))
+    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].scores, outs[1].scores)
+    assert torch.equal(outs[0].cand_ids, outs[1].cand_ids)

@@ -478,4 +478,4 @@ class BuildConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.precision != "bf16" or self.kv_cache == "fp8"
+        return self.precision != "bf16" or self.kv_cache == "fp8" or self.drafter_precision != "bf16"

@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache", choices=("auto", "fp8"), default="auto",
                    help="KV-cache precision: auto = the model dtype, fp8 = calibrated E4M3 (default: %(default)s)")
     p.add_argument("--drafter-precision", choices=("bf16", "fp8"), default="bf16",
-                   help="drafter precision (only bf16 is implemented so far) (default: %(default)s)")
+                   help="drafter precision: fp8 quantizes its decoder layers' GEMMs (calibrated on the target's "
+                        "features for the calibration prompts); its fusion fc, norms, convs and selector stay "
+                        "high precision (default: %(default)s)")
     p.add_argument("--calib-prompts", type=Path,
                    help='calibration prompts, JSONL with one {"prompt": "..."} per line (default: the packaged '
                         "general-purpose set, not taken from any benchmark)")

@@ -45,8 +45,6 @@ class Plan:
             self.drafter_cfg.check_target(self.target_cfg)
         except ConfigError as err:
             raise ConfigError(f"drafter {bc.drafter} does not fit target {bc.model}: {err}") from None
-        if bc.drafter_precision != "bf16":
-            raise ConfigError("--drafter-precision fp8 is not implemented yet (the drafter is exported in bf16)")
         self.mapping = trtllm.Mapping(bc.tp, bc.moe_ep)
         self.target_units = trtllm.target_units(self.target_cfg, self.mapping)
         self.drafter_units = trtllm.drafter_units(self.drafter_cfg, self.mapping)
@@ -69,11 +67,14 @@ class Plan:
         self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
         prompts = bc.calib_prompts or _default_prompts()
         target_files, drafter_files = mf.model_files(bc.model), mf.model_files(bc.drafter)
+        drafter_fp8 = bc.drafter_precision == "fp8"
         self.keys = {
-            "calibrate": mf.hash_inputs("calibrate", bc.calib_samples, files=target_files + [prompts])
+            "calibrate": mf.hash_inputs("calibrate", bc.calib_samples, drafter_fp8,
+                                        files=target_files + [prompts] + (drafter_files if drafter_fp8 else []))
             if bc.needs_calibration else None,
-            "drafter": mf.hash_inputs("drafter", bc.drafter_precision, self.mapping.to_json(), files=drafter_files),
         }
+        self.keys["drafter"] = mf.hash_inputs("drafter", bc.drafter_precision, self.mapping.to_json(),
+                                              self.keys["calibrate"] if drafter_fp8 else None, files=drafter_files)
         self.keys["target"] = mf.hash_inputs("target", bc.precision, bc.kv_cache, self.mapping.to_json(),
                                              self.keys["calibrate"], files=target_files)
         self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"])
@@ -151,6 +152,7 @@ def _reuse(name: str, stage: dict, src: Path, dst: Path) -> dict:
 def _run(plan: Plan, tmp: Path, reusable: dict, engines: str | None, progress: bool) -> list[str]:
     bc, stages = plan.bc, {}
     amax: dict[str, float] = {}
+    drafter_amax: dict[str, float] = {}
     if plan.keys["calibrate"] is None:
         stages["calibrate"] = {"status": "skipped", "reason": "bf16 weights and KV cache need no calibration"}
     elif "calibrate" in reusable:
@@ -158,9 +160,10 @@ def _run(plan: Plan, tmp: Path, reusable: dict, engines: str | None, progress: b
     else:
         stages["calibrate"] = _stage(plan, tmp, "calibrate", lambda: _calibrate(plan, tmp, progress))
     if plan.keys["calibrate"] is not None:
-        amax = json.loads((tmp / "calibration.json").read_text())["amax"]
+        calibration = json.loads((tmp / "calibration.json").read_text())
+        amax, drafter_amax = calibration["amax"], calibration.get("drafter_amax", {})
     for name, fn in (("target", lambda: _write_target(plan, tmp / "target", amax, progress)),
-                     ("drafter", lambda: _write_drafter(plan, tmp / "drafter", progress))):
+                     ("drafter", lambda: _write_drafter(plan, tmp / "drafter", drafter_amax, progress))):
         stages[name] = _reuse(name, reusable[name], bc.out, tmp) if name in reusable else _stage(plan, tmp, name, fn)
     stages["engines"] = {"status": "skipped", "key": plan.keys["engines"],
                          "reason": engines or "the TensorRT engine stage is not implemented in this version"}
@@ -191,14 +194,21 @@ def _calibrate(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
     else:
         sequences = cal.random_tokens(plan.target_cfg.vocab_size, bc.calib_samples)
         source = "random token ids (the checkpoint has no tokenizer)"
-    amax = cal.calibrate(bc.model, plan.target_cfg, sequences, progress=progress)
-    bad = [k for k, v in amax.items() if not (v > 0 and v < float("inf"))]
-    if bad:
-        raise CheckpointError(f"calibration produced no usable range for {bad[0]} (amax {amax[bad[0]]}); "
-                              "check the model's weights")
+    drafter_fp8 = bc.drafter_precision == "fp8"
+    result = cal.calibrate(bc.model, plan.target_cfg, sequences, progress=progress,
+                           taps=plan.drafter_cfg.target_layer_ids if drafter_fp8 else ())
+    record = {"source": source, "samples": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
+              "amax": result.amax}
+    if drafter_fp8:
+        record["drafter_amax"] = cal.calibrate_drafter(bc.drafter, bc.model, plan.target_cfg, sequences, result.taps,
+                                                       SERVE_BLOCK_SIZE)
+    for ranges in (record["amax"], record.get("drafter_amax", {})):
+        bad = [k for k, v in ranges.items() if not (v > 0 and v < float("inf"))]
+        if bad:
+            raise CheckpointError(f"calibration produced no usable range for {bad[0]} (amax {ranges[bad[0]]}); "
+                                  "check the model's weights")
     out = tmp / "calibration.json"
-    write_json(out, {"source": source, "samples": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
-                     "amax": amax})
+    write_json(out, record)
     return [out]
 
 
@@ -227,12 +237,13 @@ def _chain(*iterables):
         yield from it
 
 
-def _write_drafter(plan: Plan, out: Path, progress: bool) -> list[Path]:
+def _write_drafter(plan: Plan, out: Path, amax: dict[str, float], progress: bool) -> list[Path]:
     out.mkdir()
-    specs = trtllm.unit_specs(plan.drafter_units, "bf16", plan.drafter_dtype)
-    config = trtllm.drafter_config(plan.drafter_cfg, plan.mapping, plan.drafter_dtype)
-    items = trtllm.produce(_progress(plan.drafter_units, "drafter bf16", progress), plan.drafter_reader.get,
-                           plan.mapping, "bf16", plan.drafter_dtype, {})
+    precision = plan.bc.drafter_precision
+    specs = trtllm.unit_specs(plan.drafter_units, precision, plan.drafter_dtype)
+    config = trtllm.drafter_config(plan.drafter_cfg, plan.mapping, plan.drafter_dtype, precision)
+    items = trtllm.produce(_progress(plan.drafter_units, f"drafter {precision}", progress), plan.drafter_reader.get,
+                           plan.mapping, precision, plan.drafter_dtype, amax)
     return write_checkpoint(out, config, specs, plan.bc.tp, items)
 
 

@@ -369,9 +369,13 @@ def drafter_units(cfg: DrafterConfig, mapping: Mapping) -> list[Unit]:
     return units
 
 
-def drafter_config(cfg: DrafterConfig, mapping: Mapping, dtype: torch.dtype) -> dict:
+def drafter_config(cfg: DrafterConfig, mapping: Mapping, dtype: torch.dtype, precision: str = "bf16") -> dict:
+    """The drafter's config.json: FP8 quantizes its decoder layers' GEMMs; the fusion fc, norms, convs and the
+    selector stay high precision."""
+    exclude = ["transformer.fc", "candidate_selector"] if precision != "bf16" else None
     return {"architecture": DRAFTER_ARCHITECTURE, "dtype": DTYPE_NAMES[dtype], "mapping": mapping.to_json(),
-            "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+            "quantization": {"quant_algo": QUANT_ALGO[precision], "kv_cache_quant_algo": None,
+                             "exclude_modules": exclude},
             "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
             "head_size": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,

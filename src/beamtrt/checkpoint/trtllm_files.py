@@ -119,18 +119,21 @@ class TrtllmCheckpoint:
 
 
 def act_hooks(model) -> dict[str, tuple[object, str]]:
-    """Calibration site (TensorRT-LLM module name) -> (our module, hook attribute) of a BeamForCausalLM.
+    """Calibration site (TensorRT-LLM module name) -> (our module, hook attribute), for a BeamForCausalLM or a
+    DFlash2Drafter (same names in each checkpoint's own namespace).
 
-    Sites ending in `_cache` are the K / V written to the cache (their ranges give the FP8 KV-cache scales)."""
+    Target sites ending in `_cache` are the K / V written to the cache (their ranges give the FP8 KV-cache scales)."""
     sites: dict[str, tuple[object, str]] = {}
     for i, layer in enumerate(model.layers):
         trt = f"transformer.layers.{i}."
-        sites[trt + "attention.qkv"] = (layer.attn, "qkv_in")
-        sites[trt + "attention.dense"] = (layer.attn, "o_in")
-        sites[trt + "attention.k_cache"] = (layer.attn, "k_out")
-        sites[trt + "attention.v_cache"] = (layer.attn, "v_out")
+        attn = layer.attn if hasattr(layer, "attn") else layer.self_attn
+        sites[trt + "attention.qkv"] = (attn, "qkv_in")
+        sites[trt + "attention.dense"] = (attn, "o_in")
         sites[trt + "mlp.fc"] = (layer.mlp, "fc_in")
         sites[trt + "mlp.proj"] = (layer.mlp, "proj_in")
+        if hasattr(attn, "k_out"):  # the target
+            sites[trt + "attention.k_cache"] = (attn, "k_out")
+            sites[trt + "attention.v_cache"] = (attn, "v_out")
         shared = getattr(layer.mlp, "shared", None)
         if shared is not None:
             sites[trt + "mlp.shared_expert.fc"] = (shared, "fc_in")
@@ -154,6 +157,23 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     if cfg.tie_word_embeddings:
         tensors = ((n, t) for n, t in tensors if n != "lm_head.weight")
     load_state(model, tensors)
+    install_emulation(model, ckpt)
+    return model.eval()
+
+
+def load_drafter_checkpoint(path: str | Path, target, dtype: torch.dtype | None = None):
+    """The reference DFlash2 drafter run from a TensorRT-LLM drafter checkpoint over `target` (whose embedding and
+    LM head it borrows), with the checkpoint's quantization emulated."""
+    from beamtrt.models.dflash2 import _build, load_state
+
+    ckpt = TrtllmCheckpoint(path)
+    cfg = ckpt.drafter_config()
+    try:
+        cfg.check_target(target.cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{ckpt.path / 'config.json'}: {err}") from None
+    model = _build(cfg, target, dtype or target.dtype, target.device)
+    load_state(model, ckpt.unshard(), v1=cfg.version == 1)
     install_emulation(model, ckpt)
     return model.eval()
 

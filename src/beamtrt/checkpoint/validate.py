@@ -82,7 +82,8 @@ def validate(root: str | Path) -> list[str]:
     if unlisted:
         raise CheckpointError(f"{root / unlisted[0]}: not listed in {mf.MANIFEST}")
     m = manifest["mapping"]
-    lines = [f"{root}: {manifest['precision']} (KV cache {manifest['kv_cache']}), tp {m['tp_size']} "
+    lines = [f"{root}: {manifest['precision']} target, {manifest['drafter_precision']} drafter, KV cache "
+             f"{manifest['kv_cache']}, tp {m['tp_size']} "
              f"(moe_tp {m['moe_tp_size']} × moe_ep {m['moe_ep_size']})"]
     for part in ("target", "drafter"):
         s = check_checkpoint(root / manifest[part]["dir"], manifest)

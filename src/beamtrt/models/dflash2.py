@@ -15,7 +15,7 @@ from torch import nn
 
 from beamtrt.config import DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
-from beamtrt.models.beam import MLP, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _rotate
+from beamtrt.models.beam import MLP, ActHook, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _hook, _rotate
 
 CONV_SIDES = 2  # side 0 = before the sublayer ("prepare"), side 1 = after it ("finish")
 
@@ -73,7 +73,13 @@ class GroupedConv2Tap(nn.Module):
 # ---- one draft layer -----------------------------------------------------------------------------------------
 
 class DraftAttention(nn.Module):
-    """Qwen3 attention (per-head q/k RMSNorm, GQA, no bias) whose keys are [context K/V] + [the block's own K/V]."""
+    """Qwen3 attention (per-head q/k RMSNorm, GQA, no bias) whose keys are [context K/V] + [the block's own K/V].
+
+    Hooks (None = off) see the qkv GEMM's input (block rows and fused context features) and o_proj's input:
+    emulated activation quantization, or calibration observers."""
+
+    qkv_in: ActHook | None = None
+    o_in: ActHook | None = None
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -88,7 +94,7 @@ class DraftAttention(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """c: [N, T, H] fused context features; rope: [N, T, D] at their positions -> k, v: [N, T, KV, D]."""
         N, T, _ = c.shape
-        kv = F.linear(c, self.qkv.weight[self.q_size:]).view(N, T, 2 * self.n_kv, self.head_dim)
+        kv = F.linear(_hook(self.qkv_in, c), self.qkv.weight[self.q_size:]).view(N, T, 2 * self.n_kv, self.head_dim)
         k, v = self.k_norm(kv[:, :, :self.n_kv]), kv[:, :, self.n_kv:]
         return _rotate(k, rope[0].unsqueeze(2), rope[1].unsqueeze(2)), v
 
@@ -97,7 +103,7 @@ class DraftAttention(nn.Module):
         # x: [N, L, H] block rows; rope: [N, L, D]; ctx_k, ctx_v: [N, KV, S, D] rotated context rows;
         # mask: [N, 1, L, S + L] bool, True = visible (context columns first, then the L block columns)
         N, L, _ = x.shape
-        heads = self.qkv(x).view(N, L, -1, self.head_dim)  # [N, L, n_heads + 2 * n_kv, D]
+        heads = self.qkv(_hook(self.qkv_in, x)).view(N, L, -1, self.head_dim)  # [N, L, n_heads + 2 * n_kv, D]
         q = self.q_norm(heads[:, :, :self.n_heads])
         k = self.k_norm(heads[:, :, self.n_heads:self.n_heads + self.n_kv])
         v = heads[:, :, self.n_heads + self.n_kv:]
@@ -107,7 +113,7 @@ class DraftAttention(nn.Module):
         values = torch.cat((ctx_v, v.transpose(1, 2)), dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)  # [N, n_heads, L, D]
-        return self.o_proj(out.transpose(1, 2).reshape(N, L, -1))
+        return self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(N, L, -1)))
 
 
 class DraftLayer(nn.Module):

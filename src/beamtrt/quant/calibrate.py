@@ -10,6 +10,7 @@ MoE GEMM.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -80,10 +81,17 @@ class _Observer:
         return x
 
 
+@dataclass
+class Calibration:
+    amax: dict[str, float]                                   # calibration site -> max |x|
+    taps: list[torch.Tensor] = field(default_factory=list)   # per sequence [1, T, n_taps * H], when asked for
+
+
 @torch.inference_mode()
-def calibrate(model_dir: str | Path, cfg: BeamConfig, sequences: list[torch.Tensor], progress: bool = False
-              ) -> dict[str, float]:
-    """amax per calibration site (TensorRT-LLM module names, see trtllm_files.act_hooks) over `sequences`."""
+def calibrate(model_dir: str | Path, cfg: BeamConfig, sequences: list[torch.Tensor], progress: bool = False,
+              taps: tuple[int, ...] = ()) -> Calibration:
+    """amax per calibration site (TensorRT-LLM module names, see trtllm_files.act_hooks) over `sequences`, and the
+    residual stream after the `taps` layers (the drafter's inputs) per sequence."""
     from beamtrt.checkpoint.trtllm_files import act_hooks
     from beamtrt.models.beam import BeamForCausalLM, load_state
 
@@ -95,6 +103,7 @@ def calibrate(model_dir: str | Path, cfg: BeamConfig, sequences: list[torch.Tens
     del embed
     sites = act_hooks(model)
     amax: dict[str, float] = {}
+    captured: list[dict[int, torch.Tensor]] = [{} for _ in sequences]
     layers = range(cfg.num_hidden_layers)
     if progress:
         from tqdm import tqdm
@@ -110,8 +119,39 @@ def calibrate(model_dir: str | Path, cfg: BeamConfig, sequences: list[torch.Tens
             T = h.shape[1]
             kv = torch.zeros(1, cfg.num_key_value_heads, T, cfg.head_dim)
             hidden[j] = layer(h, model.step_layout(torch.zeros(1, dtype=torch.long), T), kv, kv.clone())
+            if i in taps:
+                captured[j][i] = hidden[j]
         for name, obs in observers.items():
             amax[name] = obs.amax
             setattr(*sites[name], None)
         layer.to("meta")  # free it
-    return amax
+    return Calibration(amax, [torch.cat([c[t] for t in taps], dim=-1) for c in captured] if taps else [])
+
+
+@torch.inference_mode()
+def calibrate_drafter(drafter_dir: str | Path, target_dir: str | Path, target_cfg: BeamConfig,
+                      sequences: list[torch.Tensor], taps: list[torch.Tensor], block_size: int) -> dict[str, float]:
+    """amax per drafter site: each sequence's taps but the last token's become the drafter's context, and one block
+    is drafted after its last token. Only the target's embedding, final norm and LM head are loaded."""
+    from beamtrt.checkpoint.trtllm_files import act_hooks
+    from beamtrt.models.beam import BeamForCausalLM, load_state
+    from beamtrt.models.dflash2 import load_drafter
+
+    reader = CheckpointReader(target_dir)
+    with torch.device("meta"):
+        target = BeamForCausalLM(target_cfg)
+    for prefix, module in (("model.embed_tokens.", target.embed), ("model.norm.", target.norm),
+                           ("lm_head.", target.lm_head)):
+        if module is not None:
+            module.to_empty(device="cpu").float()
+            load_state(target, ((n, reader.get(n)) for n in reader.names() if n.startswith(prefix)), only=prefix)
+    drafter = load_drafter(drafter_dir, target, dtype=torch.float32, device="cpu")
+    sites = act_hooks(drafter)
+    observers = {name: _Observer() for name in sites}
+    for name, obs in observers.items():
+        setattr(*sites[name], obs)
+    for ids, tapped in zip(sequences, taps):
+        cache = drafter.new_cache(1)
+        drafter.append_context(cache, tapped[:, :-1])
+        drafter.draft(cache, ids[-1:], block_size)
+    return {name: obs.amax for name, obs in observers.items()}
