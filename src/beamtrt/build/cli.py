@@ -8,6 +8,7 @@ from pathlib import Path
 from beamtrt.cli_util import run_cli
 
 ENGINES = Path(__file__).resolve().parents[3] / "engines"
+LAST_BUILD = ENGINES / ".last-build"  # the last successful build into engines/ (runtime/run.py's default)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "general-purpose set, not taken from any benchmark)")
     p.add_argument("--calib-samples", type=int, default=32,
                    help="calibration sequences (prompts are cycled if fewer) (default: %(default)s)")
-    p.add_argument("--out", type=Path, help="output directory (default: engines/<precision>-tp<N>)")
+    p.add_argument("--out", type=Path, help="output directory (default: engines/<precision>-tp<N>, which "
+                   "runtime/run.py then runs by default)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output built from other inputs or settings (stages whose inputs are "
                         "unchanged are still reused)")
@@ -68,6 +70,8 @@ def _run(args: argparse.Namespace) -> None:
                      moe_ep=args.moe_ep, kv_cache=args.kv_cache, calib_prompts=args.calib_prompts,
                      calib_samples=args.calib_samples, drafter_precision=args.drafter_precision, force=args.force)
     print("\n".join(build(bc, progress=not args.quiet)))
+    if args.out is None:  # runtime/run.py runs the last default-location build unless told otherwise
+        LAST_BUILD.write_text(str(bc.out.resolve()) + "\n")
     why = engine_support() or "the TensorRT engine stage is not implemented in this version"
     log(f"engines: skipped ({why}); the TensorRT-LLM checkpoints are complete in {bc.out}; to build engines, run "
         "this same command on a GPU host with TensorRT-LLM 1.2")

@@ -229,7 +229,20 @@ def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool)
     if bc.kv_cache == "fp8":
         kv = list(trtllm.kv_cache_scales(cfg.num_hidden_layers, amax))
         items = _chain(items, ((r, n, t, None) for n, t in kv for r in range(bc.tp)))
-    return write_checkpoint(out, config, specs, bc.tp, items)
+    return write_checkpoint(out, config, specs, bc.tp, items) + _copy_tokenizer(bc.model, out.parent / "tokenizer")
+
+
+def _copy_tokenizer(model: Path, dst: Path) -> list[Path]:
+    """The source's tokenizer and chat template (every file but the config, weights and build markers), so the
+    output is self-contained for the runtime and Triton."""
+    skip = {"config.json", "model.safetensors.index.json", "beam_mini.json"}
+    files = [p for p in sorted(model.iterdir()) if p.is_file() and p.suffix != ".safetensors" and p.name not in skip]
+    if not files:
+        return []
+    dst.mkdir()
+    for f in files:
+        shutil.copy2(f, dst / f.name)
+    return [dst / f.name for f in files]
 
 
 def _chain(*iterables):
@@ -245,6 +258,10 @@ def _write_drafter(plan: Plan, out: Path, amax: dict[str, float], progress: bool
     items = trtllm.produce(_progress(plan.drafter_units, f"drafter {precision}", progress), plan.drafter_reader.get,
                            plan.mapping, precision, plan.drafter_dtype, amax)
     return write_checkpoint(out, config, specs, plan.bc.tp, items)
+
+
+def _has_tokenizer(stages: dict) -> bool:
+    return any(name.startswith("tokenizer/") for name in (stages.get("target", {}).get("files") or {}))
 
 
 def engine_support() -> str | None:
@@ -277,7 +294,8 @@ def _manifest(plan: Plan, stages: dict) -> dict:
         "precision": bc.precision, "kv_cache": bc.kv_cache, "drafter_precision": bc.drafter_precision,
         "mapping": plan.mapping.to_json(),
         "target": {"source": str(bc.model), "architecture": trtllm.target_architecture(plan.target_cfg)[0],
-                   "dir": "target", "dtype": trtllm.DTYPE_NAMES[plan.dtype]},
+                   "dir": "target", "dtype": trtllm.DTYPE_NAMES[plan.dtype],
+                   "tokenizer": "tokenizer" if _has_tokenizer(stages) else None},
         "drafter": {"source": str(bc.drafter), "architecture": trtllm.DRAFTER_ARCHITECTURE, "dir": "drafter",
                     "block_size": SERVE_BLOCK_SIZE, "train_block_size": d.block_size,
                     "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id,

@@ -178,20 +178,21 @@ def load_drafter_checkpoint(path: str | Path, target, dtype: torch.dtype | None 
     return model.eval()
 
 
-def install_emulation(model, ckpt: TrtllmCheckpoint) -> None:
-    """Set the model's activation hooks to the checkpoint's activation (and KV-cache) quantization."""
+def install_emulation(model, ckpt: TrtllmCheckpoint, rank: int = 0) -> None:
+    """Set the model's activation hooks to the checkpoint's activation (and KV-cache) quantization (scales read
+    from `rank`'s file: every rank holds the same ones)."""
     sites = act_hooks(model)
     if ckpt.precision != "bf16":
         fake = fp8.fake_quant if ckpt.precision == "fp8" else nvfp4.fake_quant_activation
         for unit in ckpt.units():
             if isinstance(unit, trtllm.Linear) and unit.name in sites:
                 module, attr = sites[unit.name]
-                setattr(module, attr, partial(fake, scale=ckpt.scale(0, f"{unit.name}.activation_scaling_factor"))
+                setattr(module, attr, partial(fake, scale=ckpt.scale(rank, f"{unit.name}.activation_scaling_factor"))
                         if ckpt.precision == "fp8" else
-                        partial(fake, scale_2=ckpt.scale(0, f"{unit.name}.activation_scaling_factor")))
+                        partial(fake, scale_2=ckpt.scale(rank, f"{unit.name}.activation_scaling_factor")))
     if ckpt.kv_cache == "fp8":
         for site in trtllm.kv_sites(len(model.layers)):
-            scale = ckpt.scale(0, f"{site}.kv_cache_scaling_factor")
+            scale = ckpt.scale(rank, f"{site}.kv_cache_scaling_factor")
             for kind in ("k", "v"):
                 module, attr = sites[f"{site}.{kind}_cache"]
                 setattr(module, attr, partial(fp8.fake_quant, scale=scale))

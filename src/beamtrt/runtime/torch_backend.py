@@ -11,7 +11,7 @@ from beamtrt.runtime.backend import DraftStep, TargetStep
 class TorchTarget:
     def __init__(self, model: BeamForCausalLM):
         self.model = model
-        self.vocab_size = model.cfg.vocab_size
+        self.vocab_size = model.shard.vocab_size if model.shard is not None else model.cfg.vocab_size
         eos = model.cfg.eos_token_id
         self.eos_token_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
         self.cache: KVCache | None = None

