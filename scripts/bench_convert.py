@@ -1,6 +1,6 @@
-"""Speculative step time split into target / drafter / everything else, beside plain decoding (JSON).
+"""Conversion speed and peak memory of build_engines.py per precision on a generated 4.3 GB random checkpoint (JSON).
 
-    python scripts/bench.convert.py --batches 1 16 --json bench/spec.json
+    python scripts/bench_convert.py --json bench/convert.json
 """
 
 import sys

@@ -162,3 +162,20 @@ def test_sampling_with_top_k_1_is_greedy(target, prompts, reference, spec):
     dec = SpeculativeDecoder(TorchTarget(target), drafter, block_size=4, params=SamplingParams(0.8, 0.9, 1), seed=5)
     out = dec.generate([Request(tuple(p), MAX_NEW) for p in prompts[:4]])
     assert [c.output_ids for c in out] == reference[:4]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 7])
+def test_continuous_batching_refills_slots(target, prompts, reference, concurrency):
+    """With fewer cache slots than requests, and requests of different lengths, every request still gets exactly
+    the target's greedy output: finished requests hand their slot to the next one in the queue."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from test_dflash2 import make_drafter
+
+    budgets = [MAX_NEW - 3 * (i % 5) for i in range(len(prompts))]
+    dec = SpeculativeDecoder(TorchTarget(target), TorchDrafter(make_drafter(target, seed=3)), block_size=4)
+    seen: dict[int, list[int]] = {}
+    out = dec.generate([Request(tuple(p), b) for p, b in zip(prompts, budgets)], concurrency=concurrency,
+                       on_tokens=lambda i, toks: seen.setdefault(i, []).extend(toks))
+    assert [c.output_ids for c in out] == [r[:b] for r, b in zip(reference, budgets)]
+    assert dec.target.cache.batch == concurrency
+    assert seen == {i: c.output_ids for i, c in enumerate(out)}

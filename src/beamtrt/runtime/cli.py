@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[],
                    help="stop a request when its text contains this string (repeatable; the text is cut before it)")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="requests decoded at once; when one finishes, its cache slot is refilled from the queue "
+                        "before the next step (continuous batching); 0 = every prompt at once (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8,
                    help="tokens per verification block: the anchor + block-1 drafts (default: %(default)s)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
@@ -128,6 +131,8 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 def _validate(args: argparse.Namespace) -> SamplingParams:
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
+    if args.concurrency < 0:
+        raise ValueError(f"--concurrency must be >= 0, got {args.concurrency}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.no_spec and args.block_size < 2:
@@ -268,7 +273,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         print(tokenizer.decode(streamed, skip_special_tokens=True)[len(before):], end="", flush=True)
 
     start = time.perf_counter()
-    completions = decoder.generate(requests, on_tokens if stream else None)
+    completions = decoder.generate(requests, on_tokens if stream else None, concurrency=args.concurrency or None)
     elapsed = time.perf_counter() - start
     texts = [cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), args.stop).strip()
              for c in completions]
@@ -290,6 +295,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                          for chat, text, c in zip(chats, texts, completions)],
             "summary": {**summary, "tokens_per_s": n_tokens / elapsed, "tokens": n_tokens, "seconds": elapsed,
                         "block_size": decoder.block_size, "no_spec": args.no_spec, "dtype": args.dtype,
+                        "concurrency": args.concurrency or len(requests),
                         **_time_split(decoder, target, drafter, dist)},
         }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -75,41 +75,78 @@ class SpeculativeDecoder:
         return torch.rand(*shape, generator=self.generator)
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[Request],
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Completion]:
-        """Serve every request in one batch until each hits a stop or its max_new_tokens."""
+    def generate(self, requests: Sequence[Request], on_tokens: Callable[[int, list[int]], None] | None = None,
+                 concurrency: int | None = None) -> list[Completion]:
+        """Serve every request until each hits a stop or its max_new_tokens, at most `concurrency` at a time
+        (default: all at once). Continuous batching: a finished request's cache slot is refilled from the queue
+        (prefilled) before the next step. on_tokens(request index, tokens) sees every committed token."""
         n = len(requests)
         if n == 0:
             return []
         for r in requests:
             if not r.prompt_ids or r.max_new_tokens < 1:
                 raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
-        lengths = torch.tensor([len(r.prompt_ids) for r in requests])
-        max_len = int(lengths.max()) + max(r.max_new_tokens for r in requests) + self.block_size + 1
-        self.target.allocate(n, max_len)
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+        slots = min(concurrency or n, n)
+        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + self.block_size + 1
+        self.target.allocate(slots, max_len)
         if self.drafter is not None:
-            self.drafter.allocate(n)
+            self.drafter.allocate(slots)
         done = [Completion() for _ in requests]
+        self.owner = [-1] * slots  # request served by each cache slot (-1: free)
+        self.anchor = torch.zeros(slots, dtype=torch.long)  # [slots] last committed token, not yet in the target KV
+        self.position = torch.zeros(slots, dtype=torch.long)  # [slots] tokens in the target KV = the anchor's position
+        queue = list(range(n))
+        while True:
+            free = [s for s in range(slots) if self.owner[s] < 0]
+            if queue and free:
+                admitted, queue = queue[:len(free)], queue[len(free):]
+                self._prefill(list(zip(free, admitted)), requests, done, on_tokens)
+            active = [s for s in range(slots) if self.owner[s] >= 0]
+            if not active:
+                if not queue:
+                    return done
+                continue
+            self.step(active, requests, done, on_tokens)
 
-        # prefill: the whole prompt in one ragged pass; its taps become the drafter's context
-        width = int(lengths.max())
-        ids = torch.tensor([r.prompt_ids + (0,) * (width - len(r.prompt_ids)) for r in requests])  # right-padded
-        out = self.target.forward(ids, torch.arange(n), lengths, taps=self.taps, last_only=True)
+    def _prefill(self, admitted: list[tuple[int, int]], requests: Sequence[Request], done: list[Completion],
+                 on_tokens: Callable[[int, list[int]], None] | None) -> None:
+        """Prefill new requests into free slots [(slot, request)]: the prompts in one ragged pass, whose taps become
+        the drafter's context; then sample each request's first token."""
+        slot_ids = [s for s, _ in admitted]
+        slots = torch.tensor(slot_ids)
+        self.target.reset(slot_ids)
         if self.drafter is not None:
-            self.drafter.append_context(out.taps, lengths)
-        first = sample(out.logits[:, -1], self.params, None if self.params.greedy else self._uniforms(n))
-        self.anchor = first.clone()  # [n] last committed token of each slot, not yet in the target KV
-        self.position = lengths.clone()  # [n] tokens in the target KV = the anchor's position
-        for i in range(n):
-            self._commit(i, requests[i], done[i], [int(first[i])], on_tokens)
-        active = [i for i in range(n) if not done[i].finish_reason]
-        while active:
-            active = self.step(active, requests, done, on_tokens)
-        return done
+            self.drafter.reset(slot_ids)
+        prompts = [requests[i].prompt_ids for _, i in admitted]
+        lengths = torch.tensor([len(p) for p in prompts])
+        width = int(lengths.max())
+        ids = torch.tensor([p + (0,) * (width - len(p)) for p in prompts])  # [M, width] right-padded
+        out = self.target.forward(ids, slots, lengths, taps=self.taps, last_only=True)
+        if self.drafter is not None:
+            self.drafter.append_context(*self._scatter(slots, out.taps, lengths))
+        first = sample(out.logits[:, -1], self.params, None if self.params.greedy else self._uniforms(len(admitted)))
+        self.anchor[slots] = first
+        self.position[slots] = lengths
+        for (s, i), token in zip(admitted, first.tolist()):
+            self.owner[s] = i
+            self._commit(i, requests[i], done[i], [token], on_tokens)
+            if done[i].finish_reason:
+                self.owner[s] = -1
+
+    def _scatter(self, slots: torch.Tensor, taps: torch.Tensor, counts: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for some slots -> the drafter's every-slot layout: taps [slots, T, F] (zeros elsewhere), counts."""
+        full = taps.new_zeros(len(self.owner), *taps.shape[1:])
+        full[slots] = taps
+        n = torch.zeros(len(self.owner), dtype=torch.long)
+        n[slots] = counts
+        return full, n
 
     def step(self, active: list[int], requests: Sequence[Request], done: list[Completion],
-             on_tokens: Callable[[int, list[int]], None] | None) -> list[int]:
-        """One draft -> verify -> commit step for the active slots; returns the slots still running."""
+             on_tokens: Callable[[int, list[int]], None] | None) -> None:
+        """One draft -> verify -> commit step for the active cache slots; finished requests free their slot."""
         start = time.perf_counter()
         slots = torch.tensor(active)
         anchors = self.anchor[slots]  # [N]
@@ -140,23 +177,18 @@ class SpeculativeDecoder:
         self.anchor[slots] = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1)
         if self.drafter is not None:
             t = time.perf_counter()
-            taps = out.taps.new_zeros(len(self.anchor), *out.taps.shape[1:])
-            taps[slots] = out.taps
-            counts = torch.zeros(len(self.anchor), dtype=torch.long)
-            counts[slots] = committed
-            self.drafter.append_context(taps, counts)
+            self.drafter.append_context(*self._scatter(slots, out.taps, committed))
             self.times.drafter_s += time.perf_counter() - t
-        still = []
-        for i, row, k in zip(active, result.tokens.tolist(), committed.tolist()):
+        for s, row, k in zip(active, result.tokens.tolist(), committed.tolist()):
+            i = self.owner[s]
             kept = self._commit(i, requests[i], done[i], row[:k], on_tokens)
             self.metrics.record_step(i, k - 1, kept, gamma)
             done[i].steps += 1
             done[i].committed += kept
-            if not done[i].finish_reason:
-                still.append(i)
+            if done[i].finish_reason:
+                self.owner[s] = -1
         self.times.total_s += time.perf_counter() - start
         self.times.steps += 1
-        return still
 
     def _commit(self, i: int, request: Request, completion: Completion, tokens: list[int],
                 on_tokens: Callable[[int, list[int]], None] | None) -> int:

@@ -1,0 +1,83 @@
+"""Tensor-parallel decode benchmark: runtime/run.py on 1, 2 and 4 MPI ranks × concurrency, with and without
+speculation, on builds of one model (JSON: tokens/s, acceptance length, time per step split)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from beamtrt.cli_util import run_cli
+
+ROOT = Path(__file__).resolve().parents[3]
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
+
+
+def build(precision: str, tp: int, work: Path, model: str | None) -> Path:
+    out = work / f"{precision}-tp{tp}"
+    cmd = [sys.executable, str(ROOT / "build" / "build_engines.py"), "--precision", precision, "--tp", str(tp),
+           "--out", str(out), "--quiet"] + (["--model", model] if model else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"build failed: {proc.stderr.strip().splitlines()[-1]}")
+    return out
+
+
+def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, tokens: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "out.json"
+        cmd = [sys.executable, str(ROOT / "runtime" / "run.py"), "--engine-dir", str(engine), "--prompts",
+               str(prompts), "--concurrency", str(concurrency), "--max-new-tokens", str(tokens), "--quiet",
+               "--json", str(report)] + ([] if spec else ["--no-spec"])
+        if tp > 1:
+            cmd = [str(Path(sys.executable).parent / "mpirun"), "-n", str(tp)] + cmd
+        env = {**os.environ, **MPI_ENV} if tp > 1 else {**os.environ, "OMP_NUM_THREADS": "2"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"run failed (tp {tp}, c {concurrency}): {proc.stderr.strip().splitlines()[-1]}")
+        s = json.loads(report.read_text())["summary"]
+    return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": round(s["acceptance_length"], 3),
+            "steps": s["steps"], "step_s": {k: round(v, 4) for k, v in s["step_s"].items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Decode tokens/s with and without speculation at TP 1/2/4 and several "
+                                            "concurrencies (each TP a separate build of the same model; JSON).")
+    p.add_argument("--model", help="Hugging Face target (default: beam-mini and its drafter)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "nvfp4"),
+                   help="build precision (default: %(default)s)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="rank counts (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32],
+                   help="concurrent requests (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
+    p.add_argument("--work", type=Path, default=ROOT / "bench" / "tp", help="where builds go (default: bench/tp)")
+    p.add_argument("--json", type=Path, help="write the results to this file")
+    args = p.parse_args(argv)
+
+    def body() -> None:
+        from beamtrt.quant.calibrate import default_prompts_path
+
+        args.work.mkdir(parents=True, exist_ok=True)
+        results = {"precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
+        for tp in args.tp:
+            engine = build(args.precision, tp, args.work, args.model)
+            for c in args.concurrency:
+                prompts = args.work / f"prompts-{c}.jsonl"
+                lines = default_prompts_path().read_text().splitlines()
+                prompts.write_text("\n".join((lines * (c // len(lines) + 1))[:max(c, 1)]) + "\n")
+                row = {"tp": tp, "concurrency": c}
+                for spec in (False, True):
+                    row["spec" if spec else "plain"] = decode(engine, tp, prompts, c, spec, args.max_new_tokens)
+                row["speedup"] = round(row["spec"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+                results["runs"].append(row)
+                print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    return run_cli(body)
