@@ -10,7 +10,6 @@ import torch
 
 from beamtrt.checkpoint.hf import save_state_dict
 from beamtrt.config import BeamConfig
-from beamtrt.errors import ConfigError
 from beamtrt.quant import calibrate as cal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,16 +54,8 @@ def test_ranges_equal_modelopt_max_calibration(tmp_path):
         assert ours[site] == pytest.approx(value, rel=1e-5), site
 
 
-def test_prompt_files(tmp_path):
-    assert len(cal.read_prompts(cal.default_prompts_path())) >= 32
-    good = tmp_path / "p.jsonl"
-    good.write_text('{"prompt": "a"}\n\n"b"\n')
-    assert cal.read_prompts(good) == ["a", "b"]
-    for text, needle in (('{"prompt": ', "not valid JSON"), ('{"text": "a"}', "expected a non-empty string"),
-                         ("", "no calibration prompts")):
-        bad = tmp_path / "bad.jsonl"
-        bad.write_text(text)
-        with pytest.raises(ConfigError, match=needle):
-            cal.read_prompts(bad)
-    with pytest.raises(ConfigError, match="not found"):
-        cal.read_prompts(tmp_path / "missing.jsonl")
+def test_packaged_prompts_parse():
+    from beamtrt.prompts import read_chats
+
+    chats = read_chats(cal.default_prompts_path())
+    assert len(chats) >= 32 and all(c[0]["role"] == "user" and c[0]["content"] for c in chats)

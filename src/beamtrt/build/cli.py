@@ -34,8 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "features for the calibration prompts); its fusion fc, norms, convs and selector stay "
                         "high precision (default: %(default)s)")
     p.add_argument("--calib-prompts", type=Path,
-                   help='calibration prompts, JSONL with one {"prompt": "..."} per line (default: the packaged '
-                        "general-purpose set, not taken from any benchmark)")
+                   help='calibration prompts, JSONL with one {"prompt": "..."} or {"messages": [...]} per line, '
+                        "chat-formatted through the model's template (default: the packaged general-purpose set, "
+                        "not taken from any benchmark)")
     p.add_argument("--calib-samples", type=int, default=32,
                    help="calibration sequences (prompts are cycled if fewer) (default: %(default)s)")
     p.add_argument("--out", type=Path, help="output directory (default: engines/<precision>-tp<N>, which "

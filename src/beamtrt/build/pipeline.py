@@ -23,6 +23,7 @@ from beamtrt.checkpoint.hf import CheckpointReader, write_json
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
+from beamtrt.prompts import read_chats
 
 SERVE_BLOCK_SIZE = 8  # the block runtime/run.py verifies by default
 
@@ -66,6 +67,8 @@ class Plan:
         self.drafter_dtype = self.drafter_reader.dtype("fc.weight")
         self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
         prompts = bc.calib_prompts or _default_prompts()
+        if bc.needs_calibration:
+            read_chats(prompts)  # a bad prompt file fails here, before any output exists
         target_files, drafter_files = mf.model_files(bc.model), mf.model_files(bc.drafter)
         drafter_fp8 = bc.drafter_precision == "fp8"
         self.keys = {
@@ -188,8 +191,8 @@ def _calibrate(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
 
     bc = plan.bc
     if (bc.model / "tokenizer.json").is_file() or (bc.model / "tokenizer_config.json").is_file():
-        prompts = cal.read_prompts(bc.calib_prompts or cal.default_prompts_path())
-        sequences = cal.tokenize(bc.model, prompts, bc.calib_samples)
+        sequences = cal.tokenize(bc.model, read_chats(bc.calib_prompts or cal.default_prompts_path()),
+                                 bc.calib_samples)
         source = str(bc.calib_prompts or "packaged calibration prompts")
     else:
         sequences = cal.random_tokens(plan.target_cfg.vocab_size, bc.calib_samples)

@@ -199,6 +199,11 @@ def _attention(sp: _Split, hf: str, trt: str, n_q: int, n_kv: int, head_dim: int
     return units
 
 
+def _layer_norms(sp: _Split, hf: str, trt: str, hidden: int) -> list[Unit]:
+    return [Plain(trt + "input_layernorm.weight", sp.rep(hf + "input_layernorm.weight"), (hidden,)),
+            Plain(trt + "post_layernorm.weight", sp.rep(hf + "post_attention_layernorm.weight"), (hidden,))]
+
+
 def _gated_mlp(sp: _Split, hf: str, trt: str, hidden: int, inter: int) -> list[Unit]:
     """Dense SwiGLU: fc = gate_proj, gate = up_proj (both column-parallel, one shared weight scale), proj =
     down_proj (row-parallel)."""
@@ -245,10 +250,7 @@ def target_units(cfg: BeamConfig, mapping: Mapping) -> list[Unit]:
     ]
     for i in range(cfg.num_hidden_layers):
         hf, trt = f"model.layers.{i}.", f"transformer.layers.{i}."
-        units += [
-            Plain(trt + "input_layernorm.weight", sp.rep(hf + "input_layernorm.weight"), (H,)),
-            Plain(trt + "post_layernorm.weight", sp.rep(hf + "post_attention_layernorm.weight"), (H,)),
-        ]
+        units += _layer_norms(sp, hf, trt, H)
         units += _attention(sp, hf + "self_attn.", trt, cfg.num_attention_heads,
                             cfg.num_key_value_heads, D, H, cfg.attention_bias or cfg.qkv_bias, cfg.attention_bias,
                             cfg.use_qk_norm)
@@ -353,10 +355,7 @@ def drafter_units(cfg: DrafterConfig, mapping: Mapping) -> list[Unit]:
     G = H // cfg.conv_group_size
     for i in range(cfg.num_hidden_layers):
         hf, trt = f"layers.{i}.", f"transformer.layers.{i}."
-        units += [
-            Plain(trt + "input_layernorm.weight", sp.rep(hf + "input_layernorm.weight"), (H,)),
-            Plain(trt + "post_layernorm.weight", sp.rep(hf + "post_attention_layernorm.weight"), (H,)),
-        ]
+        units += _layer_norms(sp, hf, trt, H)
         units += _attention(sp, hf + "self_attn.", trt, cfg.num_attention_heads,
                             cfg.num_key_value_heads, D, H, False, False, True)
         units += _gated_mlp(sp, hf + "mlp.", trt, H, cfg.intermediate_size)

@@ -9,7 +9,6 @@ MoE GEMM.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -18,7 +17,6 @@ import torch
 
 from beamtrt.checkpoint.hf import CheckpointReader
 from beamtrt.config import BeamConfig
-from beamtrt.errors import ConfigError
 
 DEFAULT_PROMPTS = "calib_prompts.jsonl"
 
@@ -27,38 +25,16 @@ def default_prompts_path() -> Path:
     return Path(str(resources.files("beamtrt") / "data" / DEFAULT_PROMPTS))
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """A JSONL file with one {"prompt": "..."} object (or a JSON string) per line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: calibration prompt file not found")
-    prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-        text = obj.get("prompt") if isinstance(obj, dict) else obj
-        if not isinstance(text, str) or not text.strip():
-            raise ConfigError(f"{path}:{n}: expected a non-empty string or {{\"prompt\": \"...\"}}")
-        prompts.append(text)
-    if not prompts:
-        raise ConfigError(f"{path}: no calibration prompts")
-    return prompts
-
-
-def tokenize(model_dir: str | Path, prompts: list[str], samples: int, max_len: int = 256) -> list[torch.Tensor]:
-    """Chat-formatted token ids of the first `samples` prompts (cycled if fewer), each at most max_len tokens."""
+def tokenize(model_dir: str | Path, chats: list[list[dict]], samples: int, max_len: int = 256) -> list[torch.Tensor]:
+    """Chat-formatted token ids of the first `samples` chats (cycled if fewer), each at most max_len tokens."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     out = []
     for i in range(samples):
-        chat = [{"role": "user", "content": prompts[i % len(prompts)]}]
+        chat = chats[i % len(chats)]
         ids = tok.apply_chat_template(chat, add_generation_prompt=True) if tok.chat_template else tok.encode(
-            prompts[i % len(prompts)])
+            "\n".join(m["content"] for m in chat))
         out.append(torch.tensor(ids[:max_len], dtype=torch.long))
     return out
 

@@ -13,6 +13,7 @@ import torch
 
 from beamtrt.cli_util import run_cli
 from beamtrt.errors import BeamtrtError, CheckpointError
+from beamtrt.prompts import read_chats
 from beamtrt.spec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = (
@@ -96,33 +97,6 @@ def _run_ranks(args: argparse.Namespace, dist) -> int:
     return 0
 
 
-def read_prompts(path: str) -> list[list[dict]]:
-    """Chats from a JSONL file; each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BeamtrtError(f"{path}: cannot read the prompts file ({e.__class__.__name__})") from None
-    chats = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            chats.append([{"role": "user", "content": obj["prompt"]}])
-        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in obj["messages"]) and obj["messages"]:
-            chats.append(obj["messages"])
-        else:
-            raise BeamtrtError(f'{path}:{n}: expected {{"prompt": str}} or {{"messages": [{{"role", "content"}}]}}')
-    if not chats:
-        raise BeamtrtError(f"{path}: no prompts")
-    return chats
-
-
 def cut_at_stop(text: str, stops: list[str]) -> str:
     """The text before the earliest stop string (the whole text when none occurs)."""
     cut = min((text.index(s) for s in stops if s in text), default=len(text))
@@ -177,7 +151,7 @@ def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
 def _setup(args: argparse.Namespace, dist) -> Setup:
     """Everything checked before any weight is loaded (identical on every rank)."""
     params = _validate(args)
-    chats = read_prompts(args.prompts) if args.prompts else [
+    chats = read_chats(args.prompts) if args.prompts else [
         [{"role": "user", "content": p}] for p in (args.prompt or DEFAULT_PROMPTS)]
     engine_dir = resolve_engine_dir(args)
     manifest = None
