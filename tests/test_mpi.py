@@ -134,3 +134,21 @@ def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("max relative logit difference") == 1
     assert float(proc.stdout.split()[-1]) < 1e-4
+
+
+def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
+    """SIGINT to mpirun mid-decode ends the job within seconds and leaves no rank behind."""
+    import signal
+
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
+    cmd = [MPIRUN, "-n", "4", sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(engine),
+           "--max-new-tokens", "2000", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    time.sleep(8)
+    assert proc.poll() is None  # still decoding
+    start = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0 and time.perf_counter() - start < 15
+    left = subprocess.run(["pgrep", "-f", str(engine)], capture_output=True, text=True).stdout.split()
+    assert left == []

@@ -501,7 +501,9 @@ def kv_cache_scales(num_layers: int, amax: dict[str, float]) -> Iterator[tuple[s
 RankTensors = Callable[[int, str], torch.Tensor]  # (rank, name) -> tensor
 
 
-def _dequantize(precision: str, get: Callable[[str], torch.Tensor], prefix: str, slot: int | None) -> torch.Tensor:
+def dequantize_unit(precision: str, get: Callable[[str], torch.Tensor], prefix: str, slot: int | None
+                    ) -> torch.Tensor:
+    """One rank's weight of a Linear unit (`prefix`; expert `slot` of a stacked one), dequantized to fp32."""
     def one(key: str) -> torch.Tensor:
         t = get(f"{prefix}.{key}")
         return t if slot is None else t[slot]
@@ -539,7 +541,7 @@ def unshard(units: list[Unit], get: RankTensors, tp: int, precision: str,
             for slot in range(unit.expert_slots):
                 holders: dict[int, dict[int, torch.Tensor]] = {}  # expert -> {rank: its fused weight}
                 for r, ids in enumerate(unit.experts):
-                    holders.setdefault(ids[slot], {})[r] = _dequantize(precision, lambda n, r=r: get(r, n),
+                    holders.setdefault(ids[slot], {})[r] = dequantize_unit(precision, lambda n, r=r: get(r, n),
                                                                        unit.name, slot)
                 for e, by_rank in holders.items():
                     names = [p.source.format(e=e) for p in unit.parts]
@@ -547,7 +549,7 @@ def unshard(units: list[Unit], get: RankTensors, tp: int, precision: str,
         else:
             names = [p.source for p in unit.parts]
             rows = _rows(unit.parts, names, source_shapes)
-            by_rank = {r: _dequantize(precision, lambda n, r=r: get(r, n), unit.name, None) for r in range(tp)}
+            by_rank = {r: dequantize_unit(precision, lambda n, r=r: get(r, n), unit.name, None) for r in range(tp)}
             yield from zip(names, _assemble(unit.parts, by_rank, rows))
             if unit.bias:
                 biases = {r: get(r, f"{unit.name}.bias") for r in range(tp)}

@@ -37,7 +37,7 @@ def target_shard_config(cfg: BeamConfig, mapping: trtllm.Mapping) -> BeamConfig:
         vocab_size=trtllm.padded_vocab(cfg.vocab_size, tp) // tp, tie_word_embeddings=False)
 
 
-def drafter_shard_config(cfg: DrafterConfig, target_cfg: BeamConfig, mapping: trtllm.Mapping) -> DrafterConfig:
+def drafter_shard_config(cfg: DrafterConfig, mapping: trtllm.Mapping) -> DrafterConfig:
     tp = mapping.tp_size
     return dataclasses.replace(cfg, **_local_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp),
                                intermediate_size=cfg.intermediate_size // tp,
@@ -111,10 +111,10 @@ def _rank_tensors(ckpt: TrtllmCheckpoint, rank: int):
             yield unit.name, get(unit.name)
             continue
         if unit.expert_slots:
-            yield f"{unit.name}.weight", torch.stack([trtllm._dequantize(ckpt.precision, get, unit.name, s)
+            yield f"{unit.name}.weight", torch.stack([trtllm.dequantize_unit(ckpt.precision, get, unit.name, s)
                                                       for s in range(unit.expert_slots)])
         else:
-            yield f"{unit.name}.weight", trtllm._dequantize(ckpt.precision, get, unit.name, None)
+            yield f"{unit.name}.weight", trtllm.dequantize_unit(ckpt.precision, get, unit.name, None)
             if unit.bias:
                 yield f"{unit.name}.bias", get(f"{unit.name}.bias")
 
@@ -188,7 +188,7 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
         cfg.check_target(target.full_cfg)
     except ConfigError as err:
         raise ConfigError(f"{ckpt.path / 'config.json'}: {err}") from None
-    local = drafter_shard_config(cfg, target.full_cfg, ckpt.mapping)
+    local = drafter_shard_config(cfg, ckpt.mapping)
     with torch.device("meta"):
         model = DFlash2Drafter(local, target, shard=target.shard)
     model = model.to_empty(device="cpu").to(dtype or target.dtype)
