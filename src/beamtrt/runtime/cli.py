@@ -246,16 +246,19 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         streamed.extend(ids)
         print(tokenizer.decode(streamed, skip_special_tokens=True)[len(before):], end="", flush=True)
 
+    def text(c) -> str:
+        return cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), args.stop).strip()
+
+    def on_finish(i: int, c) -> None:  # several requests: each is printed as soon as it finishes
+        print(f"\n>>> {chats[i][-1]['content']}\n{text(c)}", flush=True)
+
     start = time.perf_counter()
-    completions = decoder.generate(requests, on_tokens if stream else None, concurrency=args.concurrency or None)
+    completions = decoder.generate(requests, on_tokens if stream else None, concurrency=args.concurrency or None,
+                                   on_finish=None if stream or args.quiet else on_finish)
     elapsed = time.perf_counter() - start
-    texts = [cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), args.stop).strip()
-             for c in completions]
+    texts = [text(c) for c in completions]
     if stream:
         print()
-    elif not args.quiet:
-        for chat, text in zip(chats, texts):
-            print(f"\n>>> {chat[-1]['content']}\n{text}")
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
     mode = ("no-spec" if args.no_spec else f"block {args.block_size}") + f", {what}, backend torch"

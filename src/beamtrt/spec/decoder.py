@@ -76,10 +76,12 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[Request], on_tokens: Callable[[int, list[int]], None] | None = None,
-                 concurrency: int | None = None) -> list[Completion]:
+                 concurrency: int | None = None,
+                 on_finish: Callable[[int, Completion], None] | None = None) -> list[Completion]:
         """Serve every request until each hits a stop or its max_new_tokens, at most `concurrency` at a time
         (default: all at once). Continuous batching: a finished request's cache slot is refilled from the queue
-        (prefilled) before the next step. on_tokens(request index, tokens) sees every committed token."""
+        (prefilled) before the next step. on_tokens(request index, tokens) sees every committed token,
+        on_finish(request index, completion) every request as it finishes."""
         n = len(requests)
         if n == 0:
             return []
@@ -94,6 +96,7 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.allocate(slots)
         done = [Completion() for _ in requests]
+        self.on_finish = on_finish
         self.owner = [-1] * slots  # request served by each cache slot (-1: free)
         self.anchor = torch.zeros(slots, dtype=torch.long)  # [slots] last committed token, not yet in the target KV
         self.position = torch.zeros(slots, dtype=torch.long)  # [slots] tokens in the target KV = the anchor's position
@@ -133,7 +136,7 @@ class SpeculativeDecoder:
             self.owner[s] = i
             self._commit(i, requests[i], done[i], [token], on_tokens)
             if done[i].finish_reason:
-                self.owner[s] = -1
+                self._release(s, done[i])
 
     def _scatter(self, slots: torch.Tensor, taps: torch.Tensor, counts: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,9 +189,15 @@ class SpeculativeDecoder:
             done[i].steps += 1
             done[i].committed += kept
             if done[i].finish_reason:
-                self.owner[s] = -1
+                self._release(s, done[i])
         self.times.total_s += time.perf_counter() - start
         self.times.steps += 1
+
+    def _release(self, slot: int, completion: Completion) -> None:
+        """A request finished: free its slot (reset when the next request is prefilled into it)."""
+        i, self.owner[slot] = self.owner[slot], -1
+        if self.on_finish is not None:
+            self.on_finish(i, completion)
 
     def _commit(self, i: int, request: Request, completion: Completion, tokens: list[int],
                 on_tokens: Callable[[int, list[int]], None] | None) -> int:
