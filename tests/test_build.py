@@ -15,6 +15,7 @@ from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.models.beam import load_beam
 from beamtrt.models.dflash2 import random_drafter, save_drafter
 from beamtrt.models.random_beam import write_random_beam
+from test_cli import assert_one_line_error as one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = BeamConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -38,15 +39,6 @@ def build(sources: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     if "--precision" not in args:
         cmd += ["--precision", "bf16"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-
-
-def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def no_leftovers(parent: Path) -> None:

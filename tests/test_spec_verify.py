@@ -8,7 +8,6 @@ verifier, e.g. one with a 1% total-variation bias on the first emitted token, fa
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

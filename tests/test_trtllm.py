@@ -10,7 +10,6 @@ from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, load_target, write_checkpoint
 from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import ConfigError
-from beamtrt.models.beam import hf_tensor_specs
 from beamtrt.models.dflash2 import drafter_tensor_specs
 from beamtrt.models.random_beam import random_tensors
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.cli_util import run_cli
+from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -59,7 +60,8 @@ def run_build(target: Path, drafter: Path, out: Path, precision: str, tp: int) -
     err = proc.stderr.read()
     proc.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"build failed ({precision}): {err.strip().splitlines()[-1] if err.strip() else status}")
+        raise BeamtrtError(f"build failed ({precision}): "
+                              f"{err.strip().splitlines()[-1].removeprefix('error: ') if err.strip() else status}")
     manifest = json.loads((out / "manifest.json").read_text())
     return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024,
             "stage_seconds": {k: v.get("seconds") for k, v in manifest["stages"].items() if v.get("seconds")}}

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from beamtrt.cli_util import run_cli
+from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -24,7 +25,7 @@ def build(precision: str, tp: int, work: Path, model: str | None) -> Path:
            "--out", str(out), "--quiet"] + (["--model", model] if model else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f"build failed: {proc.stderr.strip().splitlines()[-1]}")
+        raise BeamtrtError(f"build failed: {proc.stderr.strip().splitlines()[-1].removeprefix('error: ')}")
     return out
 
 
@@ -39,7 +40,8 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         env = {**os.environ, **MPI_ENV} if tp > 1 else {**os.environ, "OMP_NUM_THREADS": "2"}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if proc.returncode != 0:
-            raise RuntimeError(f"run failed (tp {tp}, c {concurrency}): {proc.stderr.strip().splitlines()[-1]}")
+            raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): "
+                               f"{proc.stderr.strip().splitlines()[-1].removeprefix('error: ')}")
         s = json.loads(report.read_text())["summary"]
     return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": round(s["acceptance_length"], 3),
             "steps": s["steps"], "step_s": {k: round(v, 4) for k, v in s["step_s"].items()}}

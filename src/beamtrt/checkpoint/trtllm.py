@@ -8,10 +8,8 @@ TensorRT-LLM export writes (`reference/trtllm.md` §A4, §B1).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
