@@ -145,7 +145,6 @@ class Shard:
     vocab_size: int              # the real (global) vocabulary; the gathered logits are cut to it
     expert_start: int            # first global expert id the rank holds
     num_local_experts: int
-    reduce_rank: int             # this rank's index (a row-parallel bias is added by rank 0 only)
     allreduce: Callable[[torch.Tensor], torch.Tensor]   # sum over ranks (identical result on every rank)
     allgather: Callable[[torch.Tensor], torch.Tensor]   # concatenate every rank's last dim
 

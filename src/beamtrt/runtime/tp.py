@@ -52,10 +52,25 @@ def make_shard(cfg: BeamConfig, mapping: trtllm.Mapping, rank: int, dist: Dist):
     e_local = cfg.num_experts // mapping.moe_ep_size
     return Shard(vocab_start=rank * local_v, vocab_size=cfg.vocab_size,
                  expert_start=mapping.moe_ranks(rank)[1] * e_local, num_local_experts=e_local,
-                 reduce_rank=rank, allreduce=dist.allreduce, allgather=dist.allgather_last)
+                 allreduce=dist.allreduce, allgather=dist.allgather_last)
 
 
 # ---- one rank's tensors -> the shard's parameters (name tables) ---------------------------------------------
+
+def _layer_table(attn: str, input_norm: str, post_norm: str) -> list[tuple[str, str, str]]:
+    """A decoder layer's norms and attention (the target and the drafter name their modules differently)."""
+    layer = r"transformer\.layers\.(\d+)\."
+    return [(layer + trt, "layers.{}." + ours, how) for trt, ours, how in (
+        (r"input_layernorm\.weight", input_norm + ".weight", "copy"),
+        (r"post_layernorm\.weight", post_norm + ".weight", "copy"),
+        (r"attention\.qkv\.weight", attn + ".qkv.weight", "copy"),
+        (r"attention\.qkv\.bias", attn + ".qkv.bias", "copy"),
+        (r"attention\.dense\.weight", attn + ".o_proj.weight", "copy"),
+        (r"attention\.dense\.bias", attn + ".o_proj.bias", "bias0"),
+        (r"attention\.q_layernorm\.weight", attn + ".q_norm.weight", "copy"),
+        (r"attention\.k_layernorm\.weight", attn + ".k_norm.weight", "copy"),
+    )]
+
 
 # (TensorRT-LLM name, our parameter, how): how = "copy" | "gate" / "up" (a half of a fused [gate; up]) |
 # "up_gate" (TensorRT-LLM's [up; gate] -> our [gate; up]) | "bias0" (added once: rank 0 keeps it)
@@ -63,14 +78,7 @@ _TARGET_TABLE = [
     (r"transformer\.vocab_embedding\.weight", "embed.weight", "copy"),
     (r"transformer\.ln_f\.weight", "norm.weight", "copy"),
     (r"lm_head\.weight", "lm_head.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.input_layernorm\.weight", "layers.{}.input_norm.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.post_layernorm\.weight", "layers.{}.post_attn_norm.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.qkv\.weight", "layers.{}.attn.qkv.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.qkv\.bias", "layers.{}.attn.qkv.bias", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.dense\.weight", "layers.{}.attn.o_proj.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.dense\.bias", "layers.{}.attn.o_proj.bias", "bias0"),
-    (r"transformer\.layers\.(\d+)\.attention\.q_layernorm\.weight", "layers.{}.attn.q_norm.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.k_layernorm\.weight", "layers.{}.attn.k_norm.weight", "copy"),
+    *_layer_table("attn", "input_norm", "post_attn_norm"),
     (r"transformer\.layers\.(\d+)\.mlp\.router\.weight", "layers.{}.mlp.router.weight", "copy"),
     (r"transformer\.layers\.(\d+)\.mlp\.shared_expert\.fc\.weight", "layers.{}.mlp.shared.gate_up.weight", "up_gate"),
     (r"transformer\.layers\.(\d+)\.mlp\.shared_expert\.proj\.weight", "layers.{}.mlp.shared.down.weight", "copy"),
@@ -80,7 +88,7 @@ _MOE_TABLE = [  # MoE layers: stacked experts
     (r"transformer\.layers\.(\d+)\.mlp\.fc\.weight", "layers.{}.mlp.w_gate_up", "up_gate"),
     (r"transformer\.layers\.(\d+)\.mlp\.proj\.weight", "layers.{}.mlp.w_down", "copy"),
 ]
-_DENSE_TABLE = [  # dense layers: fc = gate_proj, gate = up_proj
+_DENSE_TABLE = [  # dense layers (and the drafter's MLP): fc = gate_proj, gate = up_proj
     (r"transformer\.layers\.(\d+)\.mlp\.fc\.weight", "layers.{}.mlp.gate_up.weight", "gate"),
     (r"transformer\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{}.mlp.gate_up.weight", "up"),
     (r"transformer\.layers\.(\d+)\.mlp\.proj\.weight", "layers.{}.mlp.down.weight", "copy"),
@@ -90,15 +98,8 @@ _DRAFTER_TABLE = [
     (r"transformer\.hidden_norm\.weight", "hidden_norm.weight", "copy"),
     (r"transformer\.ln_f\.weight", "norm.weight", "copy"),
     (r"candidate_selector\.(.+)", "candidate_selector.{}", "copy"),
-    (r"transformer\.layers\.(\d+)\.input_layernorm\.weight", "layers.{}.input_layernorm.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.post_layernorm\.weight", "layers.{}.post_attention_layernorm.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.qkv\.weight", "layers.{}.self_attn.qkv.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.dense\.weight", "layers.{}.self_attn.o_proj.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.q_layernorm\.weight", "layers.{}.self_attn.q_norm.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.attention\.k_layernorm\.weight", "layers.{}.self_attn.k_norm.weight", "copy"),
-    (r"transformer\.layers\.(\d+)\.mlp\.fc\.weight", "layers.{}.mlp.gate_up.weight", "gate"),
-    (r"transformer\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{}.mlp.gate_up.weight", "up"),
-    (r"transformer\.layers\.(\d+)\.mlp\.proj\.weight", "layers.{}.mlp.down.weight", "copy"),
+    *_layer_table("self_attn", "input_layernorm", "post_attention_layernorm"),
+    *_DENSE_TABLE,
     (r"transformer\.layers\.(\d+)\.(attention_conv|mlp_conv)\.(.+)", "layers.{}.{}.{}", "copy"),
 ]
 
