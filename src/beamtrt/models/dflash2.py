@@ -177,6 +177,17 @@ class CandidateSelector(nn.Module):
         edge = torch.einsum("nsir,nsjr->nsij", a * g.unsqueeze(2), b)
         return cand, unary.float().unsqueeze(2) + edge
 
+    def teacher_forced_scores(self, logits: torch.Tensor, hidden: torch.Tensor, prev_ids: torch.Tensor,
+                              top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training form of `edge_scores` with known predecessors: logits [N, S, V]; hidden [N, S, H];
+        prev_ids [N, S] the true token before each slot (the anchor for slot 0) ->
+        (cand_ids [N, S, K], scores [N, S, K] fp32 = S_t(prev_t, cand_j)); gradients reach the logits too."""
+        unary, cand = torch.topk(logits, top_k, dim=-1)  # [N, S, K]
+        g = self.hidden_projection(hidden).float()  # [N, S, r]
+        a = self.predecessor_codebook[prev_ids].float()  # [N, S, r]
+        b = self.successor_codebook[cand].float()  # [N, S, K, r]
+        return cand, unary.float() + torch.einsum("nsr,nskr->nsk", a * g, b)
+
 
 # ---- windowed context cache (dflash.md §1.2) -----------------------------------------------------------------
 

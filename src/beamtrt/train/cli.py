@@ -1,0 +1,146 @@
+"""Command line of scripts/train_drafter.py: target answers with taps (resumable), then DFlash 2 training (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import run_cli
+from beamtrt.errors import BeamtrtError
+
+
+
+def drafter_config(target_cfg, layers: int, selector_rank: int):
+    """The DFlash 2 layout trained for a target: `layers` draft layers, 5 taps spread over the target's depth,
+    the target's head layout and dense MLP width, mask token 0, selector of the given rank."""
+    from beamtrt.config import DrafterConfig
+
+    n = target_cfg.num_hidden_layers
+    taps = tuple(sorted({min(n - 1, round(1 + i * (n - 4) / 4)) for i in range(5)})) if n >= 5 else tuple(range(n))
+    return DrafterConfig.for_target(target_cfg, num_hidden_layers=layers, target_layer_ids=taps, mask_token_id=0,
+                                    selector_rank=min(selector_rank, target_cfg.hidden_size))
+
+
+def init_drafter(cfg, target, seed: int):
+    """fp32 drafter initialized per the recipe (dflash.md §3.4): linears N(0, 0.02), identity convs (projection 0),
+    predecessor codebook N(0, 0.02), successor codebook 0 — so it starts as an exact DFlash v1."""
+    from beamtrt.models.dflash2 import random_drafter
+
+    drafter = random_drafter(cfg, target, seed=seed, dtype=torch.float32, conv_std=0.0)
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.zero_()
+    return drafter
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from beamtrt.train.features import DataRecipe
+    from beamtrt.train.trainer import TrainConfig
+
+    d, t = DataRecipe(), TrainConfig()
+    p = argparse.ArgumentParser(
+        description="Train a DFlash 2 drafter for a Beam-architecture target. Phase 1 has the target answer a mix "
+                    "of training prompts (math, code, general; no benchmark set) and caches its tapped hidden "
+                    "states; phase 2 trains the drafter on them. Both phases resume where an interrupted run "
+                    "stopped. The result is a drafter checkpoint directory that runtime/run.py and "
+                    "build/build_engines.py accept as --drafter.")
+    io = p.add_argument_group("paths")
+    io.add_argument("--target", help="target checkpoint (default: beam-mini, created if missing)")
+    io.add_argument("--data", help="feature cache directory (default: checkpoints/<target>-dflash2-data)")
+    io.add_argument("--work", help="training state directory, for resuming (default: checkpoints/<target>-dflash2-train)")
+    io.add_argument("--out", help="trained drafter output (default: checkpoints/<target>-dflash2)")
+    data = p.add_argument_group("phase 1: target answers")
+    data.add_argument("--prompts", type=int, default=d.prompts, help="training prompts to answer (default: %(default)s)")
+    data.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                      help="answer length cap (default: %(default)s)")
+    data.add_argument("--gen-batch", type=int, default=d.batch, help="answers decoded together (default: %(default)s)")
+    data.add_argument("--data-seed", type=int, default=d.seed, help="seed of the prompt mix and sampling (default: %(default)s)")
+    tr = p.add_argument_group("phase 2: training")
+    tr.add_argument("--steps", type=int, default=t.steps, help="optimizer steps (default: %(default)s)")
+    tr.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step, help="sequences per step (default: %(default)s)")
+    tr.add_argument("--anchors", type=int, default=t.anchors_per_seq, help="blocks per sequence (default: %(default)s)")
+    tr.add_argument("--block-size", type=int, default=t.block_size, help="training block size (default: %(default)s)")
+    tr.add_argument("--eval-block-size", type=int, default=t.eval_block_size,
+                    help="serving block size the eval measures (default: %(default)s)")
+    tr.add_argument("--lr", type=float, default=t.lr, help="peak AdamW learning rate (default: %(default)s)")
+    tr.add_argument("--gamma", type=float, default=t.gamma, help="loss decay exp(-(k-1)/gamma) (default: %(default)s)")
+    tr.add_argument("--selector-weight", type=float, default=t.selector_weight,
+                    help="weight of the selector loss (default: %(default)s)")
+    tr.add_argument("--seed", type=int, default=t.seed, help="seed of initialization and draws (default: %(default)s)")
+    tr.add_argument("--eval-every", type=int, default=t.eval_every, help="held-out eval period in steps (default: %(default)s)")
+    tr.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
+                    help="training-state save period in steps (default: %(default)s)")
+    tr.add_argument("--layers", type=int, default=2, help="draft layers (default: %(default)s)")
+    tr.add_argument("--selector-rank", type=int, default=32, help="selector codebook rank (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def run() -> None:
+        from transformers import AutoTokenizer
+
+        from beamtrt.models.beam import load_beam
+        from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
+        from beamtrt.models.dflash2 import save_drafter
+        from beamtrt.train.features import DataRecipe, build_features, load_features
+        from beamtrt.train.prompts import training_prompts
+        from beamtrt.train.trainer import TrainConfig, train, write_log
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        for name in ("prompts", "max_new_tokens", "gen_batch", "layers", "selector_rank"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
+                          block_size=args.block_size, eval_block_size=args.eval_block_size, lr=args.lr,
+                          gamma=args.gamma, selector_weight=args.selector_weight, seed=args.seed,
+                          eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+        recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
+                            batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size))
+        target_dir = Path(args.target) if args.target else ensure_beam_mini()
+        if not (target_dir / "config.json").is_file():
+            raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
+        name = target_dir.resolve().name
+        data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
+        work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
+        out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2"
+
+        target = load_beam(target_dir, dtype=torch.float32).requires_grad_(False)
+        dcfg = drafter_config(target.cfg, args.layers, args.selector_rank)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        t0 = time.perf_counter()
+        build_features(target, tokenizer, dcfg.target_layer_ids, training_prompts(recipe.prompts, recipe.seed),
+                       data_dir, recipe, quiet=args.quiet)
+        data = load_features(data_dir)
+        n_answer = int(sum(int(data.seq_start[i + 1] - data.seq_start[i]) - int(data.prompt_len[i])
+                           for i in range(len(data))))
+        print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
+              file=sys.stderr)
+
+        drafter = init_drafter(dcfg, target, cfg.seed)
+        log = train(drafter, data, cfg, work, quiet=args.quiet)
+        write_log(work / "train_log.jsonl", log)
+
+        save_drafter(drafter.to(target.dtype if target.dtype != torch.float32 else torch.bfloat16), out,
+                     overwrite=True)
+        write_log(out / "train_log.jsonl", log)
+        final = next((row for row in reversed(log) if "eval_tau" in row), {})
+        summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "train": dataclasses.asdict(cfg),
+                   "data_sequences": len(data), "data_tokens": int(data.ids.shape[0]), "answer_tokens": n_answer,
+                   "train_seconds_this_run": round(time.perf_counter() - t0, 1),
+                   "train_seconds_total": round(sum(row["seconds"] for row in log), 1),
+                   "final_eval": {k: v for k, v in final.items() if k.startswith("eval_")}}
+        (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"drafter: {out}  (held-out greedy acceptance length at block {cfg.eval_block_size}: "
+              f"{final.get('eval_tau', float('nan')):.2f})")
+
+    return run_cli(run)

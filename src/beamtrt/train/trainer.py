@@ -1,0 +1,281 @@
+"""DFlash 2 drafter training (dflash.md §3): random anchors, blocks over tapped context, decayed CE + selector loss.
+
+One step draws `seqs_per_step` training sequences and up to `anchors_per_seq` anchors in each (positions whose
+next token is also answer text). Block n is [x_p, MASK × (B−1)] at positions p .. p+B−1; it runs through the
+drafter's own layers (`DraftLayer`, the serving code) against the context K/V of the positions before p, inside
+the window, and its own block bidirectionally. Slot k (k = 1..B−1) predicts x_{p+k} through the target's frozen
+LM head with weight exp(−(k−1)/γ); the selector scores the slot's top-K with the true predecessor x_{p+k−1}.
+Every random draw comes from a generator seeded by (seed, step), so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from beamtrt.errors import BeamtrtError
+from beamtrt.models.dflash2 import DFlash2Drafter
+from beamtrt.spec.selector import walk_greedy
+from beamtrt.train.features import FeatureSet
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 16
+    block_size: int = 16            # training block (serving uses a smaller one)
+    eval_block_size: int = 8
+    lr: float = 1e-3                # the 8B-scale recipe uses 6e-4; a 12M drafter on a 1000-step schedule takes 1e-3
+    warmup: float = 0.04            # fraction of steps with a linear ramp, then cosine down to min_lr_ratio · lr
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    gamma: float = 7.0              # loss decay: w_k = exp(−(k−1)/γ)
+    selector_weight: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    checkpoint_every: int = 25
+    eval_sequences: int = 32        # the last greedy sequences of the data: held out, never trained on
+    eval_anchors: int = 12          # evenly spaced anchors per held-out sequence
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seqs_per_step", "anchors_per_seq", "eval_every", "checkpoint_every",
+                     "eval_anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 2 <= self.eval_block_size <= self.block_size:
+            raise ValueError(f"eval block size {self.eval_block_size} must be within [2, {self.block_size}]")
+        if not self.lr > 0 or not self.gamma > 0:
+            raise ValueError("lr and gamma must be positive")
+
+
+# ---- one forward over a sequence's blocks ---------------------------------------------------------------------
+
+def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
+                  block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T], taps [T, F] of one sequence; anchors [N] -> (logits [N, B−1, V] fp32, hidden [N, B−1, H]).
+
+    The same computation as DFlash2Drafter.draft for N requests whose context is this sequence's prefix: context
+    features are fused and projected once, and block n sees context positions [max(0, p_n − W), p_n).
+    """
+    target, dtype = drafter.target, drafter.dtype
+    N, S = anchors.shape[0], int(anchors.max())
+    c = drafter.fuse_context(taps[None, :S])  # [1, S, H]
+    ctx_pos = torch.arange(S)
+    ctx_rope = drafter.rotary(ctx_pos[None], dtype)
+    positions = anchors[:, None] + torch.arange(block)  # [N, B]
+    block_ids = torch.full((N, block), drafter.cfg.mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = ids[anchors]
+    h = target.embed_ids(block_ids).to(dtype)
+    rope = drafter.rotary(positions, dtype)
+    visible = (ctx_pos < anchors[:, None]) & (ctx_pos >= anchors[:, None] - drafter.cfg.sliding_window)  # [N, S]
+    mask = torch.cat((visible[:, None].expand(N, block, S), visible.new_ones(N, block, block)), dim=-1)[:, None]
+    for layer in drafter.layers:
+        k, v = layer.self_attn.context_kv(c, ctx_rope)  # [1, S, KV, D]
+        k, v = (t.transpose(1, 2).expand(N, -1, -1, -1) for t in (k, v))  # [N, KV, S, D]
+        h = layer(h, rope, k, v, mask, block, drafter.use_conv)
+    z = drafter.norm(h[:, 1:])
+    return target.lm_logits(z.to(target.dtype)), z
+
+
+def block_labels(ids: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, B−1]: slot k−1 holds x_{p+k}, IGNORE past the sequence's end."""
+    pos = anchors[:, None] + torch.arange(1, block)
+    return torch.where(pos < ids.shape[0], ids[pos.clamp(max=ids.shape[0] - 1)], IGNORE)
+
+
+def decay_weights(block: int, gamma: float) -> torch.Tensor:
+    return torch.exp(-torch.arange(block - 1, dtype=torch.float32) / gamma)  # slot k−1 -> exp(−(k−1)/γ)
+
+
+def accept_lengths(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """drafts, labels [N, S] -> [N] float: 1 + leading matches (the target's bonus token counts as one)."""
+    return 1.0 + (drafts == labels).long().cumprod(-1).sum(-1).float()
+
+
+def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
+                 cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """Weighted sums and weights for one sequence's blocks (summed over sequences, divided once per step)."""
+    logits, z = block_forward(drafter, ids, taps, anchors, cfg.block_size)
+    labels = block_labels(ids, anchors, cfg.block_size)  # [N, S]
+    valid = labels != IGNORE
+    w = decay_weights(cfg.block_size, cfg.gamma)[None].expand_as(labels) * valid
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    prev = torch.cat((ids[anchors][:, None], labels[:, :-1].clamp(min=0)), dim=1)  # teacher-forced predecessors
+    top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
+    cand, scores = drafter.candidate_selector.teacher_forced_scores(logits, z, prev, top_k)
+    hit = cand == labels[..., None]  # [N, S, K]
+    recalled = hit.any(-1) & valid
+    sel_ce = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
+    sel_w = w * recalled
+    top1 = logits.argmax(-1)
+    eval_slots = cfg.eval_block_size - 1
+    return {
+        "base": (ce.view_as(w) * w).sum(), "base_w": w.sum(),
+        "sel": (sel_ce.view_as(w) * sel_w).sum(), "sel_w": sel_w.sum(),
+        "correct": ((top1 == labels) & valid).sum().float(), "count": valid.sum().float(),
+        "recalled": recalled.sum().float(),
+        "tau": accept_lengths(top1[:, :eval_slots], labels[:, :eval_slots]).sum(), "blocks": torch.tensor(float(len(anchors))),
+    }
+
+
+# ---- data split and anchor draws ------------------------------------------------------------------------------
+
+def split(data: FeatureSet, cfg: TrainConfig) -> tuple[list[int], list[int]]:
+    """(train, held-out) sequence indices: the last `eval_sequences` greedy answers are held out."""
+    greedy = [i for i in range(len(data)) if bool(data.greedy[i])]
+    held = greedy[-cfg.eval_sequences:] if len(greedy) > cfg.eval_sequences else []
+    held_set = set(held)
+    train = [i for i in range(len(data)) if i not in held_set and _anchor_range(data, i)[1] > _anchor_range(data, i)[0]]
+    if not train:
+        raise BeamtrtError("the training data has no sequence with at least two answer tokens")
+    return train, held
+
+
+def _anchor_range(data: FeatureSet, i: int) -> tuple[int, int]:
+    """Valid anchors of sequence i: [P, T−1): an answer token followed by another answer token."""
+    length = int(data.seq_start[i + 1] - data.seq_start[i])
+    return int(data.prompt_len[i]), length - 1
+
+
+def draw(data: FeatureSet, train: list[int], cfg: TrainConfig, step: int) -> list[tuple[int, torch.Tensor]]:
+    """The step's (sequence, sorted anchors) pairs, a pure function of (seed, step)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    picks = []
+    for j in torch.randint(len(train), (cfg.seqs_per_step,), generator=gen).tolist():
+        lo, hi = _anchor_range(data, train[j])
+        perm = torch.randperm(hi - lo, generator=gen)[:cfg.anchors_per_seq]
+        picks.append((train[j], (perm + lo).sort().values))
+    return picks
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    warm = max(1, round(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ---- evaluation -----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: TrainConfig) -> dict[str, float]:
+    """Greedy acceptance length at the serving block on held-out greedy answers: the labels are the target's own
+    argmax path, so 1 + leading matches of the selector walk is exactly the τ speculative decoding would see."""
+    block = cfg.eval_block_size
+    taus, taus_top1, recall, count = [], [], 0.0, 0.0
+    for i in held:
+        ids, taps, _ = data.sequence(i)
+        lo, hi = _anchor_range(data, i)
+        if hi <= lo:
+            continue
+        anchors = torch.linspace(lo, hi - 1, min(cfg.eval_anchors, hi - lo)).round().long().unique()
+        logits, z = block_forward(drafter, ids, taps.float(), anchors, block)
+        labels = block_labels(ids, anchors, block)
+        top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
+        cand, scores = drafter.candidate_selector.edge_scores(logits, z, ids[anchors], top_k)
+        drafts, _ = walk_greedy(cand, scores)
+        taus.append(accept_lengths(drafts, labels))
+        taus_top1.append(accept_lengths(logits.argmax(-1), labels))
+        valid = labels != IGNORE
+        recall += float(((cand == labels[..., None]).any(-1) & valid).sum())
+        count += float(valid.sum())
+    if not taus:
+        return {}
+    return {"eval_tau": round(float(torch.cat(taus).mean()), 4),
+            "eval_tau_top1": round(float(torch.cat(taus_top1).mean()), 4),
+            "eval_recall": round(recall / max(count, 1.0), 4)}
+
+
+# ---- the loop -------------------------------------------------------------------------------------------------
+
+def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
+                log: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"step": step, "config": dataclasses.asdict(cfg), "model": drafter.state_dict(),
+                "optimizer": opt.state_dict(), "log": log}, tmp)
+    os.replace(tmp, path)
+
+
+def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Path,
+          on_log: Callable[[dict], None] = lambda row: None, quiet: bool = False,
+          stop_after: int | None = None) -> list[dict]:
+    """Train `drafter` (fp32, in place) for cfg.steps, resuming from work/train_state.pt when it exists.
+
+    Returns the log: one row per step (losses, accuracy, τ proxy at the eval block, lr) plus eval rows.
+    stop_after: end (after checkpointing) once this many steps are done in total (simulates an interruption).
+    """
+    from tqdm import tqdm
+
+    work.mkdir(parents=True, exist_ok=True)
+    state_path = work / "train_state.pt"
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, log = 0, []
+    if state_path.exists():
+        try:
+            state = torch.load(state_path, weights_only=False)
+        except Exception as e:
+            raise BeamtrtError(f"{state_path}: cannot resume, the training state is corrupt ({e.__class__.__name__});"
+                               " remove it to start over") from None
+        if state["config"] != dataclasses.asdict(cfg):
+            raise BeamtrtError(f"{state_path} was written with other training settings: pass the same flags, or "
+                               "remove it (or use another --work directory) to start over")
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, log = state["step"], state["log"]
+    train_ids, held = split(data, cfg)
+    bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", unit="step", disable=quiet, dynamic_ncols=True)
+    drafter.train()
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        opt.zero_grad(set_to_none=True)
+        parts = [block_losses(drafter, *data.sequence(i)[:2], anchors, cfg) for i, anchors in draw(data, train_ids, cfg, step)]
+        total = {k: sum(p[k] for p in parts) for k in parts[0]}
+        base = total["base"] / total["base_w"].clamp(min=1e-9)
+        sel = total["sel"] / total["sel_w"].clamp(min=1e-9)
+        loss = base + cfg.selector_weight * sel
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        opt.step()
+        step += 1
+        loss, base, sel = loss.detach(), base.detach(), sel.detach()
+        row = {"step": step, "loss": round(float(loss), 5), "base": round(float(base), 5),
+               "selector": round(float(sel), 5), "acc": round(float(total["correct"] / total["count"]), 4),
+               "recall": round(float(total["recalled"] / total["count"]), 4),
+               "tau_proxy": round(float(total["tau"] / total["blocks"]), 4), "grad_norm": round(grad_norm, 4),
+               "lr": lr_at(cfg, step - 1), "seconds": round(time.perf_counter() - t0, 3)}
+        if held and (step % cfg.eval_every == 0 or step == cfg.steps):
+            drafter.eval()
+            row.update(evaluate(drafter, data, held, cfg))
+            drafter.train()
+        log.append(row)
+        on_log(row)
+        bar.update(1)
+        bar.set_postfix({k: row[k] for k in ("loss", "acc", "tau_proxy") if k in row} |
+                        ({"eval_tau": row["eval_tau"]} if "eval_tau" in row else {}))
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after:
+            _save_state(state_path, drafter, opt, step, cfg, log)
+        if stop_after is not None and step >= stop_after:
+            break
+    bar.close()
+    drafter.eval()
+    return log
+
+
+def write_log(path: Path, log: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in log))
