@@ -130,6 +130,7 @@ class StepLayout:
 
 
 ActHook = Callable[[torch.Tensor], torch.Tensor]
+SMALL_M = 16  # LM-head inputs of at most this many rows take the W·xᵀ path on CPU (see lm_logits)
 
 
 def _hook(fn: ActHook | None, x: torch.Tensor) -> torch.Tensor:
@@ -334,7 +335,13 @@ class BeamForCausalLM(nn.Module):
     def lm_logits(self, z: torch.Tensor) -> torch.Tensor:
         """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(z, weight).float()
+        rows = z.numel() // z.shape[-1]
+        if 1 < rows <= SMALL_M and z.dtype == torch.float32 and z.device.type == "cpu":
+            # a verify block or a draft: x·Wᵀ with a few rows leaves cores idle in CPU BLAS; W·xᵀ does not
+            # (2x faster for 8 rows of beam-mini's 49,152 x 576 head on the 2-core dev machine)
+            logits = (weight @ z.reshape(rows, -1).T).T.reshape(*z.shape[:-1], -1)
+        else:
+            logits = F.linear(z, weight).float()
         if self.shard is not None:  # vocab-parallel head: every rank gets the whole row, padding cut off
             logits = self.shard.allgather(logits)[..., :self.shard.vocab_size]
         if self.cfg.logit_scale != 1.0:

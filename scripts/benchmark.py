@@ -1,0 +1,11 @@
+"""Acceptance length and side-by-side decode speedup per benchmark family.   python scripts/benchmark.py --help"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without pip install -e
+
+from beamtrt.bench.benchmark import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

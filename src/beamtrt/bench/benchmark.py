@@ -1,0 +1,224 @@
+"""The published-table benchmark: per family, acceptance length (greedy / sampled, block 8 and 16, per position) and
+decode speedup of speculative over plain decoding at each concurrency, measured side by side in one run.
+
+For every family and concurrency c the same requests run twice, plain then speculative, on the same loaded model;
+decode throughput counts the tokens after each request's first (which prefill produces either way) over the time
+spent in decode steps. Greedy speculative outputs are compared with the plain ones token by token and the
+result is reported, never assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import run_cli
+from beamtrt.runtime.cli import DTYPES
+
+SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
+
+
+@dataclass
+class Run:
+    outputs: list[list[int]]
+    decode_tokens_per_s: float
+    acceptance_length: float | None
+    per_position: list[float | None]
+    wall_s: float
+
+
+def decode(target, drafter, block_size: int, requests, concurrency: int, params) -> Run:
+    from beamtrt.spec.decoder import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(target, drafter, block_size if drafter is not None else 1, params)
+    start = time.perf_counter()
+    done = decoder.generate(requests, concurrency=concurrency)
+    wall = time.perf_counter() - start
+    summary = decoder.metrics.summary()
+    tokens = sum(len(c.output_ids) - 1 for c in done)  # the first token of each request comes from prefill
+    return Run(outputs=[c.output_ids for c in done],
+               decode_tokens_per_s=tokens / decoder.times.total_s if decoder.times.total_s else 0.0,
+               acceptance_length=summary["acceptance_length"] if drafter is not None else None,
+               per_position=summary["per_position_acceptance"], wall_s=wall)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def speedup_cell(point: dict) -> str:
+    return f"{point['no_spec_tok_s']:.1f} → {point['spec_tok_s']:.1f} ({point['speedup']:.2f}×)"
+
+
+def markdown(result: dict) -> str:
+    from beamtrt.bench.prompt_sets import FAMILY_NAMES
+
+    cs = result["concurrency"]
+    head = ("| benchmark | τ greedy / sampled (block 8) | τ block 16 | " +
+            " | ".join(f"decode tok/s c={c}" for c in cs) + " | greedy == plain |")
+    lines = [head, "|" + "---|" * (len(cs) + 4)]
+    for fam in result["families"]:
+        tau16 = f"{fam['tau_block16']:.2f}" if fam.get("tau_block16") is not None else "—"
+        cells = [speedup_cell(fam["concurrency"][str(c)]) for c in cs]
+        same = sum(p["greedy_identical"] for p in fam["concurrency"].values())
+        total = sum(p["requests"] for p in fam["concurrency"].values())
+        lines.append(f"| {FAMILY_NAMES.get(fam['family'], fam['family'])} | {fam['tau_greedy']:.2f} / "
+                     f"{fam['tau_sampled']:.2f} | {tau16} | " + " | ".join(cells) + f" | {same}/{total} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path) -> None:
+    """Speedup bars per concurrency beside the acceptance-length bar, one group per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from beamtrt.bench.prompt_sets import FAMILY_NAMES
+
+    fams = result["families"]
+    cs = result["concurrency"]
+    fig, ax = plt.subplots(figsize=(2.2 * len(fams) + 2, 4.2))
+    width = 0.8 / (len(cs) + 1)
+    for j, c in enumerate(cs):
+        xs = [i + j * width for i in range(len(fams))]
+        ys = [f["concurrency"][str(c)]["speedup"] for f in fams]
+        bars = ax.bar(xs, ys, width, label=f"speedup c={c}")
+        ax.bar_label(bars, fmt="%.2f×", fontsize=7)
+    ax2 = ax.twinx()
+    xs = [i + len(cs) * width for i in range(len(fams))]
+    bars = ax2.bar(xs, [f["tau_greedy"] for f in fams], width, color="0.6", label="acceptance length τ")
+    ax2.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([i + width * len(cs) / 2 for i in range(len(fams))],
+                  [FAMILY_NAMES.get(f["family"], f["family"]) for f in fams])
+    ax.set_ylabel("decode speedup (×)")
+    ax2.set_ylabel(f"acceptance length (block {result['block_size']})")
+    ax.axhline(1.0, color="k", linewidth=0.6)
+    ax.set_ylim(0, max(2.0, max(f["concurrency"][str(c)]["speedup"] for f in fams for c in cs) * 1.25))
+    ax2.set_ylim(0, result["block_size"])
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper right")
+    ax.set_title(f"{Path(result['model']).name} + DFlash2, {result['dtype']}, TP {result['tp']}, "
+                 f"{result['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from beamtrt.bench.prompt_sets import LOADERS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
+    p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
+    p.add_argument("--families", nargs="+", default=list(LOADERS), help="benchmark families (default: all: "
+                   f"{' '.join(LOADERS)})")
+    p.add_argument("--prompts", action="append", default=[], metavar="FAMILY=FILE",
+                   help="use this prompts JSONL ({\"prompt\"} or {\"messages\"} per line) for a family, e.g. the "
+                        "official set; a new family name adds a row (repeatable)")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per family (default: %(default)s)")
+    p.add_argument("--c1-prompts", type=int, default=8,
+                   help="prompts of the concurrency-1 runs, which are sequential (default: %(default)s)")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 32],
+                   help="concurrency levels (default: 1 16 32)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=8, help="verification block (default: %(default)s)")
+    p.add_argument("--no-block16", action="store_true", help="skip the block-16 acceptance run")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
+    p.add_argument("--out", default="bench/benchmark", help="writes OUT.json, OUT.md and OUT.png "
+                   "(default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def run() -> None:
+        from transformers import AutoTokenizer
+
+        from beamtrt.bench.prompt_sets import load_chats
+        from beamtrt.models.beam import load_beam
+        from beamtrt.models.beam_mini import ensure_beam_mini
+        from beamtrt.runtime.cli import load_drafter_backend
+        from beamtrt.runtime.torch_backend import TorchTarget
+        from beamtrt.spec.decoder import Request
+        from beamtrt.spec.sampling import SamplingParams
+
+        files = {}
+        for item in args.prompts:
+            fam, sep, path = item.partition("=")
+            if not sep or not fam or not path:
+                raise ValueError(f"--prompts {item!r}: expected FAMILY=FILE.jsonl")
+            files[fam] = path
+        families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
+        if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1 or args.max_new_tokens < 1:
+            raise ValueError("--concurrency, --num-prompts, --c1-prompts and --max-new-tokens must be >= 1")
+        if args.block_size < 2:
+            raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+        out = Path(args.out)
+        if not out.resolve().parent.is_dir():
+            out.parent.mkdir(parents=True, exist_ok=True)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # fail before loading models
+        model_dir = Path(args.model) if args.model else ensure_beam_mini()
+        dtype = DTYPES[args.dtype]
+        model = load_beam(model_dir, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        drafter, drafter_dir = load_drafter_backend(args.drafter, model, dtype, "cpu")
+        target = TorchTarget(model)
+        eos = frozenset(target.eos_token_ids)
+        greedy, sampled = SamplingParams(), SamplingParams(temperature=SAMPLED[0], top_p=SAMPLED[1])
+        cs = sorted(set(args.concurrency))
+        result = {"model": str(model_dir), "drafter": str(drafter_dir), "dtype": args.dtype, "tp": 1,
+                  "device": "cpu", "backend": "torch", "threads": torch.get_num_threads(),
+                  "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
+                  "num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts, "concurrency": cs,
+                  "sampled": {"temperature": SAMPLED[0], "top_p": SAMPLED[1]}, "families": []}
+        for fam in families:
+            requests = [Request(tuple(tok.apply_chat_template(c, add_generation_prompt=True)), args.max_new_tokens,
+                                eos) for c in chats[fam]]
+            row = {"family": fam, "prompts": len(requests), "concurrency": {}}
+            spec_runs = {}
+            for c in cs:
+                reqs = requests[:args.c1_prompts] if c == 1 else requests
+                plain = decode(target, None, 1, reqs, c, greedy)
+                spec = decode(target, drafter, args.block_size, reqs, c, greedy)
+                spec_runs[c] = spec
+                diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
+                point = {"requests": len(reqs), "effective_concurrency": min(c, len(reqs)),
+                         "no_spec_tok_s": round(plain.decode_tokens_per_s, 2),
+                         "spec_tok_s": round(spec.decode_tokens_per_s, 2),
+                         "speedup": round(spec.decode_tokens_per_s / plain.decode_tokens_per_s, 3),
+                         "tau": round(spec.acceptance_length, 3),
+                         "greedy_identical": sum(d is None for d in diverged),
+                         "first_divergence": [d for d in diverged if d is not None][:5]}
+                row["concurrency"][str(c)] = point
+                print(json.dumps({"family": fam, "concurrency": c, **point}), file=sys.stderr, flush=True)
+            widest = spec_runs[cs[-1]] if len(requests) > args.c1_prompts or cs == [1] else spec_runs[cs[0]]
+            row["tau_greedy"] = round(widest.acceptance_length, 3)
+            row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
+            batch = max(cs)
+            samp = decode(target, drafter, args.block_size, requests, batch, sampled)
+            row["tau_sampled"] = round(samp.acceptance_length, 3)
+            row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
+            if not args.no_block16:
+                row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy).acceptance_length, 3)
+            result["families"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "concurrency"}), file=sys.stderr, flush=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        table = markdown(result)
+        out.with_suffix(".md").write_text(table)
+        chart(result, out.with_suffix(".png"))
+        print(table)
+        print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}",
+              file=sys.stderr)
+
+    return run_cli(run)

