@@ -156,13 +156,15 @@ def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
 
 
 
-def beam_mini_drafter_config(target_cfg):
-    """The drafter layout used for beam-mini: 2 layers, 5 taps spread over the target, the target's head layout."""
+def drafter_layout(target_cfg, layers: int = 2, selector_rank: int = 32):
+    """The DFlash 2 layout trained for a target (beam-mini's by default): `layers` draft layers, 5 taps spread over
+    the target's depth, the target's head layout and dense MLP width, mask token 0, selector of the given rank."""
     from beamtrt.config import DrafterConfig
 
-    layers = target_cfg.num_hidden_layers
-    taps = tuple(round(1 + i * (layers - 4) / 4) for i in range(5))
-    return DrafterConfig.for_target(target_cfg, num_hidden_layers=2, target_layer_ids=taps, mask_token_id=0)
+    n = target_cfg.num_hidden_layers
+    taps = tuple(sorted({min(n - 1, round(1 + i * (n - 4) / 4)) for i in range(5)})) if n >= 5 else tuple(range(n))
+    return DrafterConfig.for_target(target_cfg, num_hidden_layers=layers, target_layer_ids=taps, mask_token_id=0,
+                                    selector_rank=min(selector_rank, target_cfg.hidden_size))
 
 
 def default_drafter(target) -> Path:
@@ -178,5 +180,5 @@ def default_drafter(target) -> Path:
         print(f"drafter: no trained drafter yet; creating a deterministic random one in {RANDOM_DRAFTER} "
               "(acceptance length ~1)", file=sys.stderr)
         target = target() if callable(target) and not isinstance(target, torch.nn.Module) else target
-        save_drafter(random_drafter(beam_mini_drafter_config(target.cfg), target, seed=0), RANDOM_DRAFTER)
+        save_drafter(random_drafter(drafter_layout(target.cfg), target, seed=0), RANDOM_DRAFTER)
     return RANDOM_DRAFTER

@@ -16,17 +16,6 @@ from beamtrt.errors import BeamtrtError
 
 
 
-def drafter_config(target_cfg, layers: int, selector_rank: int):
-    """The DFlash 2 layout trained for a target: `layers` draft layers, 5 taps spread over the target's depth,
-    the target's head layout and dense MLP width, mask token 0, selector of the given rank."""
-    from beamtrt.config import DrafterConfig
-
-    n = target_cfg.num_hidden_layers
-    taps = tuple(sorted({min(n - 1, round(1 + i * (n - 4) / 4)) for i in range(5)})) if n >= 5 else tuple(range(n))
-    return DrafterConfig.for_target(target_cfg, num_hidden_layers=layers, target_layer_ids=taps, mask_token_id=0,
-                                    selector_rank=min(selector_rank, target_cfg.hidden_size))
-
-
 def init_drafter(cfg, target, seed: int):
     """fp32 drafter initialized per the recipe (dflash.md §3.4): linears N(0, 0.02), identity convs (projection 0),
     predecessor codebook N(0, 0.02), successor codebook 0 — so it starts as an exact DFlash v1."""
@@ -89,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         from beamtrt.models.beam import load_beam
-        from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
+        from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
         from beamtrt.train.features import DataRecipe, build_features, load_features
         from beamtrt.train.prompts import training_prompts
@@ -115,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2"
 
         target = load_beam(target_dir, dtype=torch.float32).requires_grad_(False)
-        dcfg = drafter_config(target.cfg, args.layers, args.selector_rank)
+        dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
         build_features(target, tokenizer, dcfg.target_layer_ids, training_prompts(recipe.prompts, recipe.seed),
