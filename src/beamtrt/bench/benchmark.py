@@ -141,13 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
-        from transformers import AutoTokenizer
-
         from beamtrt.bench.prompt_sets import load_chats
-        from beamtrt.models.beam import load_beam
-        from beamtrt.models.beam_mini import ensure_beam_mini
-        from beamtrt.runtime.cli import load_drafter_backend
-        from beamtrt.runtime.torch_backend import TorchTarget
+        from beamtrt.bench.spec import load_torch_models
         from beamtrt.spec.decoder import Request
         from beamtrt.spec.sampling import SamplingParams
 
@@ -168,12 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # fail before loading models
-        model_dir = Path(args.model) if args.model else ensure_beam_mini()
-        dtype = DTYPES[args.dtype]
-        model = load_beam(model_dir, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        drafter, drafter_dir = load_drafter_backend(args.drafter, model, dtype, "cpu")
-        target = TorchTarget(model)
+        model_dir, tok, target, drafter, drafter_dir = load_torch_models(args.model, args.drafter, args.dtype)
         eos = frozenset(target.eos_token_ids)
         greedy, sampled = SamplingParams(), SamplingParams(temperature=SAMPLED[0], top_p=SAMPLED[1])
         cs = sorted(set(args.concurrency))

@@ -19,6 +19,16 @@ from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 
 
+def right_padded(prompts: Sequence[Sequence[int]], device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [B, T] right-padded with 0, lengths [B]): the ragged-batch input of forward()."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p, device=device)
+    return ids, lengths
+
+
 class SlotCache:
     """Per-slot lengths, shared by the target's KV cache and the drafter's context cache."""
 

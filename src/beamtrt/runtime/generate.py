@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from beamtrt.models.beam import BeamForCausalLM
+from beamtrt.models.beam import BeamForCausalLM, right_padded
 
 
 @torch.inference_mode()
@@ -15,10 +15,7 @@ def generate(model: BeamForCausalLM, prompts: Sequence[Sequence[int]], max_new_t
     """Greedy tokens for every prompt in one batch: ragged prefill, then one token per step; a row stops at an EOS
     id (kept in its output) or max_new_tokens."""
     B, device = len(prompts), model.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids = torch.zeros(B, int(lengths.max()), dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p, device=device)
+    ids, lengths = right_padded(prompts, device)
     cache = model.new_cache(B, int(lengths.max()) + max_new_tokens)
     logits = model(ids, cache, num_tokens=lengths, last_only=True).logits[:, -1]
     eos = torch.tensor(list(eos_ids), device=device)

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from beamtrt.errors import BeamtrtError
-from beamtrt.models.beam import BeamForCausalLM
+from beamtrt.models.beam import BeamForCausalLM, right_padded
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,7 @@ def answer_with_taps(target: BeamForCausalLM, prompts: Sequence[Sequence[int]], 
     live rows' caches are compacted into a smaller batch (one copy, instead of a gather every step).
     """
     B, device = len(prompts), target.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids = torch.zeros(B, int(lengths.max()), dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p, device=device)
+    ids, lengths = right_padded(prompts, device)
     cache = target.new_cache(B, int(lengths.max()) + max_new_tokens)
     out = target(ids, cache, num_tokens=lengths, taps=taps)
     prompt_taps = torch.cat(out.taps, dim=-1)  # [B, T, F]
