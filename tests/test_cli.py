@@ -66,7 +66,8 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
 
 
 @pytest.mark.parametrize("script, flags", [
-    ("runtime/run.py", ["--engine-dir", "--concurrency", "--model", "--drafter", "--prompt", "--prompts", "--max-new-tokens", "--temperature",
+    ("runtime/run.py", ["--engine-dir", "--concurrency", "--model", "--drafter", "--prompt", "--prompts",
+                        "--max-new-tokens", "--temperature",
                         "--top-p", "--top-k", "--stop", "--block-size", "--no-spec", "--seed", "--json", "--backend",
                         "--dtype", "--device",
                         "--threads", "--quiet"]),

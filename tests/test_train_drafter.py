@@ -24,8 +24,8 @@ def _features(target, n: int = 6, seed: int = 0, max_new: int = 12) -> FeatureSe
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, target.cfg.vocab_size, (int(torch.randint(3, 9, (1,), generator=gen)),),
                              generator=gen).tolist() for _ in range(n)]
-    seqs = answer_with_taps(target, prompts, TAPS, eos_ids=[], max_new_tokens=max_new, sampled=[i % 3 == 2 for i in range(n)],
-                            temperature=0.7, top_p=0.99, gen=gen)
+    seqs = answer_with_taps(target, prompts, TAPS, eos_ids=[], max_new_tokens=max_new,
+                            sampled=[i % 3 == 2 for i in range(n)], temperature=0.7, top_p=0.99, gen=gen)
     lengths = torch.tensor([len(ids) for ids, _ in seqs])
     return FeatureSet(ids=torch.tensor([t for ids, _ in seqs for t in ids]),
                       taps=torch.cat([f for _, f in seqs]).to(torch.bfloat16),

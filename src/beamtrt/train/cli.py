@@ -1,4 +1,4 @@
-"""Command line of scripts/train_drafter.py: target answers with taps (resumable), then DFlash 2 training (resumable)."""
+"""Command line of scripts/train_drafter.py: target answers with taps, then DFlash 2 training; both resumable."""
 
 from __future__ import annotations
 
@@ -41,17 +41,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     io = p.add_argument_group("paths")
     io.add_argument("--target", help="target checkpoint (default: beam-mini, created if missing)")
     io.add_argument("--data", help="feature cache directory (default: checkpoints/<target>-dflash2-data)")
-    io.add_argument("--work", help="training state directory, for resuming (default: checkpoints/<target>-dflash2-train)")
+    io.add_argument("--work", help="training state directory, for resuming "
+                    "(default: checkpoints/<target>-dflash2-train)")
     io.add_argument("--out", help="trained drafter output (default: checkpoints/<target>-dflash2)")
     data = p.add_argument_group("phase 1: target answers")
-    data.add_argument("--prompts", type=int, default=d.prompts, help="training prompts to answer (default: %(default)s)")
+    data.add_argument("--prompts", type=int, default=d.prompts,
+                      help="training prompts to answer (default: %(default)s)")
     data.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                       help="answer length cap (default: %(default)s)")
     data.add_argument("--gen-batch", type=int, default=d.batch, help="answers decoded together (default: %(default)s)")
-    data.add_argument("--data-seed", type=int, default=d.seed, help="seed of the prompt mix and sampling (default: %(default)s)")
+    data.add_argument("--data-seed", type=int, default=d.seed,
+                      help="seed of the prompt mix and sampling (default: %(default)s)")
     tr = p.add_argument_group("phase 2: training")
     tr.add_argument("--steps", type=int, default=t.steps, help="optimizer steps (default: %(default)s)")
-    tr.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step, help="sequences per step (default: %(default)s)")
+    tr.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step,
+                    help="sequences per step (default: %(default)s)")
     tr.add_argument("--anchors", type=int, default=t.anchors_per_seq, help="blocks per sequence (default: %(default)s)")
     tr.add_argument("--block-size", type=int, default=t.block_size, help="training block size (default: %(default)s)")
     tr.add_argument("--eval-block-size", type=int, default=t.eval_block_size,
@@ -61,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--selector-weight", type=float, default=t.selector_weight,
                     help="weight of the selector loss (default: %(default)s)")
     tr.add_argument("--seed", type=int, default=t.seed, help="seed of initialization and draws (default: %(default)s)")
-    tr.add_argument("--eval-every", type=int, default=t.eval_every, help="held-out eval period in steps (default: %(default)s)")
+    tr.add_argument("--eval-every", type=int, default=t.eval_every,
+                    help="held-out eval period in steps (default: %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
                     help="training-state save period in steps (default: %(default)s)")
     tr.add_argument("--layers", type=int, default=2, help="draft layers (default: %(default)s)")

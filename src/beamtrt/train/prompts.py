@@ -120,7 +120,8 @@ def _general_prompts(n: int, rng: random.Random) -> list[str]:
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """Up to n distinct prompts: 40% math (half reasoning-gym, half word problems), 30% code, 30% general; deterministic."""
+    """Up to n distinct prompts, deterministic: 40% math (half reasoning-gym, half word problems), 30% code,
+    30% general."""
     if n < 1:
         raise ValueError(f"number of training prompts must be >= 1, got {n}")
     rng = random.Random(seed)

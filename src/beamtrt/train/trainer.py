@@ -126,7 +126,8 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
         "sel": (sel_ce.view_as(w) * sel_w).sum(), "sel_w": sel_w.sum(),
         "correct": ((top1 == labels) & valid).sum().float(), "count": valid.sum().float(),
         "recalled": recalled.sum().float(),
-        "tau": accept_lengths(top1[:, :eval_slots], labels[:, :eval_slots]).sum(), "blocks": torch.tensor(float(len(anchors))),
+        "tau": accept_lengths(top1[:, :eval_slots], labels[:, :eval_slots]).sum(),
+        "blocks": torch.tensor(float(len(anchors))),
     }
 
 
@@ -244,7 +245,8 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         opt.zero_grad(set_to_none=True)
-        parts = [block_losses(drafter, *data.sequence(i)[:2], anchors, cfg) for i, anchors in draw(data, train_ids, cfg, step)]
+        parts = [block_losses(drafter, *data.sequence(i)[:2], anchors, cfg)
+                 for i, anchors in draw(data, train_ids, cfg, step)]
         total = {k: sum(p[k] for p in parts) for k in parts[0]}
         base = total["base"] / total["base_w"].clamp(min=1e-9)
         sel = total["sel"] / total["sel_w"].clamp(min=1e-9)
