@@ -40,6 +40,7 @@ def test_outputs_follow_the_published_format(result):
     (["--prompts", "gsm8k"], "expected FAMILY=FILE.jsonl"),
     (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
     (["--concurrency", "0"], "must be >= 1"),
+    (["--block-size", "1"], "--block-size must be >= 2"),
 ])
 def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path):
     assert main(args + ["--out", str(tmp_path / "b")]) == 2

@@ -166,3 +166,4 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--steps", "0"), "steps must be >= 1")
     assert_one_line_error(run("scripts/train_drafter.py", "--eval-block-size", "20"), "eval block size 20")
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "nope")), "nope", "config.json")
+    assert_one_line_error(run("scripts/train_drafter.py", "--prompts", "0"), "--prompts must be >= 1")

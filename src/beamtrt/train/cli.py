@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         log = train(drafter, data, cfg, work, quiet=args.quiet)
         write_log(work / "train_log.jsonl", log)
 
-        save_drafter(drafter.to(target.dtype if target.dtype != torch.float32 else torch.bfloat16), out,
-                     overwrite=True)
+        save_drafter(drafter.to(torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
         write_log(out / "train_log.jsonl", log)
         final = next((row for row in reversed(log) if "eval_tau" in row), {})
         summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "train": dataclasses.asdict(cfg),
