@@ -46,6 +46,22 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=["torch", "native"])
+def step_path(request, monkeypatch):
+    """Run the test once on each CPU step path: eager PyTorch, and the fused host kernel for every forward (not only
+    the short ones it takes by default), so that each path is compared with itself."""
+    from beamtrt import native
+
+    if request.param == "torch":
+        monkeypatch.setenv("BEAMTRT_NATIVE", "0")
+    else:
+        if not native.available():
+            pytest.skip("the host kernels cannot be built here")
+        monkeypatch.setenv("BEAMTRT_NATIVE", "1")
+        monkeypatch.setattr(native, "MAX_ROWS", 1 << 30)
+    return request.param
+
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
            "How do bees make honey?", "Explain TCP in one sentence.", "Name a famous painter.",
            "What is 12 times 7?", "Describe the color blue."]

@@ -5,6 +5,8 @@ import torch
 
 from conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("step_path")  # every test on both CPU step paths
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())

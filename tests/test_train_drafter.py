@@ -147,6 +147,7 @@ def test_training_prompts_are_deterministic_and_not_benchmarks():
     assert training_prompts(60, seed=4) != a
 
 
+@pytest.mark.usefixtures("step_path")  # each CPU step path compared with itself
 def test_batched_answers_with_early_finishers_equal_single_runs(target):
     """Rows that stop early (and the cache compaction that follows) change nothing for the rows still going."""
     prompts = [[5, 9, 2, 7], [11, 3], [8, 8, 1, 4, 6, 2], [7, 1, 9]]

@@ -1,14 +1,17 @@
-"""Decode-throughput benchmark: tokens/s per batch size and dtype beside the weight-streaming bound, as JSON.
+"""Decode-throughput benchmark: tokens/s per batch size, dtype and step path beside the weight-streaming bound, as JSON.
 
 The bound at batch 1 is (weight bytes one decode step must read) / (matrix-vector bandwidth): the bandwidth is that
-of one large GEMV in the same dtype, measured in rounds interleaved with the decode steps, so the ratio says how
-much of the step is spent on anything other than streaming weights.
+of one large GEMV in the same dtype -- the faster of PyTorch's and the host kernels' (beamtrt.native) -- measured in
+rounds interleaved with the decode steps, so the ratio says how much of the step is spent on anything other than
+streaming weights. Both step paths (the fused host kernel and eager PyTorch) are measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from beamtrt import native
 from beamtrt.cli_util import run_cli
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
@@ -40,43 +44,76 @@ def active_weight_bytes(model: BeamForCausalLM) -> int:
 
 
 class GemvProbe:
-    """y = W x with W far larger than the caches: the matrix-vector bandwidth the decode step could reach."""
+    """y = W x with W far larger than the caches, through PyTorch and through the host kernels: the matrix-vector
+    bandwidth a decode step could reach."""
 
     def __init__(self, dtype: torch.dtype, mbytes: int = 256, cols: int = 4096):
         self.w = torch.randn(mbytes * 2**20 // (cols * dtype.itemsize), cols).to(dtype)
         self.x = torch.randn(1, cols).to(dtype)
-        self.x @ self.w.T  # warm-up
+        self.gemvs = {"torch": lambda: self.x @ self.w.T}
+        if native.available():
+            self.gemvs["native"] = lambda: native.gemm(self.x, self.w)
+        for gemv in self.gemvs.values():
+            gemv()  # warm-up
 
-    def seconds(self) -> float:
-        t = time.perf_counter()
-        self.x @ self.w.T
-        return time.perf_counter() - t
+    def seconds(self) -> dict[str, float]:
+        times = {}
+        for name, gemv in self.gemvs.items():
+            t = time.perf_counter()
+            gemv()
+            times[name] = time.perf_counter() - t
+        return times
 
     @property
     def bytes(self) -> int:
         return self.w.numel() * self.w.dtype.itemsize
 
 
-def measure(model: BeamForCausalLM, probe: GemvProbe, batch: int, context: int, steps: int,
-            rounds: int = 4) -> tuple[float, float]:
-    """(decode tokens/s, GEMV bytes/s), medians over `rounds` interleaved rounds of probe GEMVs and decode steps,
-    so that both see the same machine (a shared host drifts by tens of percent within a minute)."""
-    cache = model.new_cache(batch, context + steps + 8)
-    gen = torch.Generator().manual_seed(0)
-    model(torch.randint(0, model.cfg.vocab_size, (batch, context), generator=gen), cache, last_only=True)
-    token = torch.randint(0, model.cfg.vocab_size, (batch, 1), generator=gen)
-    for _ in range(2):
-        token = model(token, cache).logits[:, -1].argmax(-1, keepdim=True)
-    cache.crop(cache.lengths - 2)
-    step_times, probe_times = [], []
+@contextlib.contextmanager
+def step_path(path: str):
+    """Run the model's CPU steps on `path`: "native" (the fused host kernel) or "torch" (eager PyTorch)."""
+    old = os.environ.get("BEAMTRT_NATIVE")
+    os.environ["BEAMTRT_NATIVE"] = "1" if path == "native" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["BEAMTRT_NATIVE"]
+        else:
+            os.environ["BEAMTRT_NATIVE"] = old
+
+
+def measure(model: BeamForCausalLM, probe: GemvProbe, batch: int, context: int, steps: int, paths: list[str],
+            rounds: int = 4) -> tuple[dict[str, float], dict[str, float]]:
+    """({path: decode tokens/s}, {GEMV: bytes/s}), medians over `rounds` interleaved rounds of probe GEMVs and of
+    decode steps on every path, so that all see the same machine (a shared host drifts by tens of percent within a
+    minute)."""
+    caches, tokens = {}, {}
+    for path in paths:
+        with step_path(path):
+            cache = model.new_cache(batch, context + steps + 8)
+            gen = torch.Generator().manual_seed(0)
+            model(torch.randint(0, model.cfg.vocab_size, (batch, context), generator=gen), cache, last_only=True)
+            token = torch.randint(0, model.cfg.vocab_size, (batch, 1), generator=gen)
+            for _ in range(2):
+                token = model(token, cache).logits[:, -1].argmax(-1, keepdim=True)
+            cache.crop(cache.lengths - 2)
+            caches[path], tokens[path] = cache, token
+    step_times = {path: [] for path in paths}
+    probe_times = {name: [] for name in probe.gemvs}
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
-        probe_times += [probe.seconds() for _ in range(5)]
-        for _ in range(per_round):
-            t = time.perf_counter()
-            token = model(token, cache).logits[:, -1].argmax(-1, keepdim=True)
-            step_times.append(time.perf_counter() - t)
-    return batch / statistics.median(step_times), probe.bytes / statistics.median(probe_times)
+        for _ in range(5):
+            for name, seconds in probe.seconds().items():
+                probe_times[name].append(seconds)
+        for path in paths:
+            with step_path(path):
+                for _ in range(per_round):
+                    t = time.perf_counter()
+                    tokens[path] = model(tokens[path], caches[path]).logits[:, -1].argmax(-1, keepdim=True)
+                    step_times[path].append(time.perf_counter() - t)
+    return ({path: batch / statistics.median(times) for path, times in step_times.items()},
+            {name: probe.bytes / statistics.median(times) for name, times in probe_times.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
     p.add_argument("--context", type=int, default=64, help="prefill length before decoding (default: %(default)s)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point (default: %(default)s)")
+    p.add_argument("--paths", nargs="+", choices=("native", "torch"), default=["native", "torch"],
+                   help="step paths to measure side by side: the fused host kernel and eager PyTorch (default: both)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)
@@ -95,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if min(args.batches) < 1 or args.steps < 1 or args.context < 1:
             raise ValueError("--batches, --steps and --context must be >= 1")
+        if "native" in args.paths and not native.available():
+            raise RuntimeError("--paths native: the host kernels could not be built here (see the line above)")
         if args.threads:
             torch.set_num_threads(args.threads)
         model_dir = Path(args.model) if args.model else ensure_beam_mini()
@@ -105,16 +146,18 @@ def main(argv: list[str] | None = None) -> int:
             probe = GemvProbe(DTYPES[name])
             step_bytes = active_weight_bytes(model)
             for batch in args.batches:
-                rate, bandwidth = measure(model, probe, batch, args.context, args.steps)
+                rates, bandwidths = measure(model, probe, batch, args.context, args.steps, args.paths)
+                bandwidth = max(bandwidths.values())
                 bound = bandwidth / step_bytes  # tokens/s at batch 1 if only weight streaming took time
-                point = {"dtype": name, "batch": batch, "tokens_per_s": round(rate, 2),
-                         "gemv_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-                         "active_weight_mb_per_step": round(step_bytes / 1e6, 1),
-                         "weight_streaming_bound_tokens_per_s": round(bound * batch, 2)}
-                if batch == 1:
-                    point["fraction_of_bound"] = round(rate / bound, 3)
-                result["results"].append(point)
-                print(json.dumps(point), file=sys.stderr, flush=True)
+                for path, rate in rates.items():
+                    point = {"dtype": name, "batch": batch, "path": path, "tokens_per_s": round(rate, 2),
+                             "gemv_bandwidth_gb_s": {k: round(v / 1e9, 2) for k, v in bandwidths.items()},
+                             "active_weight_mb_per_step": round(step_bytes / 1e6, 1),
+                             "weight_streaming_bound_tokens_per_s": round(bound * batch, 2)}
+                    if batch == 1:
+                        point["fraction_of_bound"] = round(rate / bound, 3)
+                    result["results"].append(point)
+                    print(json.dumps(point), file=sys.stderr, flush=True)
             del model, probe
         text = json.dumps(result, indent=2)
         print(text)

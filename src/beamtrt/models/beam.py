@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from beamtrt import native
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 
@@ -88,18 +89,23 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: BeamConfig):
         super().__init__()
-        self.inv_freq = _inv_freq(cfg)  # fp32 on the host; the table moves to the activations' device
-        self.cos = self.sin = torch.empty(0)
+        self.inv_freq = _inv_freq(cfg)  # fp32 on the host; the tables move to the activations' device and dtype
+        self.size = 0
+        self.tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1
-        if self.cos.shape[0] < needed or self.cos.device != positions.device or self.cos.dtype != dtype:
-            n = max(needed, 2 * self.cos.shape[0], 256)
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), self.inv_freq)
+        if self.size < needed:
+            self.size = max(needed, 2 * self.size, 256)
+            self.tables.clear()
+        key = (positions.device, dtype)
+        if key not in self.tables:
+            freqs = torch.outer(torch.arange(self.size, dtype=torch.float32, device="cpu"), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # rotate-half's sign, for roll()
-            self.cos, self.sin = emb.cos().to(positions.device, dtype), signed_sin.to(positions.device, dtype)
-        return self.cos[positions], self.sin[positions]  # [B, T, D] each
+            self.tables[key] = emb.cos().to(positions.device, dtype), signed_sin.to(positions.device, dtype)
+        cos, sin = self.tables[key]
+        return cos[positions], sin[positions]  # [B, T, D] each
 
 
 def _inv_freq(cfg: BeamConfig) -> torch.Tensor:
@@ -346,7 +352,9 @@ class BeamForCausalLM(nn.Module):
         """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         rows = z.numel() // z.shape[-1]
-        if 1 < rows <= SMALL_M and z.dtype == torch.float32 and z.device.type == "cpu":
+        if native.gemm_usable(weight, rows):  # a draft block or a few rows on CPU: the host kernel's GEMM
+            logits = native.gemm(z.reshape(rows, -1), weight).view(*z.shape[:-1], -1)
+        elif 1 < rows <= SMALL_M and z.dtype == torch.float32 and z.device.type == "cpu":
             # a verify block or a draft: x·Wᵀ with a few rows leaves cores idle in CPU BLAS; W·xᵀ does not
             # (2x faster for 8 rows of beam-mini's 49,152 x 576 head on the 2-core dev machine)
             logits = (weight @ z.reshape(rows, -1).T).T.reshape(*z.shape[:-1], -1)
@@ -354,6 +362,10 @@ class BeamForCausalLM(nn.Module):
             logits = F.linear(z, weight).float()
         if self.shard is not None:  # vocab-parallel head: every rank gets the whole row, padding cut off
             logits = self.shard.allgather(logits)[..., :self.shard.vocab_size]
+        return self.logit_transform(logits)
+
+    def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """The config's final logit multiplier and soft-capping, applied to the LM head's fp32 output."""
         if self.cfg.logit_scale != 1.0:
             logits = logits * self.cfg.logit_scale
         if self.cfg.final_logit_softcapping is not None:
@@ -392,23 +404,34 @@ class BeamForCausalLM(nn.Module):
         kv_len = int((start + T).max())
         if kv_len > cache.max_len:
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache capacity {cache.max_len}")
-        step = self.step_layout(start, T, slots)
-        want = {layer: i for i, layer in enumerate(taps)}
-        captured: list[torch.Tensor | None] = [None] * len(want)
-        h = self.embed_ids(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, step, cache.k[i], cache.v[i])
-            if i in want:
-                captured[want[i]] = h
+        if last_only:
+            out_index = torch.arange(B, device=device) * T + num_tokens - 1  # [B] flat rows whose logits are wanted
+        if native.usable(self, cache, B * T):  # CPU decode / verify: one fused call (see beamtrt.native)
+            positions = start[:, None] + torch.arange(T, device=device)
+            rows = torch.arange(B, device=device) if slots is None else slots
+            logits, captured = native.beam_step(self, cache, input_ids, positions, rows,
+                                                out_index if last_only else torch.arange(B * T), list(taps))
+            logits = self.logit_transform(logits).view(B, 1 if last_only else T, -1)
+            captured = [t.to(self.dtype) for t in captured]
+        else:
+            step = self.step_layout(start, T, slots)
+            want = {layer: i for i, layer in enumerate(taps)}
+            captured = [None] * len(want)
+            h = self.embed_ids(input_ids)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, step, cache.k[i], cache.v[i])
+                if i in want:
+                    captured[want[i]] = h
+            if last_only:
+                h = h.reshape(B * T, -1)[out_index][:, None]  # [B, 1, H]
+            logits = self.head(h)
         if slots is None:
             cache.lengths = start + num_tokens
         else:
             lengths = cache.lengths.clone()  # not in place: it may be an inference-mode tensor
             lengths[slots] = start + num_tokens
             cache.lengths = lengths
-        if last_only:
-            h = h[torch.arange(B, device=device), num_tokens - 1][:, None]  # [B, 1, H]
-        return BeamOutput(logits=self.head(h), taps=captured)
+        return BeamOutput(logits=logits, taps=captured)
 
 
 # ---- Hugging Face checkpoint: one name table -----------------------------------------------------------------

@@ -1,0 +1,205 @@
+"""Host kernels: the fused Beam forward for a few token rows on CPU (beam_step.cpp), built on first use with g++.
+
+The torch backend's CPU decode and verify steps (at most `MAX_ROWS` token rows) run here instead of in eager
+PyTorch: one call per step instead of ~45 small ops per layer, and a weight-streaming GEMM whose per-row result does
+not depend on the number of rows. It covers the reference model without tensor parallelism, quantization hooks or a
+shared expert; everything else, and any machine without a C++ compiler, takes the PyTorch path. `BEAMTRT_NATIVE=0`
+turns it off (A/B measurements, tests of the PyTorch path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import weakref
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("beam_step.cpp")
+MAX_ROWS = 16          # token rows per call: decode batches and verify blocks; longer inputs (prefill) use PyTorch
+MAX_HEAD_DIM = 1024    # the RoPE scratch in beam_step.cpp
+ABI = 1                # beam_step_abi() of a library this module can drive
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+
+_p = ctypes.c_void_p
+_i32, _i64 = ctypes.c_int32, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm",
+                                        "router", "gate_up", "down")] + [("inter", _i64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _i32) for name in ("dtype", "layers", "hidden", "heads", "kv_heads", "head_dim", "experts",
+                                          "top_k", "norm_topk", "tied")] + [
+        ("vocab", _i64), ("eps", ctypes.c_float), ("embed", _p), ("final_norm", _p), ("lm_head", _p),
+        ("layer", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, _i32) for name in ("rows", "out_rows", "taps", "threads")] + [
+        ("k_cache", _p), ("v_cache", _p), ("slots", _i64), ("max_len", _i64)] + [
+        (name, _p) for name in ("ids", "slot", "pos", "cos", "sin", "out_index", "logits", "tap_layer", "tap_out")]
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: $BEAMTRT_CACHE/native, else ~/.cache/beamtrt/native (or under $XDG_CACHE_HOME)."""
+    if os.environ.get("BEAMTRT_CACHE"):
+        return Path(os.environ["BEAMTRT_CACHE"]) / "native"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "beamtrt" / "native"
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled library (built once per source and compiler flags), or None where it cannot be built."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        print("beamtrt: no C++ compiler found; the CPU steps run in PyTorch (slower)", file=sys.stderr)
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"beam_step-{digest}.so"
+    if not target.exists():
+        try:
+            _build(compiler, target)
+        except (OSError, RuntimeError) as e:
+            print(f"beamtrt: building the host kernels failed ({e}); the CPU steps run in PyTorch", file=sys.stderr)
+            return None
+    lib = ctypes.CDLL(str(target))  # its libgomp is the one torch already loaded (same soname): one thread pool
+    if lib.beam_step_abi() != ABI:
+        return None
+    lib.beam_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+    lib.beam_gemm.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i32, _i32]
+    return lib
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # compile aside, then rename: never half a file
+        out = Path(tmp) / target.name
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError((done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"])[0])
+        os.replace(out, target)
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _hooked(module) -> bool:
+    return any(getattr(module, h, None) is not None for h in ("qkv_in", "o_in", "k_out", "v_out", "fc_in", "proj_in",
+                                                               "reduce"))
+
+
+class _Descriptor:
+    """The model's weight pointers for beam_step, holding the tensors they point into."""
+
+    def __init__(self, model):
+        cfg = model.cfg
+        layers = (_Layer * cfg.num_hidden_layers)()
+        self.tensors = [p for p in model.parameters()]
+        for layer, d in zip(model.layers, layers):
+            attn, mlp = layer.attn, layer.mlp
+            moe = hasattr(mlp, "router")
+            d.input_norm, d.post_norm = _ptr(layer.input_norm.weight), _ptr(layer.post_attn_norm.weight)
+            d.qkv_w, d.qkv_b, d.o_w, d.o_b = (_ptr(attn.qkv.weight), _ptr(attn.qkv.bias), _ptr(attn.o_proj.weight),
+                                              _ptr(attn.o_proj.bias))
+            d.q_norm = _ptr(attn.q_norm.weight) if attn.q_norm is not None else None
+            d.k_norm = _ptr(attn.k_norm.weight) if attn.k_norm is not None else None
+            if moe:
+                d.router, d.gate_up, d.down = _ptr(mlp.router.weight), _ptr(mlp.w_gate_up), _ptr(mlp.w_down)
+                d.inter = cfg.moe_intermediate_size
+            else:
+                d.router, d.gate_up, d.down, d.inter = None, _ptr(mlp.gate_up.weight), _ptr(mlp.down.weight), \
+                    cfg.intermediate_size
+        head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+        self.layers = layers
+        self.model = _Model(dtype=DTYPES[model.dtype], layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                            heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                            experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, norm_topk=int(cfg.norm_topk_prob),
+                            tied=int(model.lm_head is None), vocab=head.shape[0], eps=cfg.rms_norm_eps,
+                            embed=_ptr(model.embed.weight), final_norm=_ptr(model.norm.weight), lm_head=_ptr(head),
+                            layer=layers)
+        self.key = tuple(map(_ptr, self.tensors))
+
+
+def usable(model, cache, rows: int) -> bool:
+    """Whether beam_step can run this forward exactly as the PyTorch path would (up to fp32 rounding)."""
+    if rows > MAX_ROWS or os.environ.get("BEAMTRT_NATIVE", "1") == "0" or model.shard is not None or model.dtype not in DTYPES or model.device.type != "cpu":
+        return False
+    if cache.k.dtype != model.dtype or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        return False
+    cfg = model.cfg
+    if cfg.shared_expert_intermediate_size or cfg.head_dim > MAX_HEAD_DIM or not available():
+        return False
+    if any(_hooked(layer.attn) or _hooked(layer.mlp) for layer in model.layers):
+        return False
+    return all(p.is_contiguous() for p in model.parameters())
+
+
+_descriptors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Descriptor (kept off the module:
+# ctypes pointers cannot be deep-copied)
+
+
+def gemm_usable(weight: torch.Tensor, rows: int) -> bool:
+    """Whether `gemm` can take a [rows, K] x weightᵀ product (the drafter's LM head on its block rows)."""
+    return (rows <= MAX_ROWS and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.is_contiguous()
+            and os.environ.get("BEAMTRT_NATIVE", "1") != "0" and available())
+
+
+def descriptor(model) -> _Descriptor:
+    """Cached per model; rebuilt when a parameter was replaced (load_state copies in place: the pointers hold)."""
+    d = _descriptors.get(model)
+    if d is None or d.key != tuple(p.data_ptr() for p in model.parameters()):
+        d = _descriptors[model] = _Descriptor(model)
+    return d
+
+
+def beam_step(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+              out_index: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward of B x T token rows through beam_step.cpp; K/V are written into `cache` like the PyTorch path.
+
+    input_ids, positions: [B, T]; rows: [B] cache slot of each input row; out_index: [N] flat rows (b * T + t) whose
+    logits are wanted. Returns (raw LM-head logits [N, V] fp32, taps: per tapped layer [B, T, H] fp32).
+    """
+    B, T = input_ids.shape
+    H, D = model.cfg.hidden_size, model.cfg.head_dim
+    ids = input_ids.reshape(-1).contiguous()
+    if bool((ids < 0).any() | (ids >= model.cfg.vocab_size).any()):
+        raise IndexError(f"token ids must be in [0, {model.cfg.vocab_size})")
+    slot = rows.repeat_interleave(T).contiguous()
+    pos = positions.reshape(-1).contiguous()
+    cos, sin = (t.reshape(-1, D).contiguous() for t in model.rotary(positions, torch.float32))
+    out_index = out_index.contiguous()
+    d = descriptor(model)
+    logits = torch.empty(out_index.shape[0], d.model.vocab)
+    tap_layer = torch.tensor(taps, dtype=torch.int32)
+    tap_out = torch.empty(len(taps), B * T, H)
+    step = _Step(rows=B * T, out_rows=out_index.shape[0], taps=len(taps), threads=torch.get_num_threads(),
+                 k_cache=_ptr(cache.k), v_cache=_ptr(cache.v), slots=cache.batch, max_len=cache.max_len,
+                 ids=_ptr(ids), slot=_ptr(slot), pos=_ptr(pos), cos=_ptr(cos), sin=_ptr(sin),
+                 out_index=_ptr(out_index), logits=_ptr(logits), tap_layer=_ptr(tap_layer), tap_out=_ptr(tap_out))
+    library().beam_step(ctypes.byref(d.model), ctypes.byref(step))
+    return logits, [t.view(B, T, H) for t in tap_out]
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 · weight [N, K]ᵀ (fp32 or bf16, contiguous) -> fp32 [M, N], with beam_step's GEMM."""
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0])
+    library().beam_gemm(_ptr(x), _ptr(weight), _ptr(y), x.shape[0], weight.shape[0], x.shape[1],
+                        DTYPES[weight.dtype], torch.get_num_threads())
+    return y

@@ -1,0 +1,342 @@
+// Fused Beam forward for a few token rows on the host: the CPU fast path of the torch backend (see native/__init__.py).
+//
+// Every dot product is accumulated in fp32, 8 lanes over k in order, then summed lane by lane: a row's result does not
+// depend on how many rows share the call, so a verified block of 8 gets bit-for-bit the logits of 8 single-token steps.
+// Weights, norms, biases and the KV cache are fp32 or bf16 (the model's dtype); activations stay fp32 throughout.
+#include <cmath>
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+enum DType : int32_t { F32 = 0, BF16 = 1 };
+
+struct Layer {
+  const void *input_norm, *post_norm;  // [H]
+  const void *qkv_w, *qkv_b;           // [(NQ + 2 NKV) D, H], bias [(NQ + 2 NKV) D] or null
+  const void *o_w, *o_b;               // [H, NQ D], bias [H] or null
+  const void *q_norm, *k_norm;         // [D] or null (no QK-norm)
+  const void *router;                  // [E, H]; null in a dense layer
+  const void *gate_up, *down;          // MoE: [E, 2I, H], [E, H, I]; dense: [2I, H], [H, I]
+  int64_t inter;                       // I
+};
+
+struct Model {
+  int32_t dtype, layers, hidden, heads, kv_heads, head_dim, experts, top_k, norm_topk, tied;
+  int64_t vocab;
+  float eps;
+  const void *embed, *final_norm, *lm_head;  // [V, H], [H], [V, H]
+  const Layer *layer;
+};
+
+struct Step {
+  int32_t rows, out_rows, taps, threads;
+  void *k_cache, *v_cache;           // [layers, slots, NKV, max_len, D]
+  int64_t slots, max_len;
+  const int64_t *ids, *slot, *pos;   // [rows]: token, cache slot, absolute position
+  const float *cos, *sin;            // [rows, D]: rotate-half RoPE, rotate-half's sign folded into sin
+  const int64_t *out_index;          // [out_rows]: rows whose logits are wanted
+  float *logits;                     // [out_rows, V]
+  const int32_t *tap_layer;          // [taps]
+  float *tap_out;                    // [taps, rows, H]: residual stream after each tapped layer
+};
+
+// ---- element access -------------------------------------------------------------------------------------------
+
+static inline float load1(const void *p, int64_t i, int dt) {
+  if (dt == F32) return static_cast<const float *>(p)[i];
+  uint32_t u = uint32_t(static_cast<const uint16_t *>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline void store1(void *p, int64_t i, float f, int dt) {
+  if (dt == F32) { static_cast<float *>(p)[i] = f; return; }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { static_cast<uint16_t *>(p)[i] = uint16_t((u >> 16) | 0x40); return; }  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as torch does
+  static_cast<uint16_t *>(p)[i] = uint16_t(u >> 16);
+}
+
+static inline v8f load8(const float *p) { v8f v; std::memcpy(&v, p, 32); return v; }
+
+static inline v8f load8(const uint16_t *p) {
+  v8u16 h;
+  std::memcpy(&h, p, 16);
+  v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+  v8f f;
+  std::memcpy(&f, &u, 32);
+  return f;
+}
+
+// acc + a * b, fused where the CPU has FMA. Explicit, because the build uses -ffp-contract=off: left to itself the
+// compiler fuses some multiply-adds and not others, and a row's bits would depend on which loop computed it.
+static inline v8f fma8(v8f a, v8f b, v8f acc) {
+#ifdef __FMA__
+  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+  return acc + a * b;
+#endif
+}
+
+static inline float hsum(v8f a) {  // a fixed order: lanes (0+4, 1+5, 2+6, 3+7), then pairs
+  float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+  return (s0 + s2) + (s1 + s3);
+}
+
+// ---- y[M, N] = x[M, K] · w[N, K]ᵀ (+ b) -------------------------------------------------------------------------
+
+constexpr int NB = 2;  // weight rows per block (M > 1): converted to fp32 once, then reused by every input row
+constexpr int MB = 4;  // input rows per register block
+
+template <typename W>
+static inline float finish(v8f acc, const float *x, const W *w, int64_t K8, int64_t K) {
+  float s = hsum(acc);
+  for (int64_t k = K8; k < K; k++) s += x[k] * load1(w, k, std::is_same<W, float>::value ? F32 : BF16);
+  return s;
+}
+
+// Each (m, n) is one 8-lane accumulator over k in order, then hsum, then the scalar tail: the same arithmetic
+// whatever M is and however rows are blocked. Weights are read as one sequential stream per thread (narrow rows read
+// as several interleaved streams defeat the hardware prefetcher on the dev machine: 7 GB/s instead of 15).
+template <typename W>
+static void gemm_t(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t K8 = K & ~int64_t(7);
+  constexpr bool wide = std::is_same<W, float>::value;  // fp32 weights need no conversion
+  if (M == 1) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const W *wr = w + n * K;
+      v8f acc = {};
+      for (int64_t k = 0; k < K8; k += 8) acc = fma8(load8(x + k), load8(wr + k), acc);
+      y[n] = finish(acc, x, wr, K8, K);
+    }
+    return;
+  }
+  #pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(wide ? 0 : NB * K8);
+    #pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NB) {
+      const int nb = int(N - n0 < NB ? N - n0 : NB);
+      const W *wr = w + n0 * K;
+      const float *wf[NB];
+      for (int j = 0; j < NB; j++) {
+        const int jj = j < nb ? j : 0;
+        if constexpr (wide) {
+          wf[j] = wr + jj * K;
+        } else {
+          wf[j] = &scratch[jj * K8];
+        }
+      }
+      if constexpr (!wide)
+        for (int j = 0; j < nb; j++)
+          for (int64_t k = 0; k < K8; k += 8) { v8f v = load8(wr + j * K + k); std::memcpy(&scratch[j * K8 + k], &v, 32); }
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB) {
+        v8f acc[MB][NB] = {};
+        for (int64_t k = 0; k < K8; k += 8) {
+          v8f xv[MB];
+          for (int i = 0; i < MB; i++) xv[i] = load8(x + (m + i) * K + k);
+          for (int j = 0; j < NB; j++) {
+            const v8f wv = load8(wf[j] + k);
+            for (int i = 0; i < MB; i++) acc[i][j] = fma8(xv[i], wv, acc[i][j]);
+          }
+        }
+        for (int i = 0; i < MB; i++)
+          for (int j = 0; j < nb; j++) y[(m + i) * N + n0 + j] = finish(acc[i][j], x + (m + i) * K, wr + j * K, K8, K);
+      }
+      for (; m < M; m++) {
+        v8f acc[NB] = {};
+        for (int64_t k = 0; k < K8; k += 8) {
+          const v8f xv = load8(x + m * K + k);
+          for (int j = 0; j < NB; j++) acc[j] = fma8(xv, load8(wf[j] + k), acc[j]);
+        }
+        for (int j = 0; j < nb; j++) y[m * N + n0 + j] = finish(acc[j], x + m * K, wr + j * K, K8, K);
+      }
+    }
+  }
+}
+
+static void gemm(const float *x, const void *w, const void *b, float *y, int64_t M, int64_t N, int64_t K, int dt,
+                 int threads) {
+  if (dt == F32) gemm_t(x, static_cast<const float *>(w), y, M, N, K, threads);
+  else gemm_t(x, static_cast<const uint16_t *>(w), y, M, N, K, threads);
+  if (b)
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t n = 0; n < N; n++) y[m * N + n] += load1(b, n, dt);
+}
+
+// ---- the small ops --------------------------------------------------------------------------------------------
+
+static void rms_norm(const float *x, const void *w, float *y, int64_t n, float eps, int dt) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / float(n) + eps);
+  for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * load1(w, i, dt);
+}
+
+static void rope(float *x, const float *cos, const float *sin, int d) {  // x * cos + roll(x, d/2) * sin
+  float t[1024];
+  std::memcpy(t, x, sizeof(float) * d);
+  for (int i = 0; i < d; i++) x[i] = t[i] * cos[i] + t[(i + d / 2) % d] * sin[i];
+}
+
+static inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// Attention of every row's heads over its slot's keys 0..pos (the step's own K/V are already in the cache).
+static void attention(const Model &m, const void *k_cache, const void *v_cache, const Step &s, const float *q,
+                      float *out) {
+  const int D = m.head_dim, G = m.heads / m.kv_heads, dt = m.dtype;
+  const float scale = 1.f / std::sqrt(float(D));
+  const int64_t tasks = int64_t(s.rows) * m.heads;
+  #pragma omp parallel for num_threads(s.threads) schedule(static)
+  for (int64_t task = 0; task < tasks; task++) {
+    const int64_t r = task / m.heads, h = task % m.heads, len = s.pos[r] + 1;
+    const int64_t base = (s.slot[r] * m.kv_heads + h / G) * s.max_len * D;
+    const float *qh = q + (r * m.heads + h) * D;
+    std::vector<float> p(len);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < len; j++) {
+      float dot = 0.f;
+      for (int i = 0; i < D; i++) dot += qh[i] * load1(k_cache, base + j * D + i, dt);
+      p[j] = dot * scale;
+      mx = p[j] > mx ? p[j] : mx;
+    }
+    float z = 0.f;
+    for (int64_t j = 0; j < len; j++) { p[j] = std::exp(p[j] - mx); z += p[j]; }
+    float *o = out + (r * m.heads + h) * D;
+    for (int i = 0; i < D; i++) o[i] = 0.f;
+    for (int64_t j = 0; j < len; j++)
+      for (int i = 0; i < D; i++) o[i] += p[j] * load1(v_cache, base + j * D + i, dt);
+    for (int i = 0; i < D; i++) o[i] /= z;
+  }
+}
+
+static void attention_block(const Model &m, int l, const Step &s, const float *xn, float *out) {
+  const Layer &L = m.layer[l];
+  const int64_t R = s.rows, D = m.head_dim, NQ = m.heads, NKV = m.kv_heads, width = (NQ + 2 * NKV) * D;
+  const int dt = m.dtype, esize = dt == F32 ? 4 : 2;
+  const int64_t layer_bytes = s.slots * NKV * s.max_len * D * esize;
+  void *k_cache = static_cast<char *>(s.k_cache) + l * layer_bytes, *v_cache = static_cast<char *>(s.v_cache) + l * layer_bytes;
+  std::vector<float> qkv(R * width), q(R * NQ * D), att(R * NQ * D);
+  gemm(xn, L.qkv_w, L.qkv_b, qkv.data(), R, width, m.hidden, dt, s.threads);
+  for (int64_t r = 0; r < R; r++) {
+    float *row = &qkv[r * width];
+    const float *cs = s.cos + r * D, *sn = s.sin + r * D;
+    for (int64_t h = 0; h < NQ + NKV; h++) {
+      float *head = row + h * D;
+      if (L.q_norm) rms_norm(head, h < NQ ? L.q_norm : L.k_norm, head, D, m.eps, dt);
+      rope(head, cs, sn, int(D));
+    }
+    std::memcpy(&q[r * NQ * D], row, sizeof(float) * NQ * D);
+    for (int64_t g = 0; g < NKV; g++) {
+      const int64_t at = ((s.slot[r] * NKV + g) * s.max_len + s.pos[r]) * D;
+      for (int64_t i = 0; i < D; i++) {
+        store1(k_cache, at + i, row[(NQ + g) * D + i], dt);
+        store1(v_cache, at + i, row[(NQ + NKV + g) * D + i], dt);
+      }
+    }
+  }
+  attention(m, k_cache, v_cache, s, q.data(), att.data());
+  gemm(att.data(), L.o_w, L.o_b, out, R, m.hidden, NQ * D, dt, s.threads);
+}
+
+static void mlp_block(const Model &m, const Layer &L, const Step &s, const float *xn, float *out) {
+  const int64_t R = s.rows, H = m.hidden, I = L.inter;
+  const int dt = m.dtype, wsize = dt == F32 ? 4 : 2;
+  std::vector<float> gu(R * 2 * I), act(R * I);
+  auto swiglu = [&](const float *x, int64_t rows, const void *w_gate_up, const void *w_down, float *y) {
+    gemm(x, w_gate_up, nullptr, gu.data(), rows, 2 * I, H, dt, s.threads);
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t i = 0; i < I; i++) act[r * I + i] = silu(gu[r * 2 * I + i]) * gu[r * 2 * I + I + i];
+    gemm(act.data(), w_down, nullptr, y, rows, H, I, dt, s.threads);
+  };
+  if (!L.router) { swiglu(xn, R, L.gate_up, L.down, out); return; }
+
+  const int E = m.experts, k = m.top_k;
+  std::vector<float> logits(R * E), weight(R * k), xe(R * H), ye(R * k * H, 0.f);
+  std::vector<int> choice(R * k);
+  gemm(xn, L.router, nullptr, logits.data(), R, E, H, dt, s.threads);
+  for (int64_t r = 0; r < R; r++) {
+    const float *lg = &logits[r * E];
+    float mx = -INFINITY;
+    for (int e = 0; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
+    std::vector<float> p(E);
+    float z = 0.f;
+    for (int e = 0; e < E; e++) { p[e] = std::exp(lg[e] - mx); z += p[e]; }
+    std::vector<bool> taken(E, false);
+    float top_z = 0.f;
+    for (int t = 0; t < k; t++) {  // the k largest logits, ties to the lower id
+      int best = -1;
+      for (int e = 0; e < E; e++) if (!taken[e] && (best < 0 || lg[e] > lg[best])) best = e;
+      taken[best] = true;
+      choice[r * k + t] = best;
+      weight[r * k + t] = p[best] / z;
+      top_z += p[best];
+    }
+    if (m.norm_topk)  // softmax over the top-k logits == renormalized top-k of the full softmax
+      for (int t = 0; t < k; t++) weight[r * k + t] = p[choice[r * k + t]] / top_z;
+  }
+  std::vector<int64_t> who;  // (row, slot) pairs routed to expert e
+  for (int e = 0; e < E; e++) {
+    who.clear();
+    for (int64_t i = 0; i < R * k; i++) if (choice[i] == e) who.push_back(i);
+    if (who.empty()) continue;
+    const int64_t n = int64_t(who.size());
+    for (int64_t j = 0; j < n; j++) std::memcpy(&xe[j * H], xn + (who[j] / k) * H, sizeof(float) * H);
+    std::vector<float> y(n * H);
+    swiglu(xe.data(), n, static_cast<const char *>(L.gate_up) + e * 2 * I * H * wsize,
+           static_cast<const char *>(L.down) + e * H * I * wsize, y.data());
+    for (int64_t j = 0; j < n; j++) std::memcpy(&ye[who[j] * H], &y[j * H], sizeof(float) * H);
+  }
+  for (int64_t r = 0; r < R; r++)  // each row sums its experts in its own top-k order
+    for (int64_t i = 0; i < H; i++) {
+      float acc = 0.f;
+      for (int t = 0; t < k; t++) acc += ye[(r * k + t) * H + i] * weight[r * k + t];
+      out[r * H + i] = acc;
+    }
+}
+
+extern "C" {
+
+int beam_step_abi() { return 1; }
+
+void beam_gemm(const float *x, const void *w, float *y, int64_t M, int64_t N, int64_t K, int32_t dtype,
+               int32_t threads) {
+  gemm(x, w, nullptr, y, M, N, K, dtype, threads);
+}
+
+void beam_step(const Model *mp, const Step *sp) {
+  const Model &m = *mp;
+  const Step &s = *sp;
+  const int64_t R = s.rows, H = m.hidden;
+  const int dt = m.dtype;
+  std::vector<float> x(R * H), xn(R * H), y(R * H);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t i = 0; i < H; i++) x[r * H + i] = load1(m.embed, s.ids[r] * H + i, dt);
+  for (int l = 0; l < m.layers; l++) {
+    const Layer &L = m.layer[l];
+    for (int64_t r = 0; r < R; r++) rms_norm(&x[r * H], L.input_norm, &xn[r * H], H, m.eps, dt);
+    attention_block(m, l, s, xn.data(), y.data());
+    for (int64_t i = 0; i < R * H; i++) x[i] += y[i];
+    for (int64_t r = 0; r < R; r++) rms_norm(&x[r * H], L.post_norm, &xn[r * H], H, m.eps, dt);
+    mlp_block(m, L, s, xn.data(), y.data());
+    for (int64_t i = 0; i < R * H; i++) x[i] += y[i];
+    for (int t = 0; t < s.taps; t++)
+      if (s.tap_layer[t] == l) std::memcpy(s.tap_out + t * R * H, x.data(), sizeof(float) * R * H);
+  }
+  for (int64_t o = 0; o < s.out_rows; o++) rms_norm(&x[s.out_index[o] * H], m.final_norm, &xn[o * H], H, m.eps, dt);
+  gemm(xn.data(), m.tied ? m.embed : m.lm_head, nullptr, s.logits, s.out_rows, m.vocab, H, dt, s.threads);
+}
+
+}  // extern "C"

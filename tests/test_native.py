@@ -1,0 +1,116 @@
+"""The host kernels (beamtrt.native): the fused CPU step equals the PyTorch path, and a row's result does not depend
+on how many rows share the call (a verified block gets bit-for-bit the logits of single-token steps)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from beamtrt import native
+from beamtrt.models.beam import right_padded
+from conftest import TINY, tiny_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the host kernels cannot be built here")
+
+CASES = {  # each covers what the others do not
+    "tiny": TINY,  # QK-norm, a dense layer 0, renormalized top-2
+    "bias-notnorm-tied-cap": dataclasses.replace(TINY, use_qk_norm=False, attention_bias=True, norm_topk_prob=False,
+                                                 tie_word_embeddings=True, final_logit_softcapping=3.0,
+                                                 logit_scale=0.5),
+    "qkvbias-top3-odd-widths": dataclasses.replace(TINY, hidden_size=60, head_dim=10, qkv_bias=True, use_qk_norm=False,
+                                                   num_experts=5, num_experts_per_tok=3, moe_intermediate_size=37,
+                                                   intermediate_size=45, mlp_only_layers=(1,)),
+    "mqa-top1-sparse2": dataclasses.replace(TINY, num_key_value_heads=1, num_experts_per_tok=1, decoder_sparse_step=2,
+                                            mlp_only_layers=()),
+}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def run_steps(model, monkeypatch, path: str) -> list[torch.Tensor]:
+    """A ragged prefill, single-token steps on all slots, and a verify-style block on a subset of slots."""
+    monkeypatch.setenv("BEAMTRT_NATIVE", "1" if path == "native" else "0")
+    g = torch.Generator().manual_seed(5)
+    vocab = model.cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 3, 1)]
+    ids, lengths = right_padded(prompts)
+    cache = model.new_cache(3, 32)
+    out = model(ids, cache, num_tokens=lengths, last_only=True, taps=(0, 2))
+    results = [out.logits, *out.taps]
+    for _ in range(3):
+        out = model(torch.randint(0, vocab, (3, 1), generator=g), cache, taps=(1,))
+        results += [out.logits, *out.taps]
+    block = torch.randint(0, vocab, (2, 4), generator=g)
+    out = model(block, cache, num_tokens=torch.tensor([4, 2]), slots=torch.tensor([2, 0]), taps=(2,))
+    results += [out.logits, *out.taps, cache.k, cache.v, cache.lengths]
+    return results
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_native_step_equals_pytorch_fp32(case, monkeypatch):
+    model = tiny_model(CASES[case])
+    torch_path, native_path = run_steps(model, monkeypatch, "torch"), run_steps(model, monkeypatch, "native")
+    for got, want in zip(native_path, torch_path):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert rel(got, want) < 1e-5
+
+
+def test_native_step_bf16_close_to_pytorch(monkeypatch):
+    model = tiny_model(dtype=torch.bfloat16)  # activations stay fp32 on the native path: bf16-rounding differences
+    for got, want in zip(run_steps(model, monkeypatch, "native"), run_steps(model, monkeypatch, "torch")):
+        assert got.dtype == want.dtype and rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verified_block_is_bit_identical_to_single_steps(dtype):
+    model = tiny_model(CASES["qkvbias-top3-odd-widths"], dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    prompt, block = torch.randint(0, 101, (1, 6), generator=g), torch.randint(0, 101, (1, 8), generator=g)
+    one, many = model.new_cache(1, 32), model.new_cache(1, 32)
+    model(prompt, one), model(prompt, many)
+    steps = torch.cat([model(block[:, t:t + 1], one, taps=(1,)).logits for t in range(8)], dim=1)
+    assert torch.equal(model(block, many).logits, steps)
+    assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_matches_matmul_and_is_row_invariant(dtype):
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((37, 64), (5, 61), (130, 8), (3, 3)):
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(17, k, generator=g)
+        full = native.gemm(x, w)
+        assert rel(full, x @ w.float().T) < 1e-6
+        for m in (1, 2, 3, 4, 5, 9):  # every blocking of the rows gives the same bits
+            assert torch.equal(native.gemm(x[:m], w), full[:m])
+
+
+def test_hooks_shards_and_the_switch_take_the_pytorch_path(monkeypatch):
+    model = tiny_model()
+    cache = model.new_cache(1, 8)
+    assert native.usable(model, cache, 1)
+    assert not native.usable(model, cache, native.MAX_ROWS + 1)  # prefill-sized inputs stay with PyTorch
+    monkeypatch.setenv("BEAMTRT_NATIVE", "0")
+    assert not native.usable(model, cache, 1)
+    monkeypatch.delenv("BEAMTRT_NATIVE")
+    model.layers[1].attn.qkv_in = lambda x: x  # emulated quantization / calibration observers need every op
+    assert not native.usable(model, cache, 1)
+
+
+def test_out_of_range_ids_are_refused():
+    model = tiny_model()
+    with pytest.raises(IndexError, match=r"\[0, 101\)"):
+        model(torch.tensor([[101]]), model.new_cache(1, 8))
+
+
+def test_a_failed_build_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("BEAMTRT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    assert native.library.__wrapped__() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "building the host kernels failed" in err[0]
+    assert not any(tmp_path.rglob("*.so"))  # nothing half-written left behind
