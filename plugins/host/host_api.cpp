@@ -1,0 +1,49 @@
+// The plugins' kernel math compiled for the host: a C ABI over the same headers the CUDA kernels use, so the tests
+// check on CPU (tests/test_plugins.py, through ctypes) what the GPU runs.
+#include "../block_selector/kernel.cuh"
+#include "../windowed_attention/kernel.cuh"
+
+#include <vector>
+
+using namespace beamtrt;
+
+extern "C" {
+
+int32_t beamtrt_host_abi() { return 1; }
+
+// Per request: its slots' top-K by a scan of the vocabulary, then the walk.
+void beamtrt_block_selector_host(selector::Args const* args) {
+  selector::Args const& x = *args;
+  std::vector<float> unary(size_t(x.S) * x.K);
+  for (int32_t n = 0; n < x.N; n++) {
+    for (int32_t t = 0; t < x.S; t++) {
+      selector::TopK top;
+      float const* row = x.logits + (int64_t(n) * x.S + t) * x.V;
+      for (int32_t v = 0; v < x.V; v++) top.offer(row[v], v, x.K);
+      for (int32_t j = 0; j < x.K; j++) {
+        x.candIds[(int64_t(n) * x.S + t) * x.K + j] = top.index[j];
+        unary[size_t(t) * x.K + j] = top.value[j];
+      }
+    }
+    selector::walk(x, n, unary.data());
+  }
+}
+
+// The append for every element, then every output row.
+void beamtrt_windowed_attention_host(windowed_attention::Args const* args) {
+  windowed_attention::Args const& x = *args;
+  for (int32_t n = 0; n < x.N; n++)
+    for (int32_t c = 0; c < x.C; c++)
+      for (int32_t h = 0; h < x.Hkv; h++)
+        for (int32_t d = 0; d < x.D; d++) windowed_attention::appendElement(x, n, c, h, d);
+  for (int32_t n = 0; n < x.N; n++)
+    for (int32_t l = 0; l < x.L; l++)
+      for (int32_t hq = 0; hq < x.Hq; hq++) windowed_attention::attendRow(x, n, l, hq);
+}
+
+// Element conversions, for the tests of numeric.cuh: n values of `from` -> `to` through fp32 (fp8 scale 1).
+void beamtrt_convert_host(void const* src, int32_t from, void* dst, int32_t to, int64_t n) {
+  for (int64_t i = 0; i < n; i++) store(dst, i, load(src, i, DType(from)), DType(to));
+}
+
+}  // extern "C"

@@ -1,0 +1,249 @@
+"""The plugins' kernel math (plugins/), compiled for the host by CMake, against the PyTorch reference; and the CUDA
+kernels compiled by nvcc for sm_90, sm_100a and sm_103a (compile only: no GPU in CI)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from beamtrt.spec.selector import draft_probs, walk_greedy, walk_sampled
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
+_p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+
+
+class SelectorArgs(ctypes.Structure):  # plugins/block_selector/kernel.cuh: selector::Args
+    _fields_ = [(n, _i32) for n in ("N", "S", "V", "K", "R", "codebookType")] + [
+        (n, _p) for n in ("logits", "projected", "anchorIds", "predecessor", "successor", "temperature", "topP",
+                          "uniforms", "draftIds", "candIds", "q")]
+
+
+class AttentionArgs(ctypes.Structure):  # plugins/windowed_attention/kernel.cuh: windowed_attention::Args
+    _fields_ = [(n, _i32) for n in ("N", "L", "C", "Hq", "Hkv", "D", "W", "ioType", "cacheType")] + [
+        ("cacheScale", _f32), ("softmaxScale", _f32)] + [
+        (n, _p) for n in ("q", "k", "v", "contextK", "contextV", "start", "count", "ringK", "ringV", "out")]
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """plugins/ configured and built by CMake as the README says (the CUDA kernels too, where nvcc is found)."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not found")
+    out = tmp_path_factory.mktemp("plugins") / "_build"
+    log = []
+    for cmd in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(out)], ["cmake", "--build", str(out), "-j", "2"]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        log.append(done.stdout + done.stderr)
+        assert done.returncode == 0, "\n".join(log)[-4000:]
+    return out, "\n".join(log)
+
+
+@pytest.fixture(scope="module")
+def host(build):
+    lib = ctypes.CDLL(str(build[0] / "libbeamtrt_kernels_host.so"))
+    assert lib.beamtrt_host_abi() == 1
+    return lib
+
+
+def ptr(t: torch.Tensor) -> int:
+    assert t.is_contiguous()
+    return t.data_ptr()
+
+
+# ---- numeric.cuh: the element conversions ---------------------------------------------------------------------
+
+def convert(host, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    dst = torch.empty(src.shape, dtype=dtype)
+    host.beamtrt_convert_host(_p(ptr(src)), DTYPES[src.dtype], _p(ptr(dst)), DTYPES[dtype], ctypes.c_int64(src.numel()))
+    return dst
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_pattern_widens_exactly(host, dtype):
+    bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    ours, want = convert(host, bits, torch.float32), bits.float()
+    assert torch.equal(ours.isnan(), want.isnan()) and torch.equal(ours[~want.isnan()], want[~want.isnan()])
+
+
+def test_every_fp8_pattern_widens_exactly(host):
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    ours, want = convert(host, bits, torch.float32), bits.float()
+    assert torch.equal(ours.isnan(), want.isnan()) and torch.equal(ours[~want.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_narrowing_rounds_to_nearest_even_like_torch(host, dtype):
+    g = torch.Generator().manual_seed(0)
+    limit = {torch.float16: 65000.0, torch.bfloat16: 1e30, torch.float8_e4m3fn: 440.0}[dtype]
+    x = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-6, 1e-3, 0.02, 1.0, 30.0)])
+    x = x.clamp(-limit, limit)
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-4, 1.1875, 2**-10, 0.0, -0.0])
+    x = torch.cat([x, ties, -ties])
+    assert torch.equal(convert(host, x, dtype).view(torch.uint8), x.to(dtype).view(torch.uint8))
+
+
+# ---- block selector ----------------------------------------------------------------------------------------------
+
+def selector_case(seed: int, codebook_dtype: torch.dtype, N=4, S=7, V=300, K=8, R=16):
+    g = torch.Generator().manual_seed(seed)
+    return dict(logits=torch.randn(N, S, V, generator=g) * 3, projected=torch.randn(N, S, R, generator=g),
+                anchor=torch.randint(0, V, (N,), generator=g, dtype=torch.int32),
+                A=(torch.randn(V, R, generator=g) * 0.5).to(codebook_dtype),
+                B=(torch.randn(V, R, generator=g) * 0.5).to(codebook_dtype),
+                temperature=torch.tensor([0.0, 0.7, 1.3, 1.0])[:N], top_p=torch.tensor([1.0, 0.9, 0.5, 1.0])[:N],
+                uniforms=torch.rand(N, S, generator=g), K=K)
+
+
+def run_selector(host, c):
+    N, S, V = c["logits"].shape
+    K, R = c["K"], c["projected"].shape[-1]
+    out = dict(draft=torch.empty(N, S, dtype=torch.int32), cand=torch.empty(N, S, K, dtype=torch.int32),
+               q=torch.empty(N, S, K))
+    args = SelectorArgs(N=N, S=S, V=V, K=K, R=R, codebookType=DTYPES[c["A"].dtype], logits=ptr(c["logits"]),
+                        projected=ptr(c["projected"]), anchorIds=ptr(c["anchor"]), predecessor=ptr(c["A"]),
+                        successor=ptr(c["B"]), temperature=ptr(c["temperature"]), topP=ptr(c["top_p"]),
+                        uniforms=ptr(c["uniforms"]), draftIds=ptr(out["draft"]), candIds=ptr(out["cand"]),
+                        q=ptr(out["q"]))
+    host.beamtrt_block_selector_host(ctypes.byref(args))
+    return out
+
+
+def reference_lattice(c):
+    """CandidateSelector.edge_scores with g given (the plugin's input is the projected hidden W_h h_t)."""
+    unary, cand = torch.topk(c["logits"], c["K"], dim=-1)
+    N = cand.shape[0]
+    pred = torch.cat((c["anchor"].long().view(N, 1, 1).expand(N, 1, c["K"]), cand[:, :-1]), dim=1)
+    a, b = c["A"][pred].float(), c["B"][cand].float()
+    edge = torch.einsum("nsir,nsjr->nsij", a * c["projected"].unsqueeze(2), b)
+    return cand, unary.unsqueeze(2) + edge
+
+
+@pytest.mark.parametrize("codebook_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_selector_equals_the_reference_walks(host, seed, codebook_dtype):
+    c = selector_case(seed, codebook_dtype)
+    got = run_selector(host, c)
+    cand, scores = reference_lattice(c)
+    assert torch.equal(got["cand"].long(), cand)
+    for n in range(cand.shape[0]):
+        t, p = float(c["temperature"][n]), float(c["top_p"][n])
+        if t == 0:
+            draft, chosen = walk_greedy(cand[n:n + 1], scores[n:n + 1])
+            q = F.one_hot(chosen, c["K"]).float()
+        else:
+            draft, q = walk_sampled(cand[n:n + 1], scores[n:n + 1], t, p, c["uniforms"][n:n + 1])
+        assert torch.equal(got["draft"][n:n + 1].long(), draft)
+        torch.testing.assert_close(got["q"][n:n + 1], q, rtol=1e-5, atol=1e-6)
+
+
+def test_selector_top_p_keeps_the_smallest_prefix(host):
+    c = selector_case(3, torch.float32, N=4, S=3, V=50, K=6)
+    c["temperature"], c["top_p"] = torch.full((4,), 0.5), torch.tensor([0.2, 0.5, 0.95, 1.0])
+    got = run_selector(host, c)
+    _, scores = reference_lattice(c)
+    for n in range(4):  # slot 0's row is the anchor's: compare its q with draft_probs directly
+        want = draft_probs(scores[n, 0, 0], 0.5, float(c["top_p"][n]))
+        torch.testing.assert_close(got["q"][n, 0], want, rtol=1e-5, atol=1e-6)
+    assert (got["q"][0, 0] > 0).sum() < (got["q"][3, 0] > 0).sum()
+
+
+# ---- windowed attention -------------------------------------------------------------------------------------------
+
+def attention_case(seed, io=torch.float32, N=3, L=4, C=6, Hq=8, Hkv=2, D=16, W=8,
+                   start=(0, 5, 9), count=(6, 2, 6)):
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *shape: torch.randn(*shape, generator=g).to(io)  # noqa: E731
+    return dict(q=t(N, L, Hq, D), k=t(N, L, Hkv, D), v=t(N, L, Hkv, D), ck=t(N, C, Hkv, D), cv=t(N, C, Hkv, D),
+                start=torch.tensor(start, dtype=torch.int32), count=torch.tensor(count, dtype=torch.int32),
+                ring_k=t(N, Hkv, W, D), ring_v=t(N, Hkv, W, D), W=W)
+
+
+def run_attention(host, c, cache_dtype=None, scale=1.0):
+    N, L, Hq, D = c["q"].shape
+    Hkv, C = c["k"].shape[2], c["ck"].shape[1]
+    cache_dtype = cache_dtype or c["q"].dtype
+    ring_k = (c["ring_k"].float() / scale).to(cache_dtype).contiguous()
+    ring_v = (c["ring_v"].float() / scale).to(cache_dtype).contiguous()
+    out = torch.empty_like(c["q"])
+    args = AttentionArgs(N=N, L=L, C=C, Hq=Hq, Hkv=Hkv, D=D, W=c["W"], ioType=DTYPES[c["q"].dtype],
+                         cacheType=DTYPES[cache_dtype], cacheScale=scale, softmaxScale=1 / math.sqrt(D),
+                         q=ptr(c["q"]), k=ptr(c["k"]), v=ptr(c["v"]), contextK=ptr(c["ck"]), contextV=ptr(c["cv"]),
+                         start=ptr(c["start"]), count=ptr(c["count"]), ringK=ptr(ring_k), ringV=ptr(ring_v),
+                         out=ptr(out))
+    host.beamtrt_windowed_attention_host(ctypes.byref(args))
+    return out, ring_k, ring_v
+
+
+def reference_attention(c, dequant=lambda ring: ring.float()):
+    """DraftCache's ring rule (keep the last W of an append; position p -> slot p mod W) and DraftAttention's
+    attention over the visible slots plus the bidirectional block, in fp32."""
+    N, L, Hq, D = c["q"].shape
+    W = c["W"]
+    ring_k, ring_v = c["ring_k"].clone(), c["ring_v"].clone()
+    for n in range(N):
+        s, m = int(c["start"][n]), int(c["count"][n])
+        for i in range(m):
+            if s + i >= s + m - W:
+                ring_k[n, :, (s + i) % W], ring_v[n, :, (s + i) % W] = c["ck"][n, i], c["cv"][n, i]
+    out = torch.empty(N, L, Hq, D)
+    for n in range(N):
+        used = min(int(c["start"][n] + c["count"][n]), W)
+        keys = torch.cat((dequant(ring_k)[n, :, :used], c["k"][n].float().transpose(0, 1)), dim=1)  # [Hkv, S, D]
+        values = torch.cat((dequant(ring_v)[n, :, :used], c["v"][n].float().transpose(0, 1)), dim=1)
+        out[n] = F.scaled_dot_product_attention(c["q"][n].float().transpose(0, 1)[None], keys[None], values[None],
+                                                enable_gqa=True)[0].transpose(0, 1)
+    return out, ring_k, ring_v
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),                                                                   # partial ring, a wrap, a long append
+    dict(N=2, Hq=4, Hkv=4, start=(3, 0), count=(0, 1)),                       # MHA, no append, a single row
+    dict(N=2, Hq=6, Hkv=1, D=10, W=5, C=12, start=(2, 40), count=(12, 7)),   # MQA, odd D, appends beyond W
+])
+def test_attention_equals_the_reference_fp32(host, shape):
+    c = attention_case(0, **shape)
+    out, ring_k, ring_v = run_attention(host, c)
+    want, want_k, want_v = reference_attention(c)
+    assert torch.equal(ring_k, want_k) and torch.equal(ring_v, want_v)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("io", [torch.bfloat16, torch.float16])
+def test_attention_half_precision_io(host, io):
+    c = attention_case(1, io=io)
+    out, ring_k, ring_v = run_attention(host, c)
+    want, want_k, want_v = reference_attention(c)
+    assert torch.equal(ring_k, want_k) and torch.equal(ring_v, want_v)  # the append copies bits
+    torch.testing.assert_close(out, want.to(io), rtol=1e-2, atol=1e-2)  # fp32 math, rounded once to io
+    assert (out.float() - want).abs().max() <= want.abs().max() * 2**-7
+
+
+def test_attention_fp8_ring(host):
+    scale = 0.05
+    c = attention_case(2, io=torch.bfloat16)
+    out, ring_k, ring_v = run_attention(host, c, torch.float8_e4m3fn, scale)
+    want, want_k, want_v = reference_attention(c, dequant=lambda r: (r.float() / scale).to(torch.float8_e4m3fn)
+                                               .float() * scale)
+    assert torch.equal(ring_k.view(torch.uint8), (want_k.float() / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(ring_v.view(torch.uint8), (want_v.float() / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    torch.testing.assert_close(out, want.to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+
+
+# ---- the CUDA build -----------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CI has it)")
+def test_cuda_kernels_compile_for_hopper_and_blackwell(build):
+    out, log = build
+    lib = out / "libbeamtrt_kernels.a"
+    assert lib.exists(), log[-2000:]
+    archs = set(subprocess.run(["strings", str(lib)], capture_output=True, text=True).stdout.split())
+    assert {"sm_90", "sm_100a", "sm_103a"} <= archs
+    assert "TensorRT headers not found" in log or "TensorRT headers in" in log  # CMake says what it did
