@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MAINS = {
@@ -21,6 +22,7 @@ MAINS = {
     "scripts/bench_decode.py": "beamtrt.bench.decode", "scripts/bench_spec.py": "beamtrt.bench.spec",
     "scripts/bench_convert.py": "beamtrt.bench.convert", "scripts/bench_tp.py": "beamtrt.bench.tp",
     "scripts/benchmark.py": "beamtrt.bench.benchmark", "scripts/train_drafter.py": "beamtrt.train.cli",
+    "scripts/bench_kernels.py": "beamtrt.bench.kernels",
 }
 
 
@@ -90,6 +92,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
                                   "--quiet"]),
+    ("scripts/bench_kernels.py", ["--repeats", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
@@ -161,6 +164,8 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
+    if not torch.cuda.is_available():
+        assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
 
 def test_train_drafter_bad_values_are_one_line(tmp_path, run):

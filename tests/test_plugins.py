@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -247,3 +248,60 @@ def test_cuda_kernels_compile_for_hopper_and_blackwell(build):
     archs = set(subprocess.run(["strings", str(lib)], capture_output=True, text=True).stdout.split())
     assert {"sm_90", "sm_100a", "sm_103a"} <= archs
     assert "TensorRT headers not found" in log or "TensorRT headers in" in log  # CMake says what it did
+
+
+# ---- the Python side: the only place that knows the plugin names and fields -------------------------------------
+
+def test_python_plugin_table_matches_the_cpp_glue_and_readmes():
+    from beamtrt.build import plugins
+
+    for spec, folder in ((plugins.BLOCK_SELECTOR, "block_selector"), (plugins.WINDOWED_ATTENTION, "windowed_attention")):
+        header, source = (ROOT / "plugins" / folder / "plugin.h").read_text(), (ROOT / "plugins" / folder / "plugin.cpp")
+        assert f'kName = "{spec.name}"' in header
+        assert f"kInputs = {len(spec.inputs)};" in header and f"kOutputs = {len(spec.outputs)};" in header
+        fields = re.findall(r'\{"(\w+)", PluginFieldType::k(INT32|FLOAT32)', source.read_text())
+        assert fields == [(name, kind.upper()) for name, kind in spec.fields]
+        readme = (ROOT / "plugins" / folder / "README.md").read_text()
+        rows = re.findall(r"^\| (\d+) `(\w+)` \|", readme, flags=re.M)
+        assert rows == [(str(i), n) for i, n in enumerate(spec.inputs)] + [(str(i), n) for i, n in
+                                                                             enumerate(spec.outputs)]
+        assert f"Plugin `{spec.name}`, version `{plugins.VERSION}`, namespace `{plugins.NAMESPACE}`" in readme
+
+
+# ---- the CUDA kernels on a GPU (scripts/gpu_check.sh) --------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("codebook_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_selector_equals_the_host_build(host, codebook_dtype):
+    from beamtrt.native import cuda
+
+    c = selector_case(4, codebook_dtype, N=4, S=7, V=5000, K=16, R=32)
+    want = run_selector(host, c)
+    dev = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
+    draft, cand, q = cuda.block_selector(dev["logits"], dev["projected"], dev["anchor"], dev["A"], dev["B"],
+                                         dev["temperature"], dev["top_p"], dev["uniforms"], c["K"])
+    assert torch.equal(cand.cpu(), want["cand"]) and torch.equal(draft.cpu(), want["draft"])
+    torch.testing.assert_close(q.cpu(), want["q"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("io,cache,scale", [(torch.bfloat16, None, 1.0), (torch.float16, None, 1.0),
+                                            (torch.bfloat16, torch.float8_e4m3fn, 0.05)])
+def test_cuda_attention_equals_the_host_build(host, io, cache, scale):
+    from beamtrt.native import cuda
+
+    c = attention_case(5, io=io, N=3, L=8, C=16, Hq=16, Hkv=4, D=128, W=64, start=(0, 40, 100), count=(16, 16, 9))
+    want, want_k, want_v = run_attention(host, c, cache, scale)
+    cache = cache or io
+    ring_k = (c["ring_k"].float() / scale).to(cache).cuda()
+    ring_v = (c["ring_v"].float() / scale).to(cache).cuda()
+    out = cuda.windowed_attention(*(c[n].cuda() for n in ("q", "k", "v", "ck", "cv", "start", "count")), ring_k, ring_v,
+                                  cache_scale=scale)
+    assert torch.equal(ring_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(ring_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
+    torch.testing.assert_close(out.cpu().float(), want.float(), rtol=1e-2, atol=1e-2)

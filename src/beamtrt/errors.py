@@ -11,3 +11,7 @@ class ConfigError(BeamtrtError):
 
 class CheckpointError(BeamtrtError):
     """A checkpoint is missing, corrupt, incomplete, or holds tensors of the wrong shape, dtype or value."""
+
+
+class DeviceError(BeamtrtError):
+    """What the command needs is not on this host: a GPU, a compiler, a built kernel library."""

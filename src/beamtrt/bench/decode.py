@@ -21,6 +21,7 @@ import torch
 
 from beamtrt import native
 from beamtrt.cli_util import run_cli
+from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if min(args.batches) < 1 or args.steps < 1 or args.context < 1:
             raise ValueError("--batches, --steps and --context must be >= 1")
         if "native" in args.paths and not native.available():
-            raise RuntimeError("--paths native: the host kernels could not be built here (see the line above)")
+            raise DeviceError("--paths native: the host kernels could not be built here (see the line above)")
         if args.threads:
             torch.set_num_threads(args.threads)
         model_dir = Path(args.model) if args.model else ensure_beam_mini()

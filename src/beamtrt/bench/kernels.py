@@ -1,0 +1,99 @@
+"""Micro-benchmark of the plugins' CUDA kernels (JSON): windowed attention's achieved bytes/s beside a device-to-device
+copy of as many bytes, and the block selector's microseconds per step at batch 1 and 64, at DFlash2's serving shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import run_cli
+from beamtrt.errors import DeviceError
+
+
+def _time(fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` CUDA-event-timed runs, after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def attention_point(batch: int, window: int, block: int, q_heads: int, kv_heads: int, head_dim: int,
+                    repeats: int) -> dict:
+    from beamtrt.native import cuda
+
+    dev, io = "cuda", torch.bfloat16
+    t = lambda *shape: torch.randn(*shape, device=dev, dtype=io)  # noqa: E731
+    q, k, v = t(batch, block, q_heads, head_dim), t(batch, block, kv_heads, head_dim), t(batch, block, kv_heads, head_dim)
+    ctx = t(batch, 1, kv_heads, head_dim)
+    ring_k, ring_v = t(batch, kv_heads, window, head_dim), t(batch, kv_heads, window, head_dim)
+    start = torch.full((batch,), 10 * window, dtype=torch.int32, device=dev)  # a full ring: every slot visible
+    count = torch.zeros(batch, dtype=torch.int32, device=dev)
+    seconds = _time(lambda: cuda.windowed_attention(q, k, v, ctx, ctx, start, count, ring_k, ring_v), repeats)
+    moved = 2 * ring_k.nbytes + 2 * q.nbytes + 2 * k.nbytes  # both rings read; q read and the output written
+    src = torch.empty(moved // 2, dtype=torch.int16, device=dev)
+    dst = torch.empty_like(src)
+    copy_seconds = _time(lambda: dst.copy_(src), repeats)  # reads and writes `moved` bytes in all
+    return {"kernel": "windowed_attention", "batch": batch, "window": window, "block": block, "q_heads": q_heads,
+            "kv_heads": kv_heads, "head_dim": head_dim, "us": round(seconds * 1e6, 1),
+            "bytes_per_s": moved / seconds, "copy_bytes_per_s": 2 * src.nbytes / copy_seconds,
+            "fraction_of_copy": round(moved / seconds / (2 * src.nbytes / copy_seconds), 3)}
+
+
+def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, repeats: int) -> dict:
+    from beamtrt.native import cuda
+
+    dev = "cuda"
+    logits = torch.randn(batch, slots, vocab, device=dev)
+    projected = torch.randn(batch, slots, rank, device=dev)
+    anchors = torch.randint(0, vocab, (batch,), dtype=torch.int32, device=dev)
+    a, b = (torch.randn(vocab, rank, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    temperature = torch.full((batch,), 0.7, device=dev)
+    top_p = torch.full((batch,), 0.99, device=dev)
+    uniforms = torch.rand(batch, slots, device=dev)
+    seconds = _time(lambda: cuda.block_selector(logits, projected, anchors, a, b, temperature, top_p, uniforms, top_k),
+                    repeats)
+    return {"kernel": "block_selector", "batch": batch, "slots": slots, "vocab": vocab, "top_k": top_k, "rank": rank,
+            "us": round(seconds * 1e6, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=50, help="timed runs per point (default: %(default)s)")
+    p.add_argument("--json", help="also write the JSON result here")
+    args = p.parse_args(argv)
+
+    def run() -> None:
+        if not torch.cuda.is_available():
+            raise DeviceError("no CUDA device here: the kernel micro-benchmark needs a GPU")
+        points = [attention_point(32, 4096, 8, 40, 8, 128, args.repeats)]
+        points += [selector_point(batch, 7, 151_936, 16, 256, args.repeats) for batch in (1, 64)]
+        result = {"device": torch.cuda.get_device_name(), "points": points}
+        print("| kernel | shape | µs | achieved | vs copy |", file=sys.stderr)
+        print("|---|---|---|---|---|", file=sys.stderr)
+        for pt in points:
+            if pt["kernel"] == "windowed_attention":
+                print(f"| windowed attention | N {pt['batch']}, W {pt['window']}, {pt['kv_heads']} KV x "
+                      f"{pt['head_dim']} | {pt['us']} | {pt['bytes_per_s'] / 1e9:.0f} GB/s | "
+                      f"{pt['fraction_of_copy']:.2f} of {pt['copy_bytes_per_s'] / 1e9:.0f} GB/s |", file=sys.stderr)
+            else:
+                print(f"| block selector | N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']} | {pt['us']} | — | — |",
+                      file=sys.stderr)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(text + "\n")
+
+    return run_cli(run)

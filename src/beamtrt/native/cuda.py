@@ -1,0 +1,67 @@
+"""The plugins' CUDA kernels as a PyTorch extension (plugins/torch_ext), built on first use on a CUDA host.
+
+The same launchers the TensorRT plugins call (plugins/*/kernel.cu), on torch tensors: the GPU tests and the kernel
+micro-benchmark (scripts/gpu_check.sh) use them. Built with torch.utils.cpp_extension for the local GPU's
+architecture into the beamtrt cache (see beamtrt.native.cache_dir).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from beamtrt.errors import DeviceError
+from beamtrt.native import cache_dir
+
+PLUGINS = Path(__file__).resolve().parents[3] / "plugins"
+SOURCES = ("torch_ext/extension.cpp", "block_selector/kernel.cu", "windowed_attention/kernel.cu")
+
+
+@lru_cache(maxsize=None)
+def extension():
+    """The compiled extension module (raises where there is no CUDA device or no plugins/ source tree)."""
+    from torch.utils.cpp_extension import load
+
+    if not torch.cuda.is_available():
+        raise DeviceError("the CUDA kernels need a CUDA device")
+    missing = [s for s in SOURCES if not (PLUGINS / s).is_file()]
+    if missing:
+        raise DeviceError(f"the plugins/ sources are not here ({PLUGINS}): {', '.join(missing)}")
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # the arch-specific target, as plugins/CMakeLists.txt
+    build = cache_dir() / "cuda" / f"sm_{arch}"
+    build.mkdir(parents=True, exist_ok=True)
+    return load(name="beamtrt_cuda", sources=[str(PLUGINS / s) for s in SOURCES], build_directory=str(build),
+                extra_include_paths=[str(PLUGINS)], extra_cflags=["-O3", "-std=c++20"],
+                extra_cuda_cflags=["-O3", "-std=c++17", f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def block_selector(logits: torch.Tensor,       # [N, S, V] fp32
+                   projected: torch.Tensor,    # [N, S, R] fp32: W_h h_t
+                   anchor_ids: torch.Tensor,   # [N] int32
+                   predecessor: torch.Tensor,  # [V, R] fp32 / fp16 / bf16
+                   successor: torch.Tensor,    # [V, R] same dtype
+                   temperature: torch.Tensor,  # [N] fp32, 0 = greedy
+                   top_p: torch.Tensor,        # [N] fp32
+                   uniforms: torch.Tensor,     # [N, S] fp32
+                   top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (draft_ids [N, S] int32, cand_ids [N, S, K] int32, q [N, S, K] fp32), as plugins/block_selector."""
+    return tuple(extension().block_selector(logits, projected, anchor_ids, predecessor, successor, temperature, top_p,
+                                            uniforms, top_k, _stream()))
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N, L, H(q|kv), D]
+                       context_k: torch.Tensor, context_v: torch.Tensor,   # [N, C, Hkv, D]
+                       start: torch.Tensor, count: torch.Tensor,           # [N] int32
+                       ring_k: torch.Tensor, ring_v: torch.Tensor,         # [N, Hkv, W, D], updated in place
+                       cache_scale: float = 1.0, softmax_scale: float | None = None) -> torch.Tensor:
+    """-> out [N, L, Hq, D], as plugins/windowed_attention (an fp8 ring holds values / cache_scale)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return extension().windowed_attention(q, k, v, context_k, context_v, start, count, ring_k, ring_v, cache_scale,
+                                          scale, _stream())
