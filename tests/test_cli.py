@@ -91,7 +91,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--gen-batch", "--data-seed", "--steps", "--seqs-per-step", "--anchors",
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
-                                  "--quiet"]),
+                                  "--quiet", "--extra-data", "--data-only"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):

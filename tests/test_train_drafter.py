@@ -112,6 +112,8 @@ def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):
     train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True, stop_after=2)
     with pytest.raises(BeamtrtError, match="other training settings"):
         train(make_drafter(target), data, dataclasses.replace(TINY_RUN, lr=1e-3), tmp_path, quiet=True)
+    with pytest.raises(BeamtrtError, match="other data"):  # more (or other) feature caches than the run began with
+        train(make_drafter(target), _features(target, n=7), TINY_RUN, tmp_path, quiet=True)
     (tmp_path / "train_state.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(BeamtrtError, match="corrupt"):
         train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True)
@@ -130,6 +132,15 @@ def test_feature_shards_round_trip_and_corruption(target, tmp_path):
     for i in range(3):
         a, b = data.sequence(i), both.sequence(i + 3)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"ids": data.ids[:0], "taps": data.taps[:0], "seq_start": torch.zeros(1, dtype=torch.long),
+               "prompt_len": data.prompt_len[:0], "greedy": data.greedy[:0]}, str(other / "features-00000.safetensors"))
+    assert len(load_features(other, tmp_path)) == 6  # several caches, concatenated in order
+    (tmp_path / "meta.json").write_text('{"taps": [1, 2]}')
+    (other / "meta.json").write_text('{"taps": [0, 2]}')
+    with pytest.raises(BeamtrtError, match="target layers"):
+        load_features(tmp_path, other)
     (tmp_path / "features-00001.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(BeamtrtError, match="corrupt feature shard"):
         load_features(tmp_path)

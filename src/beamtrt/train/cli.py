@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     io.add_argument("--work", help="training state directory, for resuming "
                     "(default: checkpoints/<target>-dflash2-train)")
     io.add_argument("--out", help="trained drafter output (default: checkpoints/<target>-dflash2)")
+    io.add_argument("--extra-data", nargs="+", default=[], metavar="DIR",
+                    help="more feature caches (e.g. made earlier with another --data-seed and --data-only) to train "
+                         "on, placed before --data's (whose last greedy answers stay the held-out set)")
     data = p.add_argument_group("phase 1: target answers")
     data.add_argument("--prompts", type=int, default=d.prompts,
                       help="training prompts to answer (default: %(default)s)")
@@ -71,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="training-state save period in steps (default: %(default)s)")
     tr.add_argument("--layers", type=int, default=2, help="draft layers (default: %(default)s)")
     tr.add_argument("--selector-rank", type=int, default=32, help="selector codebook rank (default: %(default)s)")
+    p.add_argument("--data-only", action="store_true", help="stop after phase 1 (generate or complete --data)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -114,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         build_features(target, tokenizer, dcfg.target_layer_ids, training_prompts(recipe.prompts, recipe.seed),
                        data_dir, recipe, quiet=args.quiet)
-        data = load_features(data_dir)
+        if args.data_only:
+            print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
+            return
+        for extra in map(Path, args.extra_data):
+            if not extra.is_dir():
+                raise BeamtrtError(f"--extra-data {extra}: no such directory")
+        data = load_features(*map(Path, args.extra_data), data_dir)
         n_answer = int(sum(int(data.seq_start[i + 1] - data.seq_start[i]) - int(data.prompt_len[i])
                            for i in range(len(data))))
         print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
@@ -127,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         save_drafter(drafter.to(torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
         write_log(out / "train_log.jsonl", log)
         final = next((row for row in reversed(log) if "eval_tau" in row), {})
-        summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "train": dataclasses.asdict(cfg),
+        summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "extra_data": args.extra_data, "train": dataclasses.asdict(cfg),
                    "data_sequences": len(data), "data_tokens": int(data.ids.shape[0]), "answer_tokens": n_answer,
                    "train_seconds_this_run": round(time.perf_counter() - t0, 1),
                    "train_seconds_total": round(sum(row["seconds"] for row in log), 1),

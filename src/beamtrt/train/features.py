@@ -169,17 +169,22 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     return out
 
 
-def load_features(data: Path) -> FeatureSet:
-    """Read every shard of a feature cache into one FeatureSet."""
-    paths = sorted(data.glob("features-*.safetensors"))
-    if not paths:
-        raise BeamtrtError(f"{data}: no feature shards (features-*.safetensors)")
-    parts = []
-    for p in paths:
-        try:
-            parts.append(load_file(str(p)))
-        except Exception as e:  # safetensors raises several types for a truncated or corrupt file
-            raise BeamtrtError(f"{p}: corrupt feature shard ({e})") from None
+def load_features(*dirs: Path) -> FeatureSet:
+    """Read every shard of one or more feature caches (in the order given) into one FeatureSet."""
+    parts, taps = [], None
+    for data in dirs:
+        paths = sorted(data.glob("features-*.safetensors"))
+        if not paths:
+            raise BeamtrtError(f"{data}: no feature shards (features-*.safetensors)")
+        meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").is_file() else {}
+        if taps is not None and meta.get("taps") != taps:
+            raise BeamtrtError(f"{data}: features of target layers {meta.get('taps')}, the first cache has {taps}")
+        taps = meta.get("taps")
+        for p in paths:
+            try:
+                parts.append(load_file(str(p)))
+            except Exception as e:  # safetensors raises several types for a truncated or corrupt file
+                raise BeamtrtError(f"{p}: corrupt feature shard ({e})") from None
     starts, total = [], 0
     for part in parts:
         starts.append(part["seq_start"][:-1] + total)

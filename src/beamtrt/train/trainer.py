@@ -133,6 +133,10 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
 
 # ---- data split and anchor draws ------------------------------------------------------------------------------
 
+def _fingerprint(data: FeatureSet) -> dict:
+    return {"sequences": len(data), "tokens": int(data.ids.shape[0])}
+
+
 def split(data: FeatureSet, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     """(train, held-out) sequence indices: the last `eval_sequences` greedy answers are held out."""
     greedy = [i for i in range(len(data)) if bool(data.greedy[i])]
@@ -203,10 +207,10 @@ def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: Tr
 # ---- the loop -------------------------------------------------------------------------------------------------
 
 def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
-                log: list[dict]) -> None:
+                log: list[dict], data: FeatureSet) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"step": step, "config": dataclasses.asdict(cfg), "model": drafter.state_dict(),
-                "optimizer": opt.state_dict(), "log": log}, tmp)
+    torch.save({"step": step, "config": dataclasses.asdict(cfg), "data": _fingerprint(data),
+                "model": drafter.state_dict(), "optimizer": opt.state_dict(), "log": log}, tmp)
     os.replace(tmp, path)
 
 
@@ -231,6 +235,9 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         except Exception as e:
             raise BeamtrtError(f"{state_path}: cannot resume, the training state is corrupt ({e.__class__.__name__});"
                                " remove it to start over") from None
+        if state.get("data") != _fingerprint(data):
+            raise BeamtrtError(f"{state_path} was trained on other data ({state.get('data')}, now "
+                               f"{_fingerprint(data)}): use the same feature caches, or another --work directory")
         if state["config"] != dataclasses.asdict(cfg):
             raise BeamtrtError(f"{state_path} was written with other training settings: pass the same flags, or "
                                "remove it (or use another --work directory) to start over")
@@ -271,7 +278,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         bar.set_postfix({k: row[k] for k in ("loss", "acc", "tau_proxy") if k in row} |
                         ({"eval_tau": row["eval_tau"]} if "eval_tau" in row else {}))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after:
-            _save_state(state_path, drafter, opt, step, cfg, log)
+            _save_state(state_path, drafter, opt, step, cfg, log, data)
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
