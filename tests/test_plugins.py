@@ -14,23 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from beamtrt.native.kernels import DTYPES, AttentionArgs, SelectorArgs
 from beamtrt.spec.selector import draft_probs, walk_greedy, walk_sampled
 
 ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
-_p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
-
-
-class SelectorArgs(ctypes.Structure):  # plugins/block_selector/kernel.cuh: selector::Args
-    _fields_ = [(n, _i32) for n in ("N", "S", "V", "K", "R", "codebookType")] + [
-        (n, _p) for n in ("logits", "projected", "anchorIds", "predecessor", "successor", "temperature", "topP",
-                          "uniforms", "draftIds", "candIds", "q")]
-
-
-class AttentionArgs(ctypes.Structure):  # plugins/windowed_attention/kernel.cuh: windowed_attention::Args
-    _fields_ = [(n, _i32) for n in ("N", "L", "C", "Hq", "Hkv", "D", "W", "ioType", "cacheType")] + [
-        ("cacheScale", _f32), ("softmaxScale", _f32)] + [
-        (n, _p) for n in ("q", "k", "v", "contextK", "contextV", "start", "count", "ringK", "ringV", "out")]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +50,7 @@ def ptr(t: torch.Tensor) -> int:
 
 def convert(host, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     dst = torch.empty(src.shape, dtype=dtype)
-    host.beamtrt_convert_host(_p(ptr(src)), DTYPES[src.dtype], _p(ptr(dst)), DTYPES[dtype], ctypes.c_int64(src.numel()))
+    host.beamtrt_convert_host(ctypes.c_void_p(ptr(src)), DTYPES[src.dtype], ctypes.c_void_p(ptr(dst)), DTYPES[dtype], ctypes.c_int64(src.numel()))
     return dst
 
 

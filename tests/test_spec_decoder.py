@@ -9,6 +9,7 @@ from beamtrt.runtime.backend import DraftStep
 from beamtrt.runtime.generate import generate
 from beamtrt.runtime.torch_backend import TorchTarget
 from beamtrt.spec.decoder import Request, SpeculativeDecoder
+from beamtrt.spec.selector import walk_greedy, walk_sampled
 from conftest import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
@@ -52,7 +53,7 @@ class OracleDrafter:
         assert taps.shape[-1] == 2 * 64 and taps.shape[:2][0] == len(self.length)
         self.length += num_tokens
 
-    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor) -> DraftStep:
+    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor, params, uniforms) -> DraftStep:
         n, s = len(anchor_ids), block_size - 1
         cand = torch.randint(0, 101, (n, s, self.k), generator=self.g)
         for i, slot in enumerate(slots.tolist()):
@@ -64,7 +65,10 @@ class OracleDrafter:
                                                  cand[i, t, 1:])
         scores = torch.zeros(n, s, self.k, self.k)
         scores[..., 0] = 5.0  # candidate 0 wins after any predecessor
-        return DraftStep(cand, scores)
+        if params.greedy:
+            return DraftStep(walk_greedy(cand, scores)[0], cand, None)
+        drafts, q = walk_sampled(cand, scores, params.temperature, params.top_p, uniforms)
+        return DraftStep(drafts, cand, q)
 
     def reset(self, slots):
         self.length[slots] = 0

@@ -72,6 +72,25 @@ class GroupedConv2Tap(nn.Module):
 
 # ---- one draft layer -----------------------------------------------------------------------------------------
 
+@dataclass
+class RingContext:
+    """The context as the windowed-attention kernel reads it: the whole ring and each sequence's length."""
+
+    ring_k: torch.Tensor  # [N, KV, W, D], keys already rotated
+    ring_v: torch.Tensor  # [N, KV, W, D]
+    start: torch.Tensor   # [N] context tokens appended so far (ring slots [0, min(start, W)) are visible)
+    kernels: object       # beamtrt.native.kernels.HostKernels / CudaKernels
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, L, Hq, D], k / v [N, L, KV, D] (the block) -> [N, L, Hq, D]."""
+        N, _, kv, D = k.shape
+        none = k.new_empty(N, 0, kv, D)
+        count = torch.zeros_like(self.start, dtype=torch.int32)
+        return self.kernels.windowed_attention(q.contiguous(), k.contiguous(), v.contiguous(), none, none,
+                                               self.start.to(torch.int32), count, self.ring_k.contiguous(),
+                                               self.ring_v.contiguous())
+
+
 class DraftAttention(nn.Module):
     """Qwen3 attention (per-head q/k RMSNorm, GQA, no bias) whose keys are [context K/V] + [the block's own K/V].
 
@@ -110,6 +129,9 @@ class DraftAttention(nn.Module):
         v = heads[:, :, self.n_heads + self.n_kv:]
         cos, sin = rope[0].unsqueeze(2), rope[1].unsqueeze(2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if isinstance(ctx_k, RingContext):  # the windowed-attention kernel over the ring (no append: count 0)
+            out = ctx_k.attend(q, k, v)  # [N, L, n_heads, D]
+            return _hook(self.reduce, self.o_proj(_hook(self.o_in, out.reshape(N, L, -1))))
         keys = torch.cat((ctx_k, k.transpose(1, 2)), dim=2)  # [N, KV, S + L, D]
         values = torch.cat((ctx_v, v.transpose(1, 2)), dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
@@ -217,8 +239,8 @@ class DraftCache(SlotCache):
 class DraftOutput:
     logits: torch.Tensor    # [N, B-1, V] fp32, block positions 1..B-1, the target's logit transform applied
     hidden: torch.Tensor    # [N, B-1, H] final-normed draft hidden (what the LM head and the selector read)
-    cand_ids: torch.Tensor  # [N, B-1, K] long, top-K of each slot's logits
-    scores: torch.Tensor    # [N, B-1, K, K] fp32 selector edge scores (see CandidateSelector.edge_scores)
+    cand_ids: torch.Tensor | None  # [N, B-1, K] long, top-K of each slot's logits (None: lattice=False)
+    scores: torch.Tensor | None    # [N, B-1, K, K] fp32 selector edge scores (see CandidateSelector.edge_scores)
 
 
 # ---- the drafter ---------------------------------------------------------------------------------------------
@@ -245,6 +267,7 @@ class DFlash2Drafter(nn.Module):
                 layer.self_attn.reduce = layer.mlp.reduce = shard.allreduce
         self.rotary = Rotary(cfg)  # DrafterConfig has the fields Rotary reads (head_dim, rope_theta, rope_scaling)
         self.use_conv = True  # False only to compare against a DFlash v1 forward in tests
+        self.kernels = None  # the plugin kernels (beamtrt.native.kernels) when the runtime chose them
 
     @property
     def dtype(self) -> torch.dtype:
@@ -299,7 +322,7 @@ class DFlash2Drafter(nn.Module):
 
     @torch.inference_mode()
     def draft(self, cache: DraftCache, anchor_ids: torch.Tensor, block_size: int,
-              slots: torch.Tensor | None = None) -> DraftOutput:
+              slots: torch.Tensor | None = None, lattice: bool = True) -> DraftOutput:
         """Run one block per sequence and return its drafts' logits, hidden states and selector lattice.
 
         anchor_ids: [N], the last committed token x_s of each sequence (of cache slot slots[n] when `slots` [N] is
@@ -334,12 +357,18 @@ class DFlash2Drafter(nn.Module):
         ctx = visible[:, None, :used].expand(N, B, used)  # [N, B, used]
         mask = torch.cat((ctx, ctx.new_ones(N, B, B)), dim=-1)[:, None]  # [N, 1, B, used + B]
         for i, layer in enumerate(self.layers):
+            if self.kernels is not None:  # the plugin kernel reads the ring itself (plugins/windowed_attention)
+                ring_k, ring_v = (cache.k[i], cache.v[i]) if slots is None else (cache.k[i][slots], cache.v[i][slots])
+                h = layer(h, rope, RingContext(ring_k, ring_v, start, self.kernels), None, None, B, self.use_conv)
+                continue
             k, v = cache.k[i][:, :, :used], cache.v[i][:, :, :used]  # [slots, KV, used, D]
             if slots is not None:  # only the requested sequences (gathered)
                 k, v = k[slots], v[slots]
             h = layer(h, rope, k, v, mask, B, self.use_conv)
         z = self.norm(h[:, 1:])
         logits = target.lm_logits(z.to(target.dtype))  # fp32 [N, B-1, V]
+        if not lattice:  # the caller selects with the plugin kernel, from the logits and z
+            return DraftOutput(logits=logits, hidden=z, cand_ids=None, scores=None)
         top_k = min(self.cfg.selector_top_k, logits.shape[-1])
         cand, scores = self.candidate_selector.edge_scores(logits, z, anchor_ids, top_k)
         return DraftOutput(logits=logits, hidden=z, cand_ids=cand, scores=scores)

@@ -58,37 +58,39 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "beamtrt" / "native"
 
 
-@lru_cache(maxsize=None)
-def library() -> ctypes.CDLL | None:
-    """The compiled library (built once per source and compiler flags), or None where it cannot be built."""
+def compile_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
+    """Build `source` into a shared library in cache_dir() once per source and flags (compiled aside, then renamed:
+    never half a file); None, after one line on stderr, where it cannot be built."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        print("beamtrt: no C++ compiler found; the CPU steps run in PyTorch (slower)", file=sys.stderr)
+        print(f"beamtrt: no C++ compiler found; {what} are not available", file=sys.stderr)
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"beam_step-{digest}.so"
+    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler,) + flags).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{digest}.so"
     if not target.exists():
         try:
-            _build(compiler, target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                out = Path(tmp) / target.name
+                done = subprocess.run([compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError((done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"])[0])
+                os.replace(out, target)
         except (OSError, RuntimeError) as e:
-            print(f"beamtrt: building the host kernels failed ({e}); the CPU steps run in PyTorch", file=sys.stderr)
+            print(f"beamtrt: building {what} failed ({e}); they are not available", file=sys.stderr)
             return None
-    lib = ctypes.CDLL(str(target))  # its libgomp is the one torch already loaded (same soname): one thread pool
-    if lib.beam_step_abi() != ABI:
+    return ctypes.CDLL(str(target))
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The fused-step library, or None where it cannot be built (the CPU steps then run in PyTorch)."""
+    lib = compile_library(SOURCE, FLAGS, "the host kernels")  # its libgomp is the one torch already loaded (same
+    if lib is None or lib.beam_step_abi() != ABI:              # soname): one OpenMP thread pool
         return None
     lib.beam_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     lib.beam_gemm.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i32, _i32]
     return lib
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # compile aside, then rename: never half a file
-        out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError((done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"])[0])
-        os.replace(out, target)
 
 
 def available() -> bool:

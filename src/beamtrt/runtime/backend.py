@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from beamtrt.spec.sampling import SamplingParams
+
 
 @dataclass
 class TargetStep:
@@ -38,8 +40,9 @@ class TargetBackend(Protocol):
 
 @dataclass
 class DraftStep:
-    cand_ids: torch.Tensor      # [N, S, K] candidate ids per draft slot (S = block - 1)
-    scores: torch.Tensor        # [N, S, K, K] fp32 selector scores: [n, t, i, j] = candidate j after candidate i
+    draft_ids: torch.Tensor     # [N, S] long, the walked drafts (S = block - 1)
+    cand_ids: torch.Tensor      # [N, S, K] long, the candidates of each draft slot
+    q: torch.Tensor | None      # [N, S, K] fp32, the exact row each draft was drawn from; None for a greedy walk
 
 
 class DrafterBackend(Protocol):
@@ -51,9 +54,12 @@ class DrafterBackend(Protocol):
     def append_context(self, taps: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Append committed tokens' taps [slots, T, n_taps * H] (right-padded; num_tokens [slots]) to every slot."""
 
-    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor) -> DraftStep:
+    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor, params: SamplingParams,
+              uniforms: torch.Tensor | None) -> DraftStep:
         """Draft a block after each anchor [N] (the last committed token of cache slot slots[n], not yet in the
-        context); only those slots are computed."""
+        context) and walk the selector lattice: greedy, or sampled with `params` and one uniform per slot
+        (uniforms [N, S]); only those slots are computed. The walk is `beamtrt.spec.selector`'s, bit for bit in its
+        integer outputs, wherever it runs (PyTorch, the plugin kernels, a TensorRT engine)."""
 
     def reset(self, slots: list[int]) -> None:
         """Empty slots for new requests."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from beamtrt.models.beam import BeamForCausalLM, KVCache
+from beamtrt.native.kernels import kernels_for
 from beamtrt.runtime.backend import DraftStep, TargetStep
+from beamtrt.spec.sampling import SamplingParams
+from beamtrt.spec.selector import walk_greedy, walk_sampled
 
 
 class TorchTarget:
@@ -41,6 +44,8 @@ class TorchDrafter:
         self.drafter = drafter
         self.target_layer_ids = tuple(drafter.cfg.target_layer_ids)
         self.cache = None
+        if drafter.candidate_selector.shard is None:  # vocab-parallel codebooks keep the reference path
+            drafter.kernels = kernels_for(drafter.device)
 
     def allocate(self, slots: int) -> None:
         self.cache = self.drafter.new_cache(slots)
@@ -49,11 +54,30 @@ class TorchDrafter:
         device = self.drafter.device
         self.drafter.append_context(self.cache, taps.to(device, self.drafter.dtype), num_tokens.to(device))
 
-    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor) -> DraftStep:
-        device = self.drafter.device
+    @torch.inference_mode()
+    def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor, params: SamplingParams,
+              uniforms: torch.Tensor | None) -> DraftStep:
+        device, kernels = self.drafter.device, self.drafter.kernels
         every = len(slots) == self.cache.batch and bool((slots == torch.arange(len(slots))).all())
-        out = self.drafter.draft(self.cache, anchor_ids.to(device), block_size, None if every else slots.to(device))
-        return DraftStep(out.cand_ids.cpu(), out.scores.float().cpu())
+        out = self.drafter.draft(self.cache, anchor_ids.to(device), block_size, None if every else slots.to(device),
+                                 lattice=kernels is None)
+        if kernels is None:  # the reference walk over the lattice the drafter scored
+            cand, scores = out.cand_ids.cpu(), out.scores.float().cpu()
+            if params.greedy:
+                return DraftStep(walk_greedy(cand, scores)[0], cand, None)
+            drafts, q = walk_sampled(cand, scores, params.temperature, params.top_p, uniforms)
+            return DraftStep(drafts, cand, q)
+        # the plugin kernel: top-K, edge scores and the walk in one launch (plugins/block_selector)
+        N, S = out.logits.shape[:2]
+        selector = self.drafter.candidate_selector
+        temperature = torch.full((N,), params.temperature, device=device)
+        top_p = torch.full((N,), params.top_p, device=device)
+        uniforms = torch.zeros(N, S) if uniforms is None else uniforms
+        drafts, cand, q = kernels.block_selector(
+            out.logits.float().contiguous(), selector.hidden_projection(out.hidden).float().contiguous(),
+            anchor_ids.to(device, torch.int32), selector.predecessor_codebook.detach(),
+            selector.successor_codebook.detach(), temperature, top_p, uniforms.to(device), top_k=min(self.drafter.cfg.selector_top_k, out.logits.shape[-1]))
+        return DraftStep(drafts.long().cpu(), cand.long().cpu(), None if params.greedy else q.cpu())
 
     def reset(self, slots: list[int]) -> None:
         self.drafter.reset(self.cache, slots)

@@ -1,8 +1,8 @@
 """The speculative decoding loop: prefill, then draft a block -> verify it in one target pass -> commit, per step.
 
 One step for the active requests (ragged acceptance; shapes in comments):
-  drafter.draft(anchors, slots)          candidates [N, S, K] and selector scores [N, S, K, K], S = block - 1
-  selector walk                          drafts [N, S] (+ the exact proposal q [N, S, K] when sampling)
+  drafter.draft(anchors, slots, ...)     block drafts, then the selector walk over candidates [N, S, K] (S = block - 1):
+                                         drafts [N, S] (+ the exact proposal q [N, S, K] when sampling)
   target.forward([anchor, drafts])       logits [N, S + 1, V], taps [N, S + 1, n_taps * H]
   verify                                 accepted drafts + one recovered or bonus token per request
   commit                                 crop the target KV to the committed tokens; their taps -> drafter context
@@ -20,7 +20,6 @@ import torch
 from beamtrt.runtime.backend import DrafterBackend, TargetBackend
 from beamtrt.spec.metrics import SpecMetrics
 from beamtrt.spec.sampling import SamplingParams, sample, target_probs
-from beamtrt.spec.selector import walk_greedy, walk_sampled
 from beamtrt.spec.verify import verify_greedy, verify_sampled
 
 
@@ -157,15 +156,11 @@ class SpeculativeDecoder:
         cand = q = None
         drafts = torch.zeros(len(active), 0, dtype=torch.long)  # [N, gamma]
         if self.drafter is not None:
+            uniforms = None if self.params.greedy else self._uniforms(len(active), gamma)
             t = time.perf_counter()
-            proposal = self.drafter.draft(anchors, self.block_size, slots)
+            proposal = self.drafter.draft(anchors, self.block_size, slots, self.params, uniforms)
             self.times.drafter_s += time.perf_counter() - t
-            cand, scores = proposal.cand_ids, proposal.scores
-            if self.params.greedy:
-                drafts, _ = walk_greedy(cand, scores)
-            else:
-                drafts, q = walk_sampled(cand, scores, self.params.temperature, self.params.top_p,
-                                         self._uniforms(len(active), gamma))
+            drafts, cand, q = proposal.draft_ids, proposal.cand_ids, proposal.q
         t = time.perf_counter()
         out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots, taps=self.taps)
         self.times.target_s += time.perf_counter() - t

@@ -1,0 +1,74 @@
+"""The torch backend's drafter on the plugin kernels (ring attention + block selector) decodes exactly as on the
+PyTorch reference: driven here through the kernels' host build (BEAMTRT_KERNELS=host), the same math the CUDA build
+runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from beamtrt.native.kernels import HostKernels, kernels_for
+from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
+from beamtrt.spec.decoder import Request, SpeculativeDecoder
+from beamtrt.spec.sampling import SamplingParams
+from conftest import tiny_model
+from test_dflash2 import make_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=7)
+
+
+def drafter_on(path: str, target, monkeypatch) -> TorchDrafter:
+    monkeypatch.setenv("BEAMTRT_KERNELS", path)
+    drafter = TorchDrafter(make_drafter(target, seed=3))  # W = 16: long answers wrap the ring
+    assert (drafter.drafter.kernels is HostKernels) == (path == "host")
+    return drafter
+
+
+def decode(target, drafter, params: SamplingParams, seed: int = 0):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (3, 9, 14, 5)]
+    dec = SpeculativeDecoder(TorchTarget(target), drafter, block_size=8, params=params, seed=seed)
+    done = dec.generate([Request(tuple(p), 30) for p in prompts], concurrency=3)  # slot subsets as requests end
+    return [c.output_ids for c in done], dec.metrics.summary()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_kernel_path_decodes_like_the_reference(target, params, monkeypatch):
+    reference = decode(target, drafter_on("off", target, monkeypatch), params)
+    kernels = decode(target, drafter_on("host", target, monkeypatch), params)
+    assert kernels == reference
+
+
+def test_draft_steps_agree(target, monkeypatch):
+    ref, ker = drafter_on("off", target, monkeypatch), drafter_on("host", target, monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    for d in (ref, ker):
+        d.allocate(3)
+        d.append_context(torch.randn(3, 20, 2 * 64, generator=torch.Generator().manual_seed(1)),
+                         torch.tensor([20, 7, 0]))
+    anchors, slots = torch.tensor([4, 50]), torch.tensor([2, 0])
+    uniforms = torch.rand(2, 7, generator=g)
+    for params in (SamplingParams(), SamplingParams(temperature=1.2, top_p=0.7)):
+        a = ref.draft(anchors, 8, slots, params, None if params.greedy else uniforms)
+        b = ker.draft(anchors, 8, slots, params, None if params.greedy else uniforms)
+        assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.cand_ids, b.cand_ids)
+        assert (a.q is None) == (b.q is None)
+        if a.q is not None:
+            torch.testing.assert_close(a.q, b.q, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_choice(monkeypatch):
+    monkeypatch.delenv("BEAMTRT_KERNELS", raising=False)
+    assert kernels_for("cpu") is None  # the PyTorch reference by default on the CPU
+    assert kernels_for("cuda") is not None  # the CUDA build by default on a GPU (built when first used)
+    monkeypatch.setenv("BEAMTRT_KERNELS", "off")
+    assert kernels_for("cuda") is None
+    monkeypatch.setenv("BEAMTRT_KERNELS", "fast")
+    with pytest.raises(Exception, match="expected auto, host or off"):
+        kernels_for("cpu")
