@@ -63,10 +63,13 @@ def test_draft_steps_agree(target, monkeypatch):
             torch.testing.assert_close(a.q, b.q, rtol=1e-5, atol=1e-6)
 
 
-def test_kernel_choice(monkeypatch):
+def test_kernel_choice(monkeypatch, capsys):
     monkeypatch.delenv("BEAMTRT_KERNELS", raising=False)
     assert kernels_for("cpu") is None  # the PyTorch reference by default on the CPU
-    assert kernels_for("cuda") is not None  # the CUDA build by default on a GPU (built when first used)
+    if not torch.cuda.is_available():  # the CUDA build is the default on a GPU; without one: a line, then PyTorch
+        assert kernels_for("cuda") is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "CUDA kernels are not available" in err[0]
     monkeypatch.setenv("BEAMTRT_KERNELS", "off")
     assert kernels_for("cuda") is None
     monkeypatch.setenv("BEAMTRT_KERNELS", "fast")

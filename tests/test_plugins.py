@@ -95,7 +95,8 @@ def run_selector(host, c):
     K, R = c["K"], c["projected"].shape[-1]
     out = dict(draft=torch.empty(N, S, dtype=torch.int32), cand=torch.empty(N, S, K, dtype=torch.int32),
                q=torch.empty(N, S, K))
-    args = SelectorArgs(N=N, S=S, V=V, K=K, R=R, codebookType=DTYPES[c["A"].dtype], logits=ptr(c["logits"]),
+    args = SelectorArgs(N=N, S=S, V=V, K=K, R=R, codebookType=DTYPES[c["A"].dtype],
+                        logitsType=DTYPES[c["logits"].dtype], logits=ptr(c["logits"]),
                         projected=ptr(c["projected"]), anchorIds=ptr(c["anchor"]), predecessor=ptr(c["A"]),
                         successor=ptr(c["B"]), temperature=ptr(c["temperature"]), topP=ptr(c["top_p"]),
                         uniforms=ptr(c["uniforms"]), draftIds=ptr(out["draft"]), candIds=ptr(out["cand"]),
@@ -105,8 +106,10 @@ def run_selector(host, c):
 
 
 def reference_lattice(c):
-    """CandidateSelector.edge_scores with g given (the plugin's input is the projected hidden W_h h_t)."""
-    unary, cand = torch.topk(c["logits"], c["K"], dim=-1)
+    """CandidateSelector.edge_scores with g given (the plugin's input is the projected hidden W_h h_t); the top-K
+    by a stable sort, as the kernel breaks ties (frequent with bf16 logits) to the lower id, which torch.topk does
+    not promise."""
+    unary, cand = (t[..., :c["K"]] for t in torch.sort(c["logits"].float(), dim=-1, descending=True, stable=True))
     N = cand.shape[0]
     pred = torch.cat((c["anchor"].long().view(N, 1, 1).expand(N, 1, c["K"]), cand[:, :-1]), dim=1)
     a, b = c["A"][pred].float(), c["B"][cand].float()
@@ -116,8 +119,10 @@ def reference_lattice(c):
 
 @pytest.mark.parametrize("codebook_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_selector_equals_the_reference_walks(host, seed, codebook_dtype):
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_selector_equals_the_reference_walks(host, seed, codebook_dtype, logits_dtype):
     c = selector_case(seed, codebook_dtype)
+    c["logits"] = c["logits"].to(logits_dtype)
     got = run_selector(host, c)
     cand, scores = reference_lattice(c)
     assert torch.equal(got["cand"].long(), cand)

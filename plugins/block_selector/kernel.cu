@@ -12,9 +12,9 @@ constexpr int32_t kThreads = 256;
 // threads' current heads then pop the K best in order (value desc, index asc on ties, as TopK::offer).
 __global__ void topKKernel(Args x, float* unary) {
   const int32_t slot = blockIdx.x;  // n * S + t
-  float const* row = x.logits + int64_t(slot) * x.V;
+  const int64_t row = int64_t(slot) * x.V;
   TopK mine;
-  for (int32_t v = threadIdx.x; v < x.V; v += kThreads) mine.offer(row[v], v, x.K);
+  for (int32_t v = threadIdx.x; v < x.V; v += kThreads) mine.offer(load(x.logits, row + v, x.logitsType), v, x.K);
   __shared__ float bestValue[kThreads];
   __shared__ int32_t bestIndex[kThreads];
   int32_t head = 0;

@@ -15,7 +15,8 @@ constexpr int32_t kMaxSlots = 31;   // draft slots per block (block size <= 32)
 struct Args {
   int32_t N, S, V, K, R;
   DType codebookType;               // kFLOAT, kHALF or kBF16
-  float const* logits;              // [N, S, V] drafter logits of the draft slots (target logit transform applied)
+  DType logitsType;                 // kFLOAT, kHALF or kBF16 (half-width logits halve the selector's reads)
+  void const* logits;               // [N, S, V] drafter logits of the draft slots (target logit transform applied)
   float const* projected;           // [N, S, R] g_t = W_h h_t
   int32_t const* anchorIds;         // [N] the token before slot 0
   void const* predecessor;          // [V, R] codebook A

@@ -10,6 +10,10 @@ namespace trt {
 namespace {
 enum Input { kLogits, kProjected, kAnchors, kPredecessor, kSuccessor, kTemperature, kTopP, kUniforms };
 enum Output { kDraftIds = 0, kCandIds, kQ };
+
+DType toDType(DataType type) {
+  return type == DataType::kHALF ? DType::kHALF : type == DataType::kBF16 ? DType::kBF16 : DType::kFLOAT;
+}
 }  // namespace
 
 std::vector<Field<BlockSelectorAttributes>> const& BlockSelectorPlugin::fields() {
@@ -56,6 +60,7 @@ bool BlockSelectorPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTe
     case kPredecessor:
       return linear(d, DataType::kFLOAT) || linear(d, DataType::kHALF) || linear(d, DataType::kBF16);
     case kSuccessor: return linear(d, inOut[kPredecessor].desc.type);  // both codebooks in one type
+    case kLogits: return linear(d, DataType::kFLOAT) || linear(d, DataType::kHALF) || linear(d, DataType::kBF16);
     case kInputs + kDraftIds:
     case kInputs + kCandIds: return linear(d, DataType::kINT32);
     default: return linear(d, DataType::kFLOAT);  // logits, projected hidden, temperature, top-p, uniforms, q
@@ -78,10 +83,9 @@ int32_t BlockSelectorPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
   args.V = int32_t(logits.d[2]);
   args.K = mAttributes.top_k;
   args.R = int32_t(inputDesc[kProjected].dims.d[2]);
-  args.codebookType = inputDesc[kPredecessor].type == DataType::kFLOAT ? DType::kFLOAT
-                      : inputDesc[kPredecessor].type == DataType::kHALF ? DType::kHALF
-                                                                        : DType::kBF16;
-  args.logits = static_cast<float const*>(inputs[kLogits]);
+  args.codebookType = toDType(inputDesc[kPredecessor].type);
+  args.logitsType = toDType(inputDesc[kLogits].type);
+  args.logits = inputs[kLogits];
   args.projected = static_cast<float const*>(inputs[kProjected]);
   args.anchorIds = static_cast<int32_t const*>(inputs[kAnchors]);
   args.predecessor = inputs[kPredecessor];

@@ -18,8 +18,8 @@ void beamtrt_block_selector_host(selector::Args const* args) {
   for (int32_t n = 0; n < x.N; n++) {
     for (int32_t t = 0; t < x.S; t++) {
       selector::TopK top;
-      float const* row = x.logits + (int64_t(n) * x.S + t) * x.V;
-      for (int32_t v = 0; v < x.V; v++) top.offer(row[v], v, x.K);
+      const int64_t row = (int64_t(n) * x.S + t) * x.V;
+      for (int32_t v = 0; v < x.V; v++) top.offer(load(x.logits, row + v, x.logitsType), v, x.K);
       for (int32_t j = 0; j < x.K; j++) {
         x.candIds[(int64_t(n) * x.S + t) * x.K + j] = top.index[j];
         unary[size_t(t) * x.K + j] = top.value[j];

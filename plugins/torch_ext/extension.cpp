@@ -23,7 +23,7 @@ void check(torch::Tensor const& t, char const* name, int64_t dims) {
               " dims expected");
 }
 
-// logits [N, S, V] fp32, projected [N, S, R] fp32, anchor_ids [N] int32, codebooks [V, R], temperature / top_p [N]
+// logits [N, S, V] fp32 / fp16 / bf16, projected [N, S, R] fp32, anchor_ids [N] int32, codebooks [V, R], temperature / top_p [N]
 // fp32, uniforms [N, S] fp32 -> (draft_ids [N, S] int32, cand_ids [N, S, K] int32, q [N, S, K] fp32)
 std::vector<torch::Tensor> blockSelector(torch::Tensor logits, torch::Tensor projected, torch::Tensor anchorIds,
                                          torch::Tensor predecessor, torch::Tensor successor, torch::Tensor temperature,
@@ -36,12 +36,12 @@ std::vector<torch::Tensor> blockSelector(torch::Tensor logits, torch::Tensor pro
   const int64_t N = logits.size(0), S = logits.size(1);
   auto i32 = logits.options().dtype(torch::kInt32);
   auto draft = torch::empty({N, S}, i32), cand = torch::empty({N, S, topK}, i32);
-  auto q = torch::empty({N, S, topK}, logits.options());
-  auto unary = torch::empty({N, S, topK}, logits.options());
+  auto q = torch::empty({N, S, topK}, projected.options());
+  auto unary = torch::empty({N, S, topK}, projected.options());
   beamtrt::selector::Args args{};
   args.N = int32_t(N), args.S = int32_t(S), args.V = int32_t(logits.size(2)), args.K = int32_t(topK);
-  args.R = int32_t(projected.size(2)), args.codebookType = dtypeOf(predecessor);
-  args.logits = logits.data_ptr<float>(), args.projected = projected.data_ptr<float>();
+  args.R = int32_t(projected.size(2)), args.codebookType = dtypeOf(predecessor), args.logitsType = dtypeOf(logits);
+  args.logits = logits.data_ptr(), args.projected = projected.data_ptr<float>();
   args.anchorIds = anchorIds.data_ptr<int32_t>(), args.predecessor = predecessor.data_ptr();
   args.successor = successor.data_ptr(), args.temperature = temperature.data_ptr<float>();
   args.topP = topP.data_ptr<float>(), args.uniforms = uniforms.data_ptr<float>();

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,7 +25,7 @@ _p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
 
 class SelectorArgs(ctypes.Structure):  # plugins/block_selector/kernel.cuh: selector::Args
-    _fields_ = [(n, _i32) for n in ("N", "S", "V", "K", "R", "codebookType")] + [
+    _fields_ = [(n, _i32) for n in ("N", "S", "V", "K", "R", "codebookType", "logitsType")] + [
         (n, _p) for n in ("logits", "projected", "anchorIds", "predecessor", "successor", "temperature", "topP",
                           "uniforms", "draftIds", "candIds", "q")]
 
@@ -60,10 +61,10 @@ class HostKernels:
         N, S, V = logits.shape
         out = (torch.empty(N, S, dtype=torch.int32), torch.empty(N, S, top_k, dtype=torch.int32),
                torch.empty(N, S, top_k))
-        keep = [logits.float().contiguous(), projected.float().contiguous(), anchor_ids.int().contiguous(),
+        keep = [logits.contiguous(), projected.float().contiguous(), anchor_ids.int().contiguous(),
                 predecessor.contiguous(), successor.contiguous(), temperature.float().contiguous(),
                 top_p.float().contiguous(), uniforms.float().contiguous()]
-        args = SelectorArgs(N, S, V, top_k, projected.shape[-1], DTYPES[predecessor.dtype],
+        args = SelectorArgs(N, S, V, top_k, projected.shape[-1], DTYPES[predecessor.dtype], DTYPES[logits.dtype],
                             *map(_ptr, keep), *map(_ptr, out))
         host_library().beamtrt_block_selector_host(ctypes.byref(args))
         return out
@@ -108,5 +109,15 @@ def kernels_for(device: torch.device | str):
     if mode == "off":
         return None
     if device.type == "cuda":
-        return CudaKernels if mode == "auto" else None
+        if mode != "auto":
+            return None
+        try:
+            from beamtrt.native import cuda
+
+            cuda.extension()  # built once per machine (a minute or two), then loaded from the cache
+        except Exception as e:  # no nvcc, no plugins/ sources, a failed build: the PyTorch reference still works
+            print(f"beamtrt: the CUDA kernels are not available ({str(e).splitlines()[0] if str(e) else e!r}); the "
+                  "drafter runs on the PyTorch reference", file=sys.stderr)
+            return None
+        return CudaKernels
     return HostKernels if mode == "host" and device.type == "cpu" else None
