@@ -67,8 +67,8 @@ bool BlockSelectorPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTe
   }
 }
 
-size_t BlockSelectorPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t, DynamicPluginTensorDesc const*,
-                                             int32_t) const noexcept {
+size_t BlockSelectorPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t,
+                                             DynamicPluginTensorDesc const*, int32_t) const noexcept {
   Dims const& most = inputs[kLogits].max;
   return selector::workspaceBytes(int32_t(most.d[0]), int32_t(most.d[1]), mAttributes.top_k);
 }

@@ -14,7 +14,8 @@
 
 namespace beamtrt {
 
-enum class DType : int32_t { kFLOAT = 0, kHALF = 1, kBF16 = 2, kFP8 = 3, kINT32 = 4 };  // values as in the plugin fields
+// Element types of kernel arguments (the host tests pass these values through ctypes).
+enum class DType : int32_t { kFLOAT = 0, kHALF = 1, kBF16 = 2, kFP8 = 3, kINT32 = 4 };
 
 BEAMTRT_HD float bitsToFloat(uint32_t u) {
 #ifdef __CUDA_ARCH__

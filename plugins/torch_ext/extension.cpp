@@ -23,8 +23,9 @@ void check(torch::Tensor const& t, char const* name, int64_t dims) {
               " dims expected");
 }
 
-// logits [N, S, V] fp32 / fp16 / bf16, projected [N, S, R] fp32, anchor_ids [N] int32, codebooks [V, R], temperature / top_p [N]
-// fp32, uniforms [N, S] fp32 -> (draft_ids [N, S] int32, cand_ids [N, S, K] int32, q [N, S, K] fp32)
+// logits [N, S, V] fp32 / fp16 / bf16, projected [N, S, R] fp32, anchor_ids [N] int32, codebooks [V, R],
+// temperature / top_p [N] fp32, uniforms [N, S] fp32
+//   -> (draft_ids [N, S] int32, cand_ids [N, S, K] int32, q [N, S, K] fp32)
 std::vector<torch::Tensor> blockSelector(torch::Tensor logits, torch::Tensor projected, torch::Tensor anchorIds,
                                          torch::Tensor predecessor, torch::Tensor successor, torch::Tensor temperature,
                                          torch::Tensor topP, torch::Tensor uniforms, int64_t topK,

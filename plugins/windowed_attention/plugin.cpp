@@ -36,7 +36,8 @@ std::vector<Field<WindowedAttentionAttributes>> const& WindowedAttentionPlugin::
 bool WindowedAttentionPlugin::valid(Attributes const& a) {
   const bool scaleOk = a.kv_cache_fp8 == 0 || (a.kv_scale > 0.0f && std::isfinite(a.kv_scale));
   if (a.window >= 1 && (a.kv_cache_fp8 == 0 || a.kv_cache_fp8 == 1) && scaleOk && a.softmax_scale >= 0.0f) return true;
-  logError(std::string(kName) + ": need window >= 1, kv_cache_fp8 in {0, 1}, kv_scale > 0 with fp8, softmax_scale >= 0");
+  logError(std::string(kName) +
+           ": need window >= 1, kv_cache_fp8 in {0, 1}, kv_scale > 0 with fp8, softmax_scale >= 0");
   return false;
 }
 

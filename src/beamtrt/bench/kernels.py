@@ -36,7 +36,7 @@ def attention_point(batch: int, window: int, block: int, q_heads: int, kv_heads:
 
     dev, io = "cuda", torch.bfloat16
     t = lambda *shape: torch.randn(*shape, device=dev, dtype=io)  # noqa: E731
-    q, k, v = t(batch, block, q_heads, head_dim), t(batch, block, kv_heads, head_dim), t(batch, block, kv_heads, head_dim)
+    q, k, v = t(batch, block, q_heads, head_dim), *(t(batch, block, kv_heads, head_dim) for _ in range(2))
     ctx = t(batch, 1, kv_heads, head_dim)
     ring_k, ring_v = t(batch, kv_heads, window, head_dim), t(batch, kv_heads, window, head_dim)
     start = torch.full((batch,), 10 * window, dtype=torch.int32, device=dev)  # a full ring: every slot visible

@@ -74,7 +74,8 @@ def compile_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.C
                 out = Path(tmp) / target.name
                 done = subprocess.run([compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True)
                 if done.returncode != 0:
-                    raise RuntimeError((done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"])[0])
+                    lines = done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"]
+                    raise RuntimeError(lines[0])
                 os.replace(out, target)
         except (OSError, RuntimeError) as e:
             print(f"beamtrt: building {what} failed ({e}); they are not available", file=sys.stderr)

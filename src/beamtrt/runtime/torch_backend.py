@@ -73,10 +73,11 @@ class TorchDrafter:
         temperature = torch.full((N,), params.temperature, device=device)
         top_p = torch.full((N,), params.top_p, device=device)
         uniforms = torch.zeros(N, S) if uniforms is None else uniforms
+        top_k = min(self.drafter.cfg.selector_top_k, out.logits.shape[-1])
         drafts, cand, q = kernels.block_selector(
-            out.logits.float().contiguous(), selector.hidden_projection(out.hidden).float().contiguous(),
+            out.logits.contiguous(), selector.hidden_projection(out.hidden).float().contiguous(),
             anchor_ids.to(device, torch.int32), selector.predecessor_codebook.detach(),
-            selector.successor_codebook.detach(), temperature, top_p, uniforms.to(device), top_k=min(self.drafter.cfg.selector_top_k, out.logits.shape[-1]))
+            selector.successor_codebook.detach(), temperature, top_p, uniforms.to(device), top_k=top_k)
         return DraftStep(drafts.long().cpu(), cand.long().cpu(), None if params.greedy else q.cpu())
 
     def reset(self, slots: list[int]) -> None:
