@@ -137,24 +137,27 @@ class _Descriptor:
                             embed=_ptr(model.embed.weight), final_norm=_ptr(model.norm.weight), lm_head=_ptr(head),
                             layer=layers)
         self.key = tuple(map(_ptr, self.tensors))
+        self.contiguous = all(p.is_contiguous() for p in self.tensors)
 
 
 def usable(model, cache, rows: int) -> bool:
     """Whether beam_step can run this forward exactly as the PyTorch path would (up to fp32 rounding)."""
-    if rows > MAX_ROWS or os.environ.get("BEAMTRT_NATIVE", "1") == "0" or model.shard is not None or model.dtype not in DTYPES or model.device.type != "cpu":
+    if rows > MAX_ROWS or os.environ.get("BEAMTRT_NATIVE", "1") == "0" or model.shard is not None:
         return False
-    if cache.k.dtype != model.dtype or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+    if model.dtype not in DTYPES or model.device.type != "cpu" or cache.k.dtype != model.dtype:
         return False
     cfg = model.cfg
     if cfg.shared_expert_intermediate_size or cfg.head_dim > MAX_HEAD_DIM or not available():
         return False
+    if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        return False
     if any(_hooked(layer.attn) or _hooked(layer.mlp) for layer in model.layers):
         return False
-    return all(p.is_contiguous() for p in model.parameters())
+    return descriptor(model).contiguous
 
 
-_descriptors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Descriptor (kept off the module:
-# ctypes pointers cannot be deep-copied)
+_descriptors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Descriptor, kept off the module
+# (ctypes pointers cannot be deep-copied)
 
 
 def gemm_usable(weight: torch.Tensor, rows: int) -> bool:
