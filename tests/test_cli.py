@@ -164,6 +164,7 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
+    assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
@@ -173,3 +174,5 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--eval-block-size", "20"), "eval block size 20")
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "nope")), "nope", "config.json")
     assert_one_line_error(run("scripts/train_drafter.py", "--prompts", "0"), "--prompts must be >= 1")
+    assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
+                          "no such directory")

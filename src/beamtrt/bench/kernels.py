@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> None:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         if not torch.cuda.is_available():
             raise DeviceError("no CUDA device here: the kernel micro-benchmark needs a GPU")
         points = [attention_point(32, 4096, 8, 40, 8, 128, args.repeats)]

@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
         recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                             batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size))
+        for extra in map(Path, args.extra_data):
+            if not extra.is_dir():
+                raise BeamtrtError(f"--extra-data {extra}: no such directory")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
@@ -121,9 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_only:
             print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
             return
-        for extra in map(Path, args.extra_data):
-            if not extra.is_dir():
-                raise BeamtrtError(f"--extra-data {extra}: no such directory")
         data = load_features(*map(Path, args.extra_data), data_dir)
         n_answer = int(sum(int(data.seq_start[i + 1] - data.seq_start[i]) - int(data.prompt_len[i])
                            for i in range(len(data))))
