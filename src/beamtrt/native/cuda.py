@@ -8,14 +8,13 @@ architecture into the beamtrt cache (see beamtrt.native.cache_dir).
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
 from beamtrt.errors import DeviceError
 from beamtrt.native import cache_dir
+from beamtrt.native.kernels import PLUGINS
 
-PLUGINS = Path(__file__).resolve().parents[3] / "plugins"
 SOURCES = ("torch_ext/extension.cpp", "block_selector/kernel.cu", "windowed_attention/kernel.cu")
 
 
