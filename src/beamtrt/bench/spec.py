@@ -48,7 +48,7 @@ def load_torch_models(model: str | None, drafter: str | None, dtype: str):
 
     from beamtrt.models.beam import load_beam
     from beamtrt.models.beam_mini import ensure_beam_mini
-    from beamtrt.runtime.cli import load_drafter_backend
+    from beamtrt.runtime.loader import load_drafter_backend
     from beamtrt.runtime.torch_backend import TorchTarget
 
     model_dir = Path(model) if model else ensure_beam_mini()

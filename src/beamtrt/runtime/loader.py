@@ -1,0 +1,97 @@
+"""Backends from a build output or a Hugging Face checkpoint: the one place `--backend auto|torch|trt` is decided."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from beamtrt.errors import ConfigError
+
+BACKENDS = ("auto", "torch", "trt")
+
+
+@dataclass
+class Loaded:
+    target: object              # a TargetBackend
+    drafter: object | None      # a DrafterBackend, or None for plain decoding
+    tokenizer_dir: Path
+    backend: str                # "torch" or "trt": what actually runs
+    what: str                   # one line for logs: what was loaded
+
+
+def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
+    """(backend, why) for `--backend` and a build manifest (None for a Hugging Face checkpoint)."""
+    if requested not in BACKENDS:
+        raise ConfigError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    engines = (manifest or {}).get("stages", {}).get("engines", {})
+    built = engines.get("status") in ("ran", "reused")
+    if requested == "torch":
+        return "torch", "requested"
+    from beamtrt.runtime.trt_backend import trt_support
+
+    missing = trt_support()
+    if requested == "trt":
+        if manifest is None:
+            raise ConfigError("--backend trt runs engines from a build output: pass --engine-dir")
+        if not built:
+            raise ConfigError(f"--backend trt: the build has no engines ({engines.get('reason', 'engine stage not run')})")
+        if missing:
+            raise ConfigError(f"--backend trt: {missing}")
+        return "trt", "requested"
+    if built and not missing:
+        return "trt", "engines and TensorRT-LLM present"
+    if manifest is None:
+        return "torch", "a Hugging Face checkpoint runs on torch"
+    return "torch", (missing if built else f"no engines in the build ({engines.get('reason', 'not run')})")
+
+
+def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtype: torch.dtype = torch.float32,
+               device: str = "cpu", spec: bool = True) -> Loaded:
+    """This rank's backends for a build_engines.py output (`backend` already picked by `pick_backend`)."""
+    target_dir, drafter_dir = root / manifest["target"]["dir"], root / manifest["drafter"]["dir"]
+    tokenizer = manifest["target"].get("tokenizer")
+    tokenizer_dir = root / tokenizer if tokenizer else Path(manifest["target"]["source"])
+    what = f"{root} ({manifest['precision']}, tp {manifest['mapping']['tp_size']}, {dist.size} rank(s))"
+    if backend == "trt":
+        from beamtrt.runtime.trt_backend import load_engines
+
+        target, drafter = load_engines(root, manifest, dist, spec=spec)
+        return Loaded(target, drafter, tokenizer_dir, "trt", what)
+    from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
+
+    if dist.size == 1:  # one process: every rank file, un-sharded
+        from beamtrt.checkpoint.trtllm_files import load_drafter_checkpoint, load_target
+
+        model = load_target(target_dir, dtype=dtype, device=device)
+        drafter = TorchDrafter(load_drafter_checkpoint(drafter_dir, model)) if spec else None
+    else:
+        from beamtrt.runtime import tp
+
+        model = tp.load_target_shard(target_dir, dist, dtype=dtype)
+        drafter = TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist)) if spec else None
+    return Loaded(TorchTarget(model), drafter, tokenizer_dir, "torch", what)
+
+
+def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: torch.dtype = torch.float32,
+            device: str = "cpu", spec: bool = True) -> Loaded:
+    """The torch backends for a Hugging Face target (default beam-mini, created if missing) and its drafter."""
+    from beamtrt.models.beam import load_beam
+    from beamtrt.models.beam_mini import ensure_beam_mini
+    from beamtrt.runtime.torch_backend import TorchTarget
+
+    model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
+    model = load_beam(model_dir, dtype=dtype, device=device)
+    drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device) if spec else (None, None))
+    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}")
+
+
+def load_drafter_backend(drafter_dir: str | Path | None, target, dtype: torch.dtype, device: str):
+    """The drafter backend: `drafter_dir`, else beam-mini's default drafter (trained, or a deterministic random one)."""
+    from beamtrt.models.beam_mini import default_drafter
+    from beamtrt.models.dflash2 import load_drafter
+    from beamtrt.runtime.torch_backend import TorchDrafter
+
+    path = Path(drafter_dir) if drafter_dir else default_drafter(target)
+    return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
