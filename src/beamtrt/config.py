@@ -451,8 +451,34 @@ class DrafterConfig(_HFConfig):
 
 
 @dataclass(frozen=True)
+class EngineSettings:
+    """Engine limits (build_engines.py --max-batch-size ...). The defaults size 4x B300 at concurrency up to 64."""
+
+    max_batch_size: int = 64
+    max_seq_len: int = 32768
+    max_num_tokens: int = 8192
+    block_size: int = 8          # verified tokens per step: the target's max_draft_len = block_size - 1
+    tensorrt_root: str = ""      # TensorRT headers for the plugin library ("" = $TRT_ROOT or /usr/local/tensorrt)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_seq_len", "max_num_tokens"):
+            if getattr(self, name) < 1:
+                _fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 2 <= self.block_size <= 32:
+            _fail(f"--block-size must be in [2, 32] (the selector plugin walks at most 31 drafts), got "
+                  f"{self.block_size}")
+        if self.max_num_tokens < self.max_batch_size * self.block_size:
+            _fail(f"--max-num-tokens {self.max_num_tokens} cannot hold one verify step of --max-batch-size "
+                  f"{self.max_batch_size} x --block-size {self.block_size} tokens")
+
+    def to_json(self) -> dict:
+        return {"max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
+                "max_num_tokens": self.max_num_tokens, "block_size": self.block_size}
+
+
+@dataclass(frozen=True)
 class BuildConfig:
-    """What build_engines.py builds: sources, precision, parallel layout, calibration and output."""
+    """What build_engines.py builds: sources, precision, parallel layout, calibration, engine limits and output."""
 
     model: Path
     drafter: Path
@@ -465,6 +491,7 @@ class BuildConfig:
     calib_samples: int = 32
     drafter_precision: str = "bf16"
     force: bool = False
+    engine: EngineSettings = EngineSettings()
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp8", "nvfp4"):

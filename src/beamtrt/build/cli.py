@@ -44,6 +44,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="replace an existing output built from other inputs or settings (stages whose inputs are "
                         "unchanged are still reused)")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="engines: most requests decoded at once (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=32768,
+                   help="engines: most tokens per request, prompt and output together (default: %(default)s)")
+    p.add_argument("--max-num-tokens", type=int, default=8192,
+                   help="engines: most tokens in one target step, all requests together (longer prompts are "
+                        "prefilled in chunks of this size) (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="engines: tokens verified per step (anchor + block-1 drafts); runtime/run.py must use the "
+                        "same --block-size with the trt backend (default: %(default)s)")
+    p.add_argument("--tensorrt-root", default="",
+                   help="engines: TensorRT installation whose include/ has NvInfer.h, for the plugin library "
+                        "(default: $TRT_ROOT, else /usr/local/tensorrt)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -54,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from beamtrt.build.pipeline import build, engine_support, log
-    from beamtrt.config import BuildConfig
+    from beamtrt.build.pipeline import build, log
+    from beamtrt.checkpoint.manifest import read_manifest
+    from beamtrt.config import BuildConfig, EngineSettings
 
     model = args.model
     if model is None:
@@ -69,10 +83,13 @@ def _run(args: argparse.Namespace) -> None:
     out = args.out or ENGINES / f"{args.precision}-tp{args.tp}"
     bc = BuildConfig(model=Path(model), drafter=Path(drafter), out=Path(out), precision=args.precision, tp=args.tp,
                      moe_ep=args.moe_ep, kv_cache=args.kv_cache, calib_prompts=args.calib_prompts,
-                     calib_samples=args.calib_samples, drafter_precision=args.drafter_precision, force=args.force)
+                     calib_samples=args.calib_samples, drafter_precision=args.drafter_precision, force=args.force,
+                     engine=EngineSettings(args.max_batch_size, args.max_seq_len, args.max_num_tokens, args.block_size,
+                                           args.tensorrt_root))
     print("\n".join(build(bc, progress=not args.quiet)))
     if args.out is None:  # runtime/run.py runs the last default-location build unless told otherwise
         LAST_BUILD.write_text(str(bc.out.resolve()) + "\n")
-    why = engine_support() or "the TensorRT engine stage is not implemented in this version"
-    log(f"engines: skipped ({why}); the TensorRT-LLM checkpoints are complete in {bc.out}; to build engines, run "
-        "this same command on a GPU host with TensorRT-LLM 1.2")
+    stage = read_manifest(bc.out)["stages"]["engines"]
+    if stage["status"] == "skipped":
+        log(f"engines: skipped ({stage['reason']}); the TensorRT-LLM checkpoints are complete in {bc.out}; to build "
+            "engines, run this same command on a GPU host with TensorRT-LLM 1.2")

@@ -25,8 +25,6 @@ from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import read_chats
 
-SERVE_BLOCK_SIZE = 8  # the block runtime/run.py verifies by default
-
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -80,7 +78,15 @@ class Plan:
                                               self.keys["calibrate"] if drafter_fp8 else None, files=drafter_files)
         self.keys["target"] = mf.hash_inputs("target", bc.precision, bc.kv_cache, self.mapping.to_json(),
                                              self.keys["calibrate"], files=target_files)
-        self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"])
+        from beamtrt.build import engine
+
+        self.engines_why = engine.engine_support() or engine.unsupported(self.target_cfg) or (
+            engine.precision_unsupported(bc.precision)) or (
+            "a DFlash v1 drafter has no drafter engine (it runs on the torch backend)"
+            if self.drafter_cfg.version != 2 else None)
+        self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"],
+                                              bc.engine.to_json(), engine.trtllm_version(),
+                                              files=engine.plugin_sources())
 
 
 def _default_prompts() -> Path:
@@ -95,8 +101,8 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     reusable = {name: stage for name, stage in (old or {}).get("stages", {}).items()
                 if stage.get("key") == plan.keys.get(name) and stage.get("status") in ("ran", "reused")
                 and mf.stage_outputs_intact(bc.out, stage)}
-    needed = [n for n in ("calibrate", "target", "drafter") if plan.keys.get(n) and n not in reusable]
-    engines = engine_support()
+    stages = ("calibrate", "target", "drafter") + (("engines",) if plan.engines_why is None else ())
+    needed = [n for n in stages if plan.keys.get(n) and n not in reusable]
     if old is not None and not needed:
         log(f"{bc.out}: up to date (every stage's inputs and outputs match {mf.MANIFEST}); nothing to do")
         from beamtrt.checkpoint.validate import validate
@@ -107,7 +113,7 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     bc.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{bc.out.name}.tmp-", dir=bc.out.parent))
     try:
-        summary = _run(plan, tmp, reusable, engines, progress)
+        summary = _run(plan, tmp, reusable, progress)
         _replace(tmp, bc.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -152,7 +158,7 @@ def _reuse(name: str, stage: dict, src: Path, dst: Path) -> dict:
     return {**stage, "status": "reused"}
 
 
-def _run(plan: Plan, tmp: Path, reusable: dict, engines: str | None, progress: bool) -> list[str]:
+def _run(plan: Plan, tmp: Path, reusable: dict, progress: bool) -> list[str]:
     bc, stages = plan.bc, {}
     amax: dict[str, float] = {}
     drafter_amax: dict[str, float] = {}
@@ -168,8 +174,12 @@ def _run(plan: Plan, tmp: Path, reusable: dict, engines: str | None, progress: b
     for name, fn in (("target", lambda: _write_target(plan, tmp / "target", amax, progress)),
                      ("drafter", lambda: _write_drafter(plan, tmp / "drafter", drafter_amax, progress))):
         stages[name] = _reuse(name, reusable[name], bc.out, tmp) if name in reusable else _stage(plan, tmp, name, fn)
-    stages["engines"] = {"status": "skipped", "key": plan.keys["engines"],
-                         "reason": engines or "the TensorRT engine stage is not implemented in this version"}
+    if plan.engines_why is not None:
+        stages["engines"] = {"status": "skipped", "key": plan.keys["engines"], "reason": plan.engines_why}
+    elif "engines" in reusable:
+        stages["engines"] = _reuse("engines", reusable["engines"], bc.out, tmp)
+    else:
+        stages["engines"] = _stage(plan, tmp, "engines", lambda: _build_engines(plan, tmp, progress))
     from beamtrt.checkpoint.validate import validate
 
     manifest = _manifest(plan, stages)
@@ -204,7 +214,7 @@ def _calibrate(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
               "amax": result.amax}
     if drafter_fp8:
         record["drafter_amax"] = cal.calibrate_drafter(bc.drafter, bc.model, plan.target_cfg, sequences, result.taps,
-                                                       SERVE_BLOCK_SIZE)
+                                                       bc.engine.block_size)
     for ranges in (record["amax"], record.get("drafter_amax", {})):
         bad = [k for k, v in ranges.items() if not (v > 0 and v < float("inf"))]
         if bad:
@@ -267,27 +277,44 @@ def _has_tokenizer(stages: dict) -> bool:
     return any(name.startswith("tokenizer/") for name in (stages.get("target", {}).get("files") or {}))
 
 
-def engine_support() -> str | None:
-    """None where engines can be built here, else why not."""
-    try:
-        import tensorrt_llm  # noqa: F401
-    except Exception:  # not installed, or its import fails without TensorRT libraries / CUDA
-        return "TensorRT-LLM is not installed on this host"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU on this host"
-    return None
+def _build_engines(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
+    """The plugin library, then every rank's target and drafter engines (beamtrt.build.engine)."""
+    from beamtrt.build import engine
+
+    bc = plan.bc
+    lib = engine.build_plugin_library(tmp / engine.PLUGIN_DIR, bc.engine.tensorrt_root)
+    files = [lib]
+    target_out, drafter_out = tmp / "target" / engine.ENGINE_DIR, tmp / "drafter" / engine.ENGINE_DIR
+    for rank in _progress(list(range(bc.tp)), "engines", progress):
+        files.append(engine.build_target(tmp / "target", target_out, rank, bc.precision,
+                                         plan.drafter_cfg.target_layer_ids, bc.engine))
+        files.append(engine.build_drafter(tmp / "drafter", tmp / "target", drafter_out, rank, lib, bc.engine))
+    return files + [target_out / "config.json", drafter_out / "config.json"]
 
 
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("beamtrt", "torch", "nvidia-modelopt", "tensorrt_llm"):
+    for pkg in ("beamtrt", "torch", "nvidia-modelopt", "tensorrt_llm", "tensorrt"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+def _engines_record(stage: dict, bc: BuildConfig, taps: tuple[int, ...]) -> dict:
+    """manifest["engines"]: where the engines and the plugin library are (null when the stage did not run)."""
+    from beamtrt.build import engine
+
+    files = stage.get("files") or {}
+    lib = f"{engine.PLUGIN_DIR}/libbeamtrt_plugins.so"
+    return {"built": stage["status"] in ("ran", "reused"), "settings": bc.engine.to_json(),
+            "target": f"target/{engine.ENGINE_DIR}" if files else None,
+            "drafter": f"drafter/{engine.ENGINE_DIR}" if files else None,
+            "plugin_library": lib if lib in files else None, "plugin_sha256": files.get(lib),
+            "tap_outputs": [engine.TAP_OUTPUT.format(i) for i in (taps if files else ())]}
 
 
 def _manifest(plan: Plan, stages: dict) -> dict:
@@ -300,9 +327,10 @@ def _manifest(plan: Plan, stages: dict) -> dict:
                    "dir": "target", "dtype": trtllm.DTYPE_NAMES[plan.dtype],
                    "tokenizer": "tokenizer" if _has_tokenizer(stages) else None},
         "drafter": {"source": str(bc.drafter), "architecture": trtllm.DRAFTER_ARCHITECTURE, "dir": "drafter",
-                    "block_size": SERVE_BLOCK_SIZE, "train_block_size": d.block_size,
+                    "block_size": bc.engine.block_size, "train_block_size": d.block_size,
                     "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id,
                     "sliding_window": d.sliding_window},
+        "engines": _engines_record(stages["engines"], bc, d.target_layer_ids),
         "versions": _versions(),
         "stages": stages,
         "files": dict(sorted(files.items())),

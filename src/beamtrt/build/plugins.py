@@ -64,7 +64,8 @@ def load_library(path: str | Path | None = None) -> Path:
 
 
 def _add(network, spec: PluginSpec, tensors: list, values: dict):
-    """network.add_plugin_v3 of `spec` with its attribute `values`; returns the layer's outputs."""
+    """network.add_plugin_v3 of `spec` (a TensorRT INetworkDefinition, ITensor inputs) with its attribute
+    `values`; returns the IPluginV3Layer."""
     import numpy as np
     import tensorrt as trt
 
@@ -81,19 +82,20 @@ def _add(network, spec: PluginSpec, tensors: list, values: dict):
         raise PluginError(f"{spec.name}: TensorRT refused the attributes {values} (see its log)")
     layer = network.add_plugin_v3(tensors, [], plugin)
     layer.name = spec.name
-    return tuple(layer.get_output(i) for i in range(len(spec.outputs)))
+    return layer
 
 
 def add_block_selector(network, logits, projected, anchor_ids, predecessor_codebook, successor_codebook,
                        temperature, top_p, uniforms, *, top_k: int):
-    """-> (draft_ids [N, S] int32, cand_ids [N, S, K] int32, q [N, S, K] fp32); shapes in the plugin's README."""
+    """-> the plugin layer; outputs draft_ids [N, S] int32, cand_ids [N, S, K] int32, q [N, S, K] fp32 (README)."""
     return _add(network, BLOCK_SELECTOR, [logits, projected, anchor_ids, predecessor_codebook, successor_codebook,
                                           temperature, top_p, uniforms], {"top_k": top_k})
 
 
 def add_windowed_attention(network, q, k, v, context_k, context_v, start, count, ring_k, ring_v, *, window: int,
                            kv_scale: float | None = None, softmax_scale: float = 0.0):
-    """-> (out [N, L, Hq, D], ring_k, ring_v: the updated rings, aliasing the inputs); kv_scale set = fp8 ring."""
+    """-> the plugin layer; outputs out [N, L, Hq, D], ring_k, ring_v (the updated rings, aliasing the inputs);
+    kv_scale set = fp8 ring."""
     values = {"window": window, "kv_cache_fp8": int(kv_scale is not None), "kv_scale": kv_scale or 1.0,
               "softmax_scale": softmax_scale}
     return _add(network, WINDOWED_ATTENTION, [q, k, v, context_k, context_v, start, count, ring_k, ring_v], values)

@@ -104,7 +104,7 @@ _DRAFTER_TABLE = [
 ]
 
 
-def _rank_tensors(ckpt: TrtllmCheckpoint, rank: int):
+def rank_tensors(ckpt: TrtllmCheckpoint, rank: int):
     """(name, tensor) of one rank: weights dequantized (fp32), scale tensors skipped."""
     get = lambda name: ckpt.get(rank, name)  # noqa: E731
     for unit in ckpt.units():
@@ -172,7 +172,7 @@ def load_target_shard(path: str | Path, dist: Dist, dtype: torch.dtype = torch.f
     layers = {i: _MOE_TABLE if cfg.is_moe_layer(i) else _DENSE_TABLE for i in range(cfg.num_hidden_layers)}
     tables = _TARGET_TABLE + [(p.replace(r"(\d+)", str(i)), o.replace("{}", str(i)), h)
                               for i, table in layers.items() for p, o, h in table]
-    _load(model, tables, _rank_tensors(ckpt, dist.rank), dist.rank)
+    _load(model, tables, rank_tensors(ckpt, dist.rank), dist.rank)
     install_emulation(model, ckpt, rank=dist.rank)
     model.full_cfg = cfg
     return model.eval()
@@ -195,7 +195,7 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
     model = model.to_empty(device="cpu").to(dtype or target.dtype)
     if cfg.version == 1:
         raise CheckpointError(f"{ckpt.path}: DFlash v1 drafters are not supported by the tensor-parallel runtime")
-    _load(model, _DRAFTER_TABLE, _rank_tensors(ckpt, dist.rank), dist.rank)
+    _load(model, _DRAFTER_TABLE, rank_tensors(ckpt, dist.rank), dist.rank)
     install_emulation(model, ckpt, rank=dist.rank)
     return model.eval()
 

@@ -1,0 +1,176 @@
+"""The engine stage and the trt backend without TensorRT: import guards, backend choice, the weights engines read."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from beamtrt.build import drafter_net, engine
+from beamtrt.build.pipeline import build
+from beamtrt.checkpoint.manifest import read_manifest
+from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
+from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings
+from beamtrt.errors import ConfigError
+from beamtrt.models.beam import load_beam
+from beamtrt.models.dflash2 import random_drafter, save_drafter
+from beamtrt.models.random_beam import write_random_beam
+from beamtrt.runtime.loader import pick_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3 = BeamConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+MIXTRAL = dataclasses.replace(QWEN3, use_qk_norm=False)  # exports as MixtralForCausalLM
+SHARED = dataclasses.replace(QWEN3, use_qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=64)  # Qwen2-MoE
+
+BLOCKER = """
+import sys
+for name in ("tensorrt", "tensorrt_llm", "tensorrt_bindings"):
+    sys.modules[name] = None  # `import name` now raises ImportError, as on a host without them
+"""
+
+
+def _sources(root: Path, cfg: BeamConfig) -> Path:
+    write_random_beam(root / "target", cfg)
+    drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 1), mask_token_id=0)
+    save_drafter(random_drafter(drafter, load_beam(root / "target")), root / "drafter")
+    return root
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return {name: _sources(tmp_path_factory.mktemp(name), cfg)
+            for name, cfg in (("qwen3", QWEN3), ("mixtral", MIXTRAL), ("shared", SHARED))}
+
+
+def _build(src: Path, out: Path, precision: str, tp: int, **kw) -> Path:
+    build(BuildConfig(model=src / "target", drafter=src / "drafter", out=out, precision=precision, tp=tp,
+                      calib_samples=2, **kw), progress=False)
+    return out
+
+
+def test_package_imports_builds_and_decodes_without_tensorrt(sources, tmp_path):
+    """With `tensorrt` / `tensorrt_llm` imports made to fail, every beamtrt module imports, a build completes with
+    the engine stage skipped (and saying why), and the build decodes on the torch backend picked by auto."""
+    script = BLOCKER + f"""
+import importlib, pkgutil
+from pathlib import Path
+import torch
+import beamtrt
+for m in pkgutil.walk_packages(beamtrt.__path__, "beamtrt."):
+    importlib.import_module(m.name)
+from beamtrt.build.pipeline import build
+from beamtrt.checkpoint.manifest import read_manifest
+from beamtrt.config import BuildConfig
+from beamtrt.runtime.dist import Dist
+from beamtrt.runtime.loader import load_build, pick_backend
+from beamtrt.spec.decoder import Request, SpeculativeDecoder
+src, out = Path({str(sources['qwen3'])!r}), Path({str(tmp_path / 'out')!r})
+build(BuildConfig(model=src / "target", drafter=src / "drafter", out=out, precision="bf16", tp=1), progress=False)
+m = read_manifest(out)
+backend, why = pick_backend("auto", m)
+loaded = load_build(out, m, Dist.create(), backend=backend)
+done = SpeculativeDecoder(loaded.target, loaded.drafter, 4).generate([Request((1, 2, 3), 6)])
+print(m["stages"]["engines"]["reason"], "|", backend, "|", why, "|", len(done[0].output_ids))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    reason, backend, why, tokens = proc.stdout.strip().splitlines()[-1].split(" | ")
+    assert reason == "TensorRT-LLM is not installed on this host"
+    assert (backend, why, tokens) == ("torch", "no engines in the build (TensorRT-LLM is not installed on this host)",
+                                      "6")
+
+
+def test_manifest_says_no_engines(sources, tmp_path):
+    m = read_manifest(_build(sources["qwen3"], tmp_path / "out", "bf16", 2))
+    assert m["stages"]["engines"] == {"status": "skipped", "key": m["stages"]["engines"]["key"],
+                                      "reason": "TensorRT-LLM is not installed on this host"}
+    assert m["engines"]["built"] is False and m["engines"]["plugin_library"] is None
+    assert m["engines"]["settings"] == EngineSettings().to_json()
+
+
+def test_backend_choice():
+    built = {"stages": {"engines": {"status": "ran"}}}
+    skipped = {"stages": {"engines": {"status": "skipped", "reason": "no CUDA GPU on this host"}}}
+    assert pick_backend("torch", built) == ("torch", "requested")
+    assert pick_backend("auto", None) == ("torch", "a Hugging Face checkpoint runs on torch")
+    assert pick_backend("auto", skipped) == ("torch", "no engines in the build (no CUDA GPU on this host)")
+    assert pick_backend("auto", built) == ("torch", "TensorRT-LLM is not installed on this host")
+    for manifest, needle in ((None, "pass --engine-dir"), (skipped, "the build has no engines (no CUDA GPU"),
+                             (built, "TensorRT-LLM is not installed")):
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+            pick_backend("trt", manifest)
+    with pytest.raises(ConfigError, match="unknown backend"):
+        pick_backend("tensorrt", None)
+
+
+def test_run_with_backend_trt_on_a_build_without_engines_is_one_line(sources, tmp_path):
+    out = _build(sources["qwen3"], tmp_path / "out", "bf16", 1)
+    proc = subprocess.run([sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(out), "--backend", "trt",
+                           "--prompt", "hi"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --backend trt: the build has no engines (TensorRT-LLM is not installed on this host)")
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (dict(max_batch_size=0), "--max-batch-size must be at least 1"),
+    (dict(block_size=1), "--block-size must be in [2, 32]"),
+    (dict(max_batch_size=64, block_size=8, max_num_tokens=100), "cannot hold one verify step"),
+])
+def test_engine_settings_are_checked(settings, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
+        EngineSettings(**settings)
+
+
+def test_unsupported_targets_are_named():
+    assert engine.unsupported(QWEN3) is None and engine.unsupported(MIXTRAL) is None
+    assert "soft-caps" in engine.unsupported(dataclasses.replace(QWEN3, final_logit_softcapping=30.0))
+    assert "dense and MoE" in engine.unsupported(dataclasses.replace(QWEN3, mlp_only_layers=(0,)))
+
+
+def _rank_names(path: Path, rank: int) -> set[str]:
+    return set(TrtllmCheckpoint(path).open(rank).keys())
+
+
+@pytest.mark.parametrize("model, precision, tp, extra", [
+    ("qwen3", "bf16", 2, {}),
+    ("qwen3", "fp8", 1, {"kv_cache": "fp8", "drafter_precision": "fp8"}),
+    ("qwen3", "nvfp4", 2, {}),
+    ("mixtral", "nvfp4", 1, {}),
+    ("shared", "fp8", 2, {}),
+])
+def test_every_weight_the_engines_read_is_written(sources, tmp_path, model, precision, tp, extra):
+    """The target engine's model class and our drafter network read only names our checkpoints hold; the drafter
+    network's weights load on the host with the per-rank shapes it is built for."""
+    src = sources[model]
+    out = _build(src, tmp_path / "out", precision, tp, **extra)
+    cfg = BeamConfig.from_file(src / "target" / "config.json")
+    wanted = engine.target_weight_names(cfg, precision, extra.get("kv_cache", "auto"))
+    net = drafter_net.NetConfig.from_checkpoints(out / "drafter", out / "target", EngineSettings())
+    assert (net.tp_size, net.num_taps, net.local_kv_heads) == (tp, 2, 2 // tp)
+    for rank in range(tp):
+        target_names = _rank_names(out / "target", rank)
+        assert not wanted - target_names, sorted(wanted - target_names)[:3]
+        names = {"drafter": _rank_names(out / "drafter", rank), "target": target_names}
+        missing = [n for n, source in drafter_net.weight_table(net) if n not in names[source]]
+        assert not missing, missing[:3]
+        weights = drafter_net.rank_weights(out / "drafter", out / "target", rank, net)
+        D = net.head_dim
+        assert weights["transformer.layers.0.attention.qkv.weight"].shape == (
+            (net.local_heads + 2 * net.local_kv_heads) * D, net.hidden_size)
+        assert weights["candidate_selector.successor_codebook"].shape == (net.vocab_size, net.selector_rank)
+        assert weights["lm_head.weight"].shape == (net.vocab_size // tp, net.hidden_size)
+        assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+
+def test_drafter_net_config_round_trips(sources, tmp_path):
+    """The drafter engine's config.json is NetConfig as JSON; the trt backend reads it back."""
+    out = _build(sources["qwen3"], tmp_path / "out", "bf16", 1)
+    net = drafter_net.NetConfig.from_checkpoints(out / "drafter", out / "target", EngineSettings(block_size=4))
+    assert drafter_net.NetConfig(**json.loads(json.dumps(dataclasses.asdict(net)))) == net
+    assert net.block_size == 4 and net.window == 4096 and net.dtype == "bfloat16"
