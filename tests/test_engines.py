@@ -174,3 +174,24 @@ def test_drafter_net_config_round_trips(sources, tmp_path):
     net = drafter_net.NetConfig.from_checkpoints(out / "drafter", out / "target", EngineSettings(block_size=4))
     assert drafter_net.NetConfig(**json.loads(json.dumps(dataclasses.asdict(net)))) == net
     assert net.block_size == 4 and net.window == 4096 and net.dtype == "bfloat16"
+
+
+def test_backend_comparison_report(tmp_path):
+    """gpu_host_check.sh's table: identity judged per request against the first run; bad reports are one line."""
+    from beamtrt.bench.backends import compare, main, table
+
+    def report(outputs, tau, speed):
+        return {"requests": [{"output_ids": ids} for ids in outputs],
+                "summary": {"acceptance_length": tau, "tokens_per_s": speed}}
+
+    same, other = report([[1, 2], [3, 4]], 2.5, 100.0), report([[1, 2], [3, 5]], 2.25, 400.0)
+    result = compare({"torch": same, "trt": other})
+    assert result["torch"]["identical"] and not result["trt"]["identical"]
+    assert result["trt"]["first_mismatch"] == 1 and result["trt"]["tokens_per_s"] == 400.0
+    assert "| trt | no (request 1 differs) | 2.25 | 400.0 |" in table(result)
+    (tmp_path / "a.json").write_text(json.dumps(same))
+    (tmp_path / "bad.json").write_text("{}")
+    assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'a.json'}"]) == 0
+    assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'bad.json'}"]) == 2
+    assert main([f"a={tmp_path / 'missing.json'}"]) == 2
+    assert main(["no-equals-sign"]) == 2

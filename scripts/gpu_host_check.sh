@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The engine check, in one command on a TensorRT-LLM 1.2 GPU host (run from the repository root after `make setup`
+# in a Python that has tensorrt_llm 1.2.x and a CUDA build of torch):
+#   for each precision (bf16, fp8, and nvfp4 on Blackwell): build beam-mini's engines, decode the same prompts with
+#   the trt and the torch backends, and print greedy token identity, acceptance length and tokens/s for both.
+# Usage: scripts/gpu_host_check.sh [--tp N] [--precisions "bf16 fp8 nvfp4"] [--max-new-tokens N]
+# Reports go to bench/gpu-host/<precision>-tp<N>/ (run JSONs, comparison JSON, build log). Greedy identity between
+# the backends is reported, not required: TensorRT's and PyTorch's GEMMs may round a near-tie differently.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+TP=1
+PRECISIONS=""
+MAX_NEW=64
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tp) TP="$2"; shift 2 ;;
+    --precisions) PRECISIONS="$2"; shift 2 ;;
+    --max-new-tokens) MAX_NEW="$2"; shift 2 ;;
+    -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+fail() { echo "error: $*" >&2; exit 2; }
+
+"$PY" - <<'EOF' || exit 2
+import sys
+from beamtrt.build.engine import engine_support
+why = engine_support()
+if why:
+    print(f"error: {why}; this check needs TensorRT-LLM 1.2 and a GPU", file=sys.stderr)
+    sys.exit(2)
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+[ "$TP" -le "$GPUS" ] || fail "--tp $TP needs $TP GPUs; this host has $GPUS"
+if [ -z "$PRECISIONS" ]; then
+  PRECISIONS="bf16 fp8"
+  "$PY" -c "import torch, sys; sys.exit(torch.cuda.get_device_capability()[0] < 10)" && PRECISIONS="$PRECISIONS nvfp4"
+fi
+launch() { if [ "$TP" -gt 1 ]; then scripts/mpirun -n "$TP" "$@"; else "$@"; fi; }
+
+PROMPTS=src/beamtrt/data/calib_prompts.jsonl  # general prompts, not a benchmark set
+for precision in $PRECISIONS; do
+  out="engines/check-$precision-tp$TP"
+  report="bench/gpu-host/$precision-tp$TP"
+  mkdir -p "$report"
+  echo "== $precision, tp $TP: building $out"
+  "$PY" build/build_engines.py --precision "$precision" --tp "$TP" --out "$out" --force --quiet 2>&1 \
+    | tee "$report/build.log"
+  "$PY" -c "import json, sys; s = json.load(open('$out/manifest.json'))['stages']['engines']; \
+sys.exit(0 if s['status'] in ('ran', 'reused') else f\"engines {s['status']}: {s.get('reason')}\")"
+  run=(runtime/run.py --engine-dir "$out" --dtype bfloat16 --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW"
+       --concurrency 8 --quiet)
+  echo "== $precision, tp $TP: decoding with the trt backend ($TP rank(s))"
+  launch "$PY" "${run[@]}" --backend trt --json "$report/run-trt.json"
+  echo "== $precision: decoding with the torch backend (one process on cuda:0, the checkpoints un-sharded)"
+  "$PY" "${run[@]}" --backend torch --device cuda --json "$report/run-torch.json"
+  "$PY" -m beamtrt.bench.backends "torch=$report/run-torch.json" "trt=$report/run-trt.json" \
+    --title "beam-mini $precision, tp $TP" --json "$report/compare.json"
+done

@@ -1,0 +1,81 @@
+"""Side-by-side report of runtime/run.py --json outputs (e.g. the trt and torch backends on the same prompts).
+
+    python -m beamtrt.bench.backends torch=run-torch.json trt=run-trt.json [--json out.json]
+
+Greedy token identity is judged against the first run, request by request (the whole output_ids); acceptance
+length and tokens/s come from each run's summary. Different backends run different kernels, so a greedy output
+may legitimately diverge at a near-tie of two logits: the table reports identity, it does not fail on it.
+scripts/gpu_host_check.sh calls it per precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from beamtrt.cli_util import run_cli
+from beamtrt.errors import BeamtrtError
+
+
+def load_run(path: Path) -> dict:
+    try:
+        run = json.loads(Path(path).read_text())
+        run["requests"][0]["output_ids"], run["summary"]["acceptance_length"], run["summary"]["tokens_per_s"]
+    except FileNotFoundError:
+        raise BeamtrtError(f"{path}: no such run report (runtime/run.py --json writes one)") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BeamtrtError(f"{path}: not a runtime/run.py --json report") from None
+    return run
+
+
+def compare(runs: dict[str, dict]) -> dict:
+    """{name: run report} (first = reference) -> {name: {identical, first_mismatch, acceptance_length, ...}}."""
+    names = list(runs)
+    ref = [r["output_ids"] for r in runs[names[0]]["requests"]]
+    out = {}
+    for name, run in runs.items():
+        ids = [r["output_ids"] for r in run["requests"]]
+        if len(ids) != len(ref):
+            raise BeamtrtError(f"run {name!r} has {len(ids)} requests, {names[0]!r} has {len(ref)}")
+        differ = [i for i, (a, b) in enumerate(zip(ids, ref)) if a != b]
+        out[name] = {"identical": not differ, "first_mismatch": differ[0] if differ else None,
+                     "acceptance_length": run["summary"]["acceptance_length"],
+                     "tokens_per_s": run["summary"]["tokens_per_s"], "requests": len(ids)}
+    return out
+
+
+def table(result: dict, title: str = "") -> str:
+    lines = [f"### {title}" if title else "", "| run | greedy tokens identical | acceptance length | tokens/s |",
+             "|---|---|---|---|"]
+    for name, r in result.items():
+        same = "yes" if r["identical"] else f"no (request {r['first_mismatch']} differs)"
+        lines.append(f"| {name} | {same} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} |")
+    return "\n".join(line for line in lines if line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m beamtrt.bench.backends", description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", help="NAME=PATH of a runtime/run.py --json report; the first is the reference")
+    p.add_argument("--title", default="", help="heading of the markdown table")
+    p.add_argument("--json", help="also write the comparison to this file")
+    args = p.parse_args(argv)
+
+    def go() -> None:
+        runs = {}
+        for item in args.runs:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise BeamtrtError(f"{item!r}: give each run as NAME=PATH")
+            runs[name] = load_run(Path(path))
+        result = compare(runs)
+        print(table(result, args.title))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+    return run_cli(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
