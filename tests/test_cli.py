@@ -176,3 +176,4 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--prompts", "0"), "--prompts must be >= 1")
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
+    assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")

@@ -174,3 +174,18 @@ def test_batched_answers_with_early_finishers_equal_single_runs(target):
                                                  temperature=1.0, top_p=1.0, gen=torch.Generator())[0]
         assert ids == alone_ids
         torch.testing.assert_close(taps, alone_taps, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_a_saved_drafter(target, tmp_path):
+    """--init: training continues from a checkpoint's weights (trainable, fp32); another layout is refused."""
+    from beamtrt.models.dflash2 import save_drafter
+    from beamtrt.train.cli import start_from
+
+    saved = make_drafter(target, seed=3)
+    save_drafter(saved, tmp_path / "d")
+    copy = start_from(tmp_path / "d", saved.cfg, target)
+    assert copy.dtype == torch.float32 and all(p.requires_grad for p in copy.parameters())
+    assert all(torch.equal(a.float(), b) for a, b in zip(saved.state_dict().values(), copy.state_dict().values()))
+    with pytest.raises(BeamtrtError, match="layout differs .*num_hidden_layers"):
+        start_from(tmp_path / "d", dataclasses.replace(saved.cfg, num_hidden_layers=saved.cfg.num_hidden_layers + 1),
+                   target)

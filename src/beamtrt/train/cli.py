@@ -15,7 +15,6 @@ from beamtrt.cli_util import run_cli
 from beamtrt.errors import BeamtrtError
 
 
-
 def init_drafter(cfg, target, seed: int):
     """fp32 drafter initialized per the recipe (dflash.md §3.4): linears N(0, 0.02), identity convs (projection 0),
     predecessor codebook N(0, 0.02), successor codebook 0 — so it starts as an exact DFlash v1."""
@@ -25,6 +24,18 @@ def init_drafter(cfg, target, seed: int):
     with torch.no_grad():
         drafter.candidate_selector.successor_codebook.zero_()
     return drafter
+
+
+def start_from(path: Path, cfg, target):
+    """fp32 trainable copy of an existing drafter whose layout is `cfg` (--init)."""
+    from beamtrt.models.dflash2 import load_drafter
+
+    drafter = load_drafter(path, target, dtype=torch.float32)
+    if drafter.cfg != cfg:
+        diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name)]
+        raise BeamtrtError(f"--init {path}: its layout differs from the one to train ({', '.join(diff)}); pass the "
+                           "matching --layers / --selector-rank")
+    return drafter.requires_grad_(True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     io.add_argument("--work", help="training state directory, for resuming "
                     "(default: checkpoints/<target>-dflash2-train)")
     io.add_argument("--out", help="trained drafter output (default: checkpoints/<target>-dflash2)")
+    io.add_argument("--init", metavar="DIR",
+                    help="start from this drafter checkpoint instead of the recipe's initialization (continued "
+                         "training, e.g. on more data; its layout must match --layers / --selector-rank)")
     io.add_argument("--extra-data", nargs="+", default=[], metavar="DIR",
                     help="more feature caches (e.g. made earlier with another --data-seed and --data-only) to train "
                          "on, placed before --data's (whose last greedy answers stay the held-out set)")
@@ -101,9 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
                           block_size=args.block_size, eval_block_size=args.eval_block_size, lr=args.lr,
                           gamma=args.gamma, selector_weight=args.selector_weight, seed=args.seed,
-                          eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+                          eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                          init_from=str(Path(args.init).resolve()) if args.init else "")
         recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                             batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size))
+        if args.init and not (Path(args.init) / "config.json").is_file():
+            raise BeamtrtError(f"--init {args.init}: not a drafter checkpoint (no config.json)")
         for extra in map(Path, args.extra_data):
             if not extra.is_dir():
                 raise BeamtrtError(f"--extra-data {extra}: no such directory")
@@ -130,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
               file=sys.stderr)
 
-        drafter = init_drafter(dcfg, target, cfg.seed)
+        drafter = init_drafter(dcfg, target, cfg.seed) if not args.init else start_from(Path(args.init), dcfg, target)
         log = train(drafter, data, cfg, work, quiet=args.quiet)
         write_log(work / "train_log.jsonl", log)
 

@@ -48,6 +48,7 @@ class TrainConfig:
     checkpoint_every: int = 25
     eval_sequences: int = 32        # the last greedy sequences of the data: held out, never trained on
     eval_anchors: int = 12          # evenly spaced anchors per held-out sequence
+    init_from: str = ""             # a drafter checkpoint to start from ("" = the recipe's initialization)
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "eval_every", "checkpoint_every",
