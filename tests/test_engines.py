@@ -195,3 +195,36 @@ def test_backend_comparison_report(tmp_path):
     assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'bad.json'}"]) == 2
     assert main([f"a={tmp_path / 'missing.json'}"]) == 2
     assert main(["no-equals-sign"]) == 2
+
+
+def test_target_step_packing():
+    """A verify step as the target engine receives it: padding removed, positions after each cached prefix, and the
+    gathered rows = every real token (or each request's last), 1-based in the packed input."""
+    from beamtrt.runtime.trt_backend import pack
+
+    ids = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 10, 0]])
+    num, past = torch.tensor([3, 1, 2]), torch.tensor([4, 0, 10])
+    feeds = pack(ids, num, past, last_only=False)
+    assert feeds["input_ids"].tolist() == [5, 6, 7, 8, 9, 10]
+    assert feeds["position_ids"].tolist() == [4, 5, 6, 0, 10, 11]
+    assert feeds["last_token_ids"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert feeds["sequence_length"].tolist() == feeds["host_past_key_value_lengths"].tolist() == [7, 1, 12]
+    assert feeds["context_lengths"].tolist() == [3, 1, 2]
+    assert pack(ids, num, past, last_only=True)["last_token_ids"].tolist() == [3, 4, 6]
+    packed = feeds["input_ids"]
+    assert [packed[i - 1].item() for i in pack(ids, num, past, True)["last_token_ids"]] == [7, 8, 10]
+
+
+def test_drafter_context_chunks():
+    """Pending context rows become engine calls of at most `chunk` rows per slot; rows older than the window are
+    skipped (counted, so positions stay right); an idle step still makes the one drafting call."""
+    from beamtrt.runtime.trt_backend import context_chunks
+
+    rows = lambda a, b: torch.arange(a, b).float().view(-1, 1)  # noqa: E731  row value = its position
+    skipped, calls = context_chunks([[rows(0, 5), rows(5, 12)], [], [rows(0, 3)]], window=10, chunk=4)
+    assert skipped.tolist() == [2, 0, 0]
+    assert [c.tolist() for _, c in calls] == [[4, 0, 3], [4, 0, 0], [2, 0, 0]]
+    assert torch.cat([part[0] for part, _ in calls]).flatten().tolist() == list(range(2, 12))
+    assert calls[0][0][1] is None and calls[1][0][2] is None
+    skipped, calls = context_chunks([[], []], window=10, chunk=4)
+    assert skipped.tolist() == [0, 0] and [c.tolist() for _, c in calls] == [[0, 0]]

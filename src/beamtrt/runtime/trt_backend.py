@@ -77,6 +77,20 @@ class _Engine:
         return outs
 
 
+def pack(ids: torch.Tensor, num: torch.Tensor, past: torch.Tensor, last_only: bool) -> dict[str, torch.Tensor]:
+    """The token inputs of one target step with removed padding: every request is a context chunk of num[n] tokens
+    after past[n] cached ones. ids [N, T] right-padded, num and past [N] -> input_ids and position_ids [sum(num)],
+    last_token_ids (1-based packed rows whose logits the engine gathers: each request's last, or all of them),
+    context / sequence / past-KV lengths [N]."""
+    N, T = ids.shape
+    valid = torch.arange(T)[None, :] < num[:, None]  # [N, T]
+    ends = num.cumsum(0)  # 1-based packed index of each request's last token
+    rows = ends.view(N, 1) - num.view(N, 1) + torch.arange(1, T + 1).view(1, T)  # [N, T]
+    return {"input_ids": ids[valid], "position_ids": (past[:, None] + torch.arange(T)[None, :])[valid],
+            "last_token_ids": ends if last_only else rows[valid], "context_lengths": num,
+            "host_context_lengths": num, "sequence_length": past + num, "host_past_key_value_lengths": past + num}
+
+
 def _trt_dtype(dtype: torch.dtype):
     from tensorrt_llm._utils import torch_dtype_to_trt
 
@@ -137,13 +151,8 @@ class TrtTarget:
         if bool((past + num > self.capacity).any()):
             raise EngineError(f"a request outgrew its KV cache of {self.capacity} tokens")
         valid = torch.arange(T)[None, :] < num[:, None]  # [N, T]
-        ends = num.cumsum(0)  # 1-based index of each row's last token in the packed input
-        rows = ends.view(N, 1) - num.view(N, 1) + torch.arange(1, T + 1).view(1, T)  # [N, T] 1-based packed index
-        wanted = ends if last_only else rows[valid]
         feeds = {
-            "input_ids": ids[valid], "position_ids": (past[:, None] + torch.arange(T)[None, :])[valid],
-            "last_token_ids": wanted, "context_lengths": num, "host_context_lengths": num,
-            "sequence_length": past + num, "host_past_key_value_lengths": past + num,
+            **pack(ids, num, past, last_only),
             "host_request_types": torch.zeros(N), "cache_indirection": torch.zeros(N, 1, self.capacity),
             "kv_cache_block_offsets": self.offsets[:, slots], "host_kv_cache_block_offsets": self.offsets[:, slots],
             "host_kv_cache_pool_pointers": torch.tensor([[self.pool.data_ptr(), 0]]),
@@ -219,18 +228,11 @@ class TrtDrafter:
         if block_size != c.block_size:
             raise EngineError(f"the drafter engine was built for block {c.block_size}; run with --block-size "
                               f"{c.block_size} (or rebuild with build_engines.py --block-size {block_size})")
-        rows = [torch.cat(p)[-c.window:] if p else None for p in self.pending]  # older rows fall off the ring
-        skipped = torch.tensor([sum(len(t) for t in p) for p in self.pending]) - torch.tensor(
-            [len(r) if r is not None else 0 for r in rows])
+        skipped, chunks = context_chunks(self.pending, c.window, CONTEXT_CHUNK)
         self.lengths += skipped
         self.pending = [[] for _ in self.pending]
-        while True:  # whole chunks first (their drafts unused), then the drafting call with the last chunk
-            counts = torch.tensor([0 if r is None else min(len(r), CONTEXT_CHUNK) for r in rows])
-            last = all(r is None or len(r) <= CONTEXT_CHUNK for r in rows)
+        for rows, counts in chunks:  # the last chunk's call drafts; earlier calls only append (drafts unused)
             out = self._step(rows, counts, anchor_ids, slots, params, uniforms)
-            rows = [None if r is None or len(r) <= CONTEXT_CHUNK else r[CONTEXT_CHUNK:] for r in rows]
-            if last:
-                break
         pick = slots.cpu()
         drafts, cand = out["draft_ids"].long().cpu()[pick], out["cand_ids"].long().cpu()[pick]
         return DraftStep(drafts, cand, None if params.greedy else out["q"].float().cpu()[pick])
@@ -241,7 +243,7 @@ class TrtDrafter:
         taps = torch.zeros(n, C, c.num_taps * c.target_hidden_size, dtype=self.dtype)
         for s, r in enumerate(rows):
             if counts[s]:
-                taps[s, :counts[s]] = r[:counts[s]].to(self.dtype)
+                taps[s, :counts[s]] = r.to(self.dtype)
         start = self.lengths.clone()
         ctx_cos, ctx_sin = self.rotary(start[:, None] + torch.arange(C)[None, :], self.dtype)
         anchor_at = start + counts  # the anchor's position: right after the context it sees
@@ -267,6 +269,24 @@ class TrtDrafter:
         for s in slots:
             self.pending[s] = []
             self.lengths[s] = 0
+
+
+def context_chunks(pending: list[list[torch.Tensor]], window: int, chunk: int
+                   ) -> tuple[torch.Tensor, list[tuple[list, torch.Tensor]]]:
+    """Split each slot's pending context rows (a list of [n, F] tensors) into engine calls.
+
+    Only a slot's last `window` rows can matter (the ring keeps W positions), so earlier ones are skipped:
+    returns (skipped rows per slot [slots], calls), each call = (rows per slot: [count, F] or None, counts [slots])
+    with at most `chunk` rows per slot; there is always at least one call (the one that drafts)."""
+    rows = [torch.cat(p)[-window:] if p else None for p in pending]
+    skipped = torch.tensor([sum(len(t) for t in p) - (len(r) if r is not None else 0) for p, r in zip(pending, rows)])
+    calls = []
+    while True:
+        part = [None if r is None or not len(r) else r[:chunk] for r in rows]
+        calls.append((part, torch.tensor([0 if r is None else len(r) for r in part])))
+        rows = [None if r is None or len(r) <= chunk else r[chunk:] for r in rows]
+        if all(r is None for r in rows):
+            return skipped, calls
 
 
 def load_engines(root: Path, manifest: dict, dist, spec: bool = True):
