@@ -66,6 +66,8 @@ class NetConfig:
             raise ConfigError("the drafter engine needs a DFlash2 drafter (v1 drafters run on the torch backend)")
         if t["dtype"] not in ("bfloat16", "float16"):
             raise ConfigError(f"the drafter engine runs in bf16 / fp16; the target is {t['dtype']}")
+        if settings.block_size > c.sliding_window:
+            raise ConfigError(f"--block-size {settings.block_size} exceeds the drafter's window {c.sliding_window}")
         return cls(dtype=t["dtype"], tp_size=d["mapping"]["tp_size"], hidden_size=c.hidden_size,
                    num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,

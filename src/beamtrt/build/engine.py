@@ -68,9 +68,14 @@ def unsupported(cfg: BeamConfig) -> str | None:
     return None
 
 
-def precision_unsupported(precision: str) -> str | None:
-    """Why this host's GPUs cannot run `precision` engines, or None (NVFP4 GEMMs need Blackwell, FP8 Ada+)."""
+def precision_unsupported(precision: str, kv_cache: str = "auto") -> str | None:
+    """Why this host's GPUs cannot run `precision` engines, or None (NVFP4 GEMMs need Blackwell, FP8 Ada+). An FP8 KV
+    cache under bf16 weights is refused: TensorRT-LLM then turns off the paged context FMHA the trt backend needs."""
     import torch
+
+    if kv_cache == "fp8" and precision == "bf16":
+        return "TensorRT-LLM builds an FP8 KV cache under bf16 weights without paged context FMHA, which the trt " \
+               "backend needs (use --kv-cache auto, or fp8 / nvfp4 weights)"
 
     major, minor = torch.cuda.get_device_capability()
     if precision == "nvfp4" and major < 10:
@@ -206,6 +211,7 @@ def build_drafter(drafter_dir: Path, target_dir: Path, out_dir: Path, rank: int,
                   settings: EngineSettings) -> Path:
     """One rank's DFlash2 drafter engine: our network (beamtrt.build.drafter_net) with the two plugins. Its
     config.json is ours (`drafter_net.NetConfig`): the trt backend, not TensorRT-LLM's runtime, drives it."""
+    import tensorrt as trt
     import torch
     from tensorrt_llm.builder import Builder
     from tensorrt_llm.network import net_guard
@@ -218,13 +224,20 @@ def build_drafter(drafter_dir: Path, target_dir: Path, out_dir: Path, rank: int,
     model = drafter_net.DFlash2Network(net_cfg, rank, drafter_net.rank_weights(drafter_dir, target_dir, rank, net_cfg))
     builder = Builder()
     builder_config = builder.create_builder_config(precision=net_cfg.dtype, strongly_typed=True)
+    # the windowed-attention plugin's ring outputs alias its ring inputs (IPluginV3OneBuildV2::getAliasedInput),
+    # which TensorRT honours only with this preview feature on
+    builder_config.trt_builder_config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     network = builder.create_network()
+    network.plugin_config.dtype = net_cfg.dtype
     network.plugin_config.gemm_plugin = None  # plain TensorRT GEMMs: a few block rows per step
     if net_cfg.tp_size > 1:
         network.plugin_config.set_nccl_plugin(net_cfg.dtype)
     with net_guard(network):
         model(**model.prepare_inputs())
-    serialized = builder.build_engine(network, builder_config)
+    try:
+        serialized = builder.build_engine(network, builder_config)
+    except AssertionError:  # TensorRT-LLM's Builder asserts when TensorRT returns no engine
+        serialized = None
     if serialized is None:
         raise EngineError(f"TensorRT could not build the drafter engine for rank {rank} (see its log)")
     out_dir.mkdir(parents=True, exist_ok=True)

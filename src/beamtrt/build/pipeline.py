@@ -81,7 +81,7 @@ class Plan:
         from beamtrt.build import engine
 
         self.engines_why = engine.engine_support() or engine.unsupported(self.target_cfg) or (
-            engine.precision_unsupported(bc.precision)) or (
+            engine.precision_unsupported(bc.precision, bc.kv_cache)) or (
             "a DFlash v1 drafter has no drafter engine (it runs on the torch backend)"
             if self.drafter_cfg.version != 2 else None)
         self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"],

@@ -43,8 +43,11 @@ class _Engine:
         self.io = {}
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
-            self.io[name] = (engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT,
-                             engine.get_tensor_location(name) == trt.TensorLocation.HOST,
+            # TensorRT-LLM declares every input DEVICE at build time; its plugins read the host_* inputs and the
+            # all-reduce workspace (a pointer table) from host memory, so those are fed from the CPU by name
+            host = name.startswith("host_") or name == "all_reduce_workspace" or (
+                engine.get_tensor_location(name) == trt.TensorLocation.HOST)
+            self.io[name] = (engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT, host,
                              trt_dtype_to_torch(engine.get_tensor_dtype(name)))
         self.inputs = [n for n, (is_input, _, _) in self.io.items() if is_input]
 
@@ -75,6 +78,18 @@ class _Engine:
             raise EngineError("TensorRT could not enqueue the engine (see its log)")
         stream.synchronize()
         return outs
+
+
+def all_reduce_workspace(tp: int, rank: int):
+    """(IPC buffers to keep alive, the int64 pointer table fed as `all_reduce_workspace`) for tp > 1, as TensorRT-LLM's
+    own runtime allocates them; (None, None) for one rank."""
+    if tp == 1:
+        return None, None
+    from tensorrt_llm.mapping import Mapping
+    from tensorrt_llm.plugin.plugin import CustomAllReduceHelper
+
+    mapping = Mapping(world_size=tp, rank=rank, tp_size=tp)
+    return CustomAllReduceHelper.allocate_workspace(mapping, CustomAllReduceHelper.max_workspace_size_auto(tp))
 
 
 def pack(ids: torch.Tensor, num: torch.Tensor, past: torch.Tensor, last_only: bool) -> dict[str, torch.Tensor]:
@@ -118,16 +133,11 @@ class TrtTarget:
         kv_fp8 = (pretrained.get("quantization") or {}).get("kv_cache_quant_algo") == "FP8"
         self.kv_dtype = torch.float8_e4m3fn if kv_fp8 else {"bfloat16": torch.bfloat16, "float16": torch.float16,
                                                             "float32": torch.float32}[pretrained["dtype"]]
-        self.workspace = None
-        if tp > 1:  # the custom all-reduce's IPC buffers, as TensorRT-LLM's own runtime sets them up
-            from tensorrt_llm.mapping import Mapping
-            from tensorrt_llm.plugin.plugin import CustomAllReduceHelper
-            from tensorrt_llm.runtime.generation import set_peer_access
-
-            mapping = Mapping(world_size=tp, rank=rank, tp_size=tp)
-            set_peer_access(mapping)
-            self._ipc, self.workspace = CustomAllReduceHelper.allocate_workspace(
-                mapping, CustomAllReduceHelper.max_workspace_size_auto(tp))
+        if not build["plugin_config"].get("use_paged_context_fmha"):
+            raise EngineError(f"{engine_dir}: built without paged context FMHA (TensorRT-LLM turns it off for some "
+                              "KV-cache settings); the trt backend verifies blocks as context chunks and needs it")
+        self.max_num_tokens = build["max_num_tokens"]
+        self._ipc, self.workspace = all_reduce_workspace(tp, rank)
 
     def allocate(self, slots: int, max_len: int) -> None:
         if max_len > self.max_seq_len:
@@ -147,6 +157,29 @@ class TrtTarget:
         # ids: [N, T] right-padded; slots: [N]; num_tokens: [N] (default T)
         N, T = ids.shape
         num = torch.full((N,), T, dtype=torch.long) if num_tokens is None else num_tokens.long().cpu()
+        if int(num.sum()) <= self.max_num_tokens:
+            return self._forward(ids, slots.cpu(), num, taps, last_only)
+        if not last_only:
+            raise EngineError(f"a step of {int(num.sum())} tokens exceeds the engine's --max-num-tokens "
+                              f"{self.max_num_tokens}")
+        # a long prefill: column chunks, each request's last chunk gives its logits (chunked context)
+        width = max(1, self.max_num_tokens // N)
+        logits, tapped = None, None
+        for begin in range(0, T, width):
+            count = (num - begin).clamp(0, width)
+            rows = count.nonzero().flatten()
+            step = self._forward(ids[rows, begin:begin + width], slots.cpu()[rows], count[rows], taps, True)
+            if logits is None:
+                logits = step.logits.new_zeros(N, 1, step.logits.shape[-1])
+                tapped = None if step.taps is None else step.taps.new_zeros(N, T, step.taps.shape[-1])
+            logits[rows] = step.logits
+            if tapped is not None:
+                tapped[rows, begin:begin + step.taps.shape[1]] = step.taps
+        return TargetStep(logits, tapped)
+
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, taps: tuple[int, ...],
+                 last_only: bool) -> TargetStep:
+        N, T = ids.shape
         past = self.lengths[slots]
         if bool((past + num > self.capacity).any()):
             raise EngineError(f"a request outgrew its KV cache of {self.capacity} tokens")
@@ -207,6 +240,7 @@ class TrtDrafter:
         self.target_layer_ids = tuple(drafter_cfg.target_layer_ids)
         self.rotary = Rotary(drafter_cfg)
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.dtype]
+        self._ipc, self.workspace = all_reduce_workspace(self.cfg.tp_size, rank)
 
     def allocate(self, slots: int) -> None:
         c = self.cfg
@@ -257,6 +291,8 @@ class TrtDrafter:
                  "ctx_cos": ctx_cos, "ctx_sin": ctx_sin, "block_cos": block_cos, "block_sin": block_sin,
                  "temperature": torch.full((n,), params.temperature), "top_p": torch.full((n,), params.top_p),
                  "uniforms": u}
+        if self.workspace is not None:
+            feeds["all_reduce_workspace"] = self.workspace
         rings = {}
         for i, (k, v) in enumerate(self.rings):
             feeds[f"ring_k_{i}"], feeds[f"ring_v_{i}"] = k, v
