@@ -228,3 +228,49 @@ def test_drafter_context_chunks():
     assert calls[0][0][1] is None and calls[1][0][2] is None
     skipped, calls = context_chunks([[], []], window=10, chunk=4)
     assert skipped.tolist() == [0, 0] and [c.tolist() for _, c in calls] == [[0, 0]]
+
+
+@pytest.mark.parametrize("window", [4096, 5])
+def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window):
+    """drafter_net's own code, run with PyTorch stand-ins for TensorRT-LLM's functional API and the plugins' host
+    build (tests/drafter_net_torch.py), drafts exactly what the reference drafter drafts: two steps per request,
+    the second appending more context to the rings (window 5: the ring wraps)."""
+    from beamtrt.checkpoint.trtllm_files import load_drafter_checkpoint, load_target
+    from beamtrt.models.beam import Rotary
+    from beamtrt.spec.selector import walk_greedy
+    from drafter_net_torch import OUTPUTS, T, torch_api
+
+    out = _build(sources["qwen3"], tmp_path / "out", "bf16", 1)
+    target = load_target(out / "target", dtype=torch.float32)
+    reference = load_drafter_checkpoint(out / "drafter", target, dtype=torch.float32)
+    reference.cfg = dataclasses.replace(reference.cfg, sliding_window=window)
+    net_cfg = dataclasses.replace(drafter_net.NetConfig.from_checkpoints(out / "drafter", out / "target",
+                                                                         EngineSettings(block_size=4)), window=window)
+    weights = drafter_net.rank_weights(out / "drafter", out / "target", 0, net_cfg, dtype=torch.float32)
+    net = drafter_net.DFlash2Network(net_cfg, 0, weights, api=torch_api())
+    rotary = Rotary(reference.cfg)
+    N, B, F_ = 3, net_cfg.block_size, net_cfg.num_taps * net_cfg.target_hidden_size
+    gen = torch.Generator().manual_seed(0)
+    cache = reference.new_cache(N)
+    rings = [[torch.zeros(N, net_cfg.local_kv_heads, window, net_cfg.head_dim) for _ in "kv"]
+             for _ in range(net_cfg.num_layers)]
+    start = torch.zeros(N, dtype=torch.long)
+    for counts in (torch.tensor([6, 2, 4]), torch.tensor([3, 1, 2])):
+        C = int(counts.max())
+        taps = torch.randn(N, C, F_, generator=gen)
+        anchors = torch.randint(1, net_cfg.vocab_size, (N,), generator=gen)
+        reference.append_context(cache, taps, counts)
+        ref = reference.draft(cache, anchors, B)
+        ref_drafts, _ = walk_greedy(ref.cand_ids, ref.scores)
+        ctx_rope = rotary(start[:, None] + torch.arange(C)[None, :], torch.float32)
+        block_rope = rotary((start + counts)[:, None] + torch.arange(B)[None, :], torch.float32)
+        OUTPUTS.clear()
+        net(T(anchors.int()), T(taps), T(start.int()), T(counts.int()), [T(r) for r in ctx_rope],
+            [T(r) for r in block_rope], T(torch.zeros(N)), T(torch.ones(N)), T(torch.zeros(N, B - 1)),
+            [[T(k), T(v)] for k, v in rings])
+        assert torch.equal(OUTPUTS["cand_ids"].long(), ref.cand_ids)
+        assert torch.equal(OUTPUTS["draft_ids"].long(), ref_drafts)
+        for i in range(net_cfg.num_layers):  # the rings hold the reference cache's context K/V
+            torch.testing.assert_close(rings[i][0], cache.k[i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(rings[i][1], cache.v[i], atol=1e-5, rtol=1e-5)
+        start += counts

@@ -92,16 +92,16 @@ def weight_table(cfg: NetConfig) -> list[tuple[str, str]]:
     return names + [(name, "target") for name in TARGET_WEIGHTS]
 
 
-def rank_weights(drafter_dir: Path, target_dir: Path, rank: int, cfg: NetConfig) -> dict:
-    """name -> torch tensor in cfg.dtype for one rank: drafter weights dequantized (an FP8 drafter checkpoint runs
-    with its weights dequantized to cfg.dtype), the codebooks of every rank concatenated, the target's
-    embedding and LM head shards."""
+def rank_weights(drafter_dir: Path, target_dir: Path, rank: int, cfg: NetConfig, dtype=None) -> dict:
+    """name -> torch tensor in `dtype` (default cfg.dtype) for one rank: drafter weights dequantized (an FP8 drafter
+    checkpoint runs with its weights dequantized), the codebooks of every rank concatenated, the target's embedding
+    and LM head shards."""
     import torch
 
     from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
     from beamtrt.runtime.tp import rank_tensors
 
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    dtype = dtype or {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
     drafter, target = TrtllmCheckpoint(drafter_dir), TrtllmCheckpoint(target_dir)
     own = dict(rank_tensors(drafter, rank))
     for name in GATHERED:
@@ -117,27 +117,45 @@ def rank_weights(drafter_dir: Path, target_dir: Path, rank: int, cfg: NetConfig)
 
 class DFlash2Network:
     """Factory: DFlash2Network(cfg, rank, weights) -> a tensorrt_llm Module whose forward adds the drafter step to
-    the current network (the class is made on first use: its base class needs TensorRT-LLM)."""
+    the current network (the class is made on first use: its base class needs TensorRT-LLM).
+
+    `api` replaces the TensorRT-LLM names the network uses (F, Module, default_trtnet, torch_to_numpy, plugins,
+    trt): tests/drafter_net_torch.py passes PyTorch stand-ins and the plugins' host build, to run this very code on
+    CPU against the reference drafter."""
 
     _cls = None
 
-    def __new__(cls, cfg: NetConfig, rank: int, weights: dict):
+    def __new__(cls, cfg: NetConfig, rank: int, weights: dict, api=None):
+        if api is not None:
+            return _build_class(api)(cfg, rank, weights)
         if cls._cls is None:
-            cls._cls = _build_class()
+            cls._cls = _build_class(tensorrt_llm_api())
         return cls._cls(cfg, rank, weights)
 
 
-def _build_class():  # noqa: C901 (one network, read top to bottom)
-    from collections import OrderedDict
+def tensorrt_llm_api():
+    """The TensorRT-LLM names the network is written with."""
+    from types import SimpleNamespace
 
     import tensorrt as trt
-    import torch
     from tensorrt_llm import functional as F
     from tensorrt_llm._common import default_trtnet
     from tensorrt_llm._utils import torch_to_numpy
     from tensorrt_llm.module import Module
 
     from beamtrt.build import plugins
+
+    return SimpleNamespace(F=F, Module=Module, default_trtnet=default_trtnet, torch_to_numpy=torch_to_numpy,
+                           plugins=plugins, trt=trt)
+
+
+def _build_class(api):  # noqa: C901 (one network, read top to bottom)
+    from collections import OrderedDict
+
+    import torch
+
+    F, Module, default_trtnet, torch_to_numpy, plugins, trt = (
+        api.F, api.Module, api.default_trtnet, api.torch_to_numpy, api.plugins, api.trt)
 
     def const(t: torch.Tensor):
         return F.constant(torch_to_numpy(t.contiguous()))
