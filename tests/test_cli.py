@@ -22,8 +22,9 @@ MAINS = {
     "scripts/bench_decode.py": "beamtrt.bench.decode", "scripts/bench_spec.py": "beamtrt.bench.spec",
     "scripts/bench_convert.py": "beamtrt.bench.convert", "scripts/bench_tp.py": "beamtrt.bench.tp",
     "scripts/benchmark.py": "beamtrt.bench.benchmark", "scripts/train_drafter.py": "beamtrt.train.cli",
-    "scripts/bench_kernels.py": "beamtrt.bench.kernels",
+    "scripts/bench_kernels.py": "beamtrt.bench.kernels", "scripts/export_triton.py": "beamtrt.triton.cli",
 }
+STANDALONE = {"scripts/triton_client.py"}  # runs on a client machine with tritonclient only (no beamtrt, no torch)
 
 
 @dataclass
@@ -55,7 +56,7 @@ def test_scripts_call_these_mains():
     for script, module in MAINS.items():
         assert f"from {module} import main" in (ROOT / script).read_text(), script
     assert sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("scripts/*.py"), ROOT / "runtime/run.py",
-                                                      ROOT / "build/build_engines.py"]) == sorted(MAINS)
+                                                      ROOT / "build/build_engines.py"]) == sorted([*MAINS, *STANDALONE])
 
 
 def assert_one_line_error(proc: Result, *needles: str) -> None:
@@ -79,7 +80,8 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                      "--max-shard-gb"]),
     ("build/build_engines.py", ["--precision", "--model", "--drafter", "--tp", "--moe-ep", "--kv-cache",
                                 "--drafter-precision", "--calib-prompts", "--calib-samples", "--out", "--force",
-                                "--quiet"]),
+                                "--quiet", "--max-batch-size", "--max-seq-len", "--max-num-tokens", "--block-size",
+                                "--tensorrt-root"]),
     ("scripts/bench_decode.py", ["--model", "--dtypes", "--batches", "--context", "--steps", "--paths", "--threads",
                                  "--json"]),
     ("scripts/bench_spec.py", ["--model", "--drafter", "--batches", "--block-size", "--max-new-tokens", "--dtype",
@@ -91,7 +93,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--gen-batch", "--data-seed", "--steps", "--seqs-per-step", "--anchors",
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
-                                  "--quiet", "--extra-data", "--data-only"]),
+                                  "--quiet", "--extra-data", "--data-only", "--init"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):

@@ -90,21 +90,15 @@ class SpeculativeDecoder:
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
         slots = min(concurrency or n, n)
-        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + self.block_size + 1
-        self.target.allocate(slots, max_len)
-        if self.drafter is not None:
-            self.drafter.allocate(slots)
+        self.start(slots, max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + self.block_size + 1,
+                   on_finish)
         done = [Completion() for _ in requests]
-        self.on_finish = on_finish
-        self.owner = [-1] * slots  # request served by each cache slot (-1: free)
-        self.anchor = torch.zeros(slots, dtype=torch.long)  # [slots] last committed token, not yet in the target KV
-        self.position = torch.zeros(slots, dtype=torch.long)  # [slots] tokens in the target KV = the anchor's position
         queue = list(range(n))
         while True:
             free = [s for s in range(slots) if self.owner[s] < 0]
             if queue and free:
                 admitted, queue = queue[:len(free)], queue[len(free):]
-                self._prefill(list(zip(free, admitted)), requests, done, on_tokens)
+                self.admit(list(zip(free, admitted)), requests, done, on_tokens)
             active = [s for s in range(slots) if self.owner[s] >= 0]
             if not active:
                 if not queue:
@@ -112,10 +106,22 @@ class SpeculativeDecoder:
                 continue
             self.step(active, requests, done, on_tokens)
 
-    def _prefill(self, admitted: list[tuple[int, int]], requests: Sequence[Request], done: list[Completion],
-                 on_tokens: Callable[[int, list[int]], None] | None) -> None:
+    def start(self, slots: int, max_len: int, on_finish: Callable[[int, Completion], None] | None = None) -> None:
+        """(Re)allocate `slots` empty cache slots of up to `max_len` tokens: the state `admit`, `step` and `release`
+        work on (`generate` calls it; a server calls it once, then admits and steps requests as they come)."""
+        self.target.allocate(slots, max_len)
+        if self.drafter is not None:
+            self.drafter.allocate(slots)
+        self.on_finish = on_finish
+        self.owner = [-1] * slots  # request served by each cache slot (-1: free)
+        self.anchor = torch.zeros(slots, dtype=torch.long)  # [slots] last committed token, not yet in the target KV
+        self.position = torch.zeros(slots, dtype=torch.long)  # [slots] tokens in the target KV = the anchor's position
+
+    def admit(self, admitted: list[tuple[int, int]], requests: Sequence[Request], done: Sequence[Completion],
+              on_tokens: Callable[[int, list[int]], None] | None, params: SamplingParams | None = None) -> None:
         """Prefill new requests into free slots [(slot, request)]: the prompts in one ragged pass, whose taps become
-        the drafter's context; then sample each request's first token."""
+        the drafter's context; then sample each request's first token (with `params`, default the decoder's)."""
+        params = self.params if params is None else params
         slot_ids = [s for s, _ in admitted]
         slots = torch.tensor(slot_ids)
         self.target.reset(slot_ids)
@@ -128,14 +134,14 @@ class SpeculativeDecoder:
         out = self.target.forward(ids, slots, lengths, taps=self.taps, last_only=True)
         if self.drafter is not None:
             self.drafter.append_context(*self._scatter(slots, out.taps, lengths))
-        first = sample(out.logits[:, -1], self.params, None if self.params.greedy else self._uniforms(len(admitted)))
+        first = sample(out.logits[:, -1], params, None if params.greedy else self._uniforms(len(admitted)))
         self.anchor[slots] = first
         self.position[slots] = lengths
         for (s, i), token in zip(admitted, first.tolist()):
             self.owner[s] = i
             self._commit(i, requests[i], done[i], [token], on_tokens)
             if done[i].finish_reason:
-                self._release(s, done[i])
+                self.release(s, done[i])
 
     def _scatter(self, slots: torch.Tensor, taps: torch.Tensor, counts: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,9 +152,11 @@ class SpeculativeDecoder:
         n[slots] = counts
         return full, n
 
-    def step(self, active: list[int], requests: Sequence[Request], done: list[Completion],
-             on_tokens: Callable[[int, list[int]], None] | None) -> None:
-        """One draft -> verify -> commit step for the active cache slots; finished requests free their slot."""
+    def step(self, active: list[int], requests: Sequence[Request], done: Sequence[Completion],
+             on_tokens: Callable[[int, list[int]], None] | None, params: SamplingParams | None = None) -> None:
+        """One draft -> verify -> commit step for the active cache slots, sampling with `params` (default the
+        decoder's); finished requests free their slot."""
+        params = self.params if params is None else params
         start = time.perf_counter()
         slots = torch.tensor(active)
         anchors = self.anchor[slots]  # [N]
@@ -156,18 +164,18 @@ class SpeculativeDecoder:
         cand = q = None
         drafts = torch.zeros(len(active), 0, dtype=torch.long)  # [N, gamma]
         if self.drafter is not None:
-            uniforms = None if self.params.greedy else self._uniforms(len(active), gamma)
+            uniforms = None if params.greedy else self._uniforms(len(active), gamma)
             t = time.perf_counter()
-            proposal = self.drafter.draft(anchors, self.block_size, slots, self.params, uniforms)
+            proposal = self.drafter.draft(anchors, self.block_size, slots, params, uniforms)
             self.times.drafter_s += time.perf_counter() - t
             drafts, cand, q = proposal.draft_ids, proposal.cand_ids, proposal.q
         t = time.perf_counter()
         out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots, taps=self.taps)
         self.times.target_s += time.perf_counter() - t
-        if self.params.greedy:
+        if params.greedy:
             result = verify_greedy(drafts, out.logits)
         else:
-            result = verify_sampled(drafts, cand, q, target_probs(out.logits, self.params),
+            result = verify_sampled(drafts, cand, q, target_probs(out.logits, params),
                                     self._uniforms(len(active), gamma), self._uniforms(len(active)))
         committed = result.num_accepted + 1  # [N]
         self.position[slots] += committed
@@ -184,12 +192,12 @@ class SpeculativeDecoder:
             done[i].steps += 1
             done[i].committed += kept
             if done[i].finish_reason:
-                self._release(s, done[i])
+                self.release(s, done[i])
         self.times.total_s += time.perf_counter() - start
         self.times.steps += 1
 
-    def _release(self, slot: int, completion: Completion) -> None:
-        """A request finished: free its slot (reset when the next request is prefilled into it)."""
+    def release(self, slot: int, completion: Completion) -> None:
+        """A request finished (or was cancelled): free its slot (reset when the next request is prefilled into it)."""
         i, self.owner[slot] = self.owner[slot], -1
         if self.on_finish is not None:
             self.on_finish(i, completion)

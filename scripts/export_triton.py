@@ -1,0 +1,11 @@
+"""Write a build as a Triton model repository.   python scripts/export_triton.py --engine-dir DIR --out REPO"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without pip install -e
+
+from beamtrt.triton.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

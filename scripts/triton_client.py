@@ -1,0 +1,125 @@
+"""Stream a completion from an exported Beam Triton repository over gRPC.   python scripts/triton_client.py --help
+
+A standalone example: it needs only `pip install "tritonclient[grpc]"` (not beamtrt), so it runs on any client host.
+It sends one request to the `ensemble` (or straight to `beam_dflash2`), prints the text as it streams in, then the
+finish reason and the speculative metrics (acceptance length, accepted / drafted tokens) on stderr.
+"""
+
+import argparse
+import importlib.util
+import queue
+import sys
+
+import numpy as np
+
+OUTPUTS = ("text_output", "finish_reason", "acceptance_length", "accepted_draft_tokens", "draft_tokens")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Stream a completion from Triton (scripts/launch_triton.sh) over gRPC.")
+    p.add_argument("--url", default="localhost:8001", help="rank 0's gRPC endpoint (default: %(default)s)")
+    p.add_argument("--model", choices=("ensemble", "beam_dflash2"), default="ensemble",
+                   help="the ensemble (preprocessing -> beam_dflash2 -> postprocessing) or beam_dflash2 alone "
+                        "(default: %(default)s)")
+    p.add_argument("--prompt", default="Write a haiku about GPUs.", help="the user message (default: %(default)r)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all "
+                   "(default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-stream", action="store_true", help="one response at the end instead of one per step")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response "
+                   "(default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def check(args):
+    """The first bad value, as one line (the server checks them too), or None."""
+    bad = [(args.max_tokens < 1, f"--max-tokens must be >= 1, got {args.max_tokens}"),
+           (not args.prompt.strip(), "--prompt is empty"),
+           (args.temperature < 0, f"--temperature must be >= 0, got {args.temperature}"),
+           (not 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+           (args.top_k < 0, f"--top-k must be >= 0, got {args.top_k}"),
+           (any(not s for s in args.stop), "--stop needs a non-empty string")]
+    return next((why for failed, why in bad if failed), None)
+
+
+def build_inputs(args):
+    """The request tensors, each with a batch dimension of 1."""
+    import tritonclient.grpc as grpcclient
+
+    values = [("text_input", np.array([[args.prompt.encode()]], dtype=object), "BYTES"),
+              ("max_tokens", np.array([[args.max_tokens]], dtype=np.int32), "INT32"),
+              ("temperature", np.array([[args.temperature]], dtype=np.float32), "FP32"),
+              ("top_p", np.array([[args.top_p]], dtype=np.float32), "FP32"),
+              ("top_k", np.array([[args.top_k]], dtype=np.int32), "INT32"),
+              ("stream", np.array([[not args.no_stream]], dtype=bool), "BOOL")]
+    if args.stop:
+        values.append(("stop_words", np.array([[s.encode() for s in args.stop]], dtype=object), "BYTES"))
+    inputs = []
+    for name, array, datatype in values:
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def stream(args, out):
+    """Send the request and write the text to `out` as it arrives; returns the last response's outputs."""
+    import tritonclient.grpc as grpcclient
+
+    responses = queue.Queue()
+    client = grpcclient.InferenceServerClient(args.url)
+    if not client.is_model_ready(args.model):  # also the clear error when nothing listens at the url
+        raise RuntimeError(f"model {args.model!r} is not ready on {args.url}")
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    last = {}
+    try:
+        client.async_stream_infer(args.model, build_inputs(args), enable_empty_final_response=True,
+                                  outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS])
+        while True:
+            try:
+                result, error = responses.get(timeout=args.timeout)
+            except queue.Empty:
+                raise RuntimeError(f"no response from {args.url} within {args.timeout:g} s") from None
+            if error is not None:
+                raise RuntimeError(error.message() if hasattr(error, "message") else str(error))
+            got = {n: v.reshape(-1)[0] for n in OUTPUTS if (v := result.as_numpy(n)) is not None}
+            if "text_output" in got:
+                out.write(got["text_output"].decode())
+                out.flush()
+            last.update(got)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return last
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    bad = check(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("tritonclient") is None:
+        print('error: this client needs tritonclient: pip install "tritonclient[grpc]"', file=sys.stderr)
+        return 2
+    try:
+        last = stream(args, sys.stdout)
+    except KeyboardInterrupt:
+        print("\ninterrupted (the request was cancelled)", file=sys.stderr)
+        return 130
+    except Exception as e:  # the server's or the connection's error, one line
+        print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
+        return 2
+    print()
+    if {"finish_reason", "acceptance_length", "accepted_draft_tokens", "draft_tokens"} <= set(last):
+        print(f"[{last['finish_reason'].decode()}: acceptance length {last['acceptance_length']:.2f}, "
+              f"{last['accepted_draft_tokens']} of {last['draft_tokens']} drafted tokens accepted]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

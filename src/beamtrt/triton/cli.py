@@ -1,0 +1,53 @@
+"""Command line of scripts/export_triton.py: a build output -> a validated Triton model repository."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from beamtrt.cli_util import run_cli
+from beamtrt.runtime.loader import BACKENDS
+from beamtrt.triton.serving import DTYPES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Write a build_engines.py output as a Triton Inference Server model repository: preprocessing "
+                    "(chat template + tokenizer), beam_dflash2 (decoupled Python model running the beamtrt runtime, "
+                    "leader mode over the build's TP ranks), postprocessing (detokenizer) and the ensemble chaining "
+                    "them; then validate it. Launch it with scripts/launch_triton.sh.")
+    p.add_argument("--engine-dir", type=Path, required=True, help="the build output (engines/<precision>-tp<N>)")
+    p.add_argument("--out", type=Path, required=True, help="the model repository to write")
+    p.add_argument("--copy-engines", action="store_true",
+                   help="copy the build into the repository (beam_dflash2/1/engine) instead of referencing it by its "
+                        "absolute path")
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="runtime backend of beam_dflash2: trt runs the build's engines, torch its checkpoints, auto "
+                        "picks trt where the build has engines and the host can run them (default: %(default)s)")
+    p.add_argument("--block-size", type=int, help="tokens per verification block (default: the build's)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                   help="compute dtype of the torch backend (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="torch device: cpu, cuda, or auto = cuda where available (default: %(default)s)")
+    p.add_argument("--max-slots", type=int, default=8,
+                   help="requests decoded at once; more wait in beam_dflash2's queue (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=4096,
+                   help="prompt + max_tokens + block size + 1, per request (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
+    p.add_argument("--raw-prompts", action="store_true",
+                   help="send text_input to the model as raw text instead of a user message in the chat template")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_cli(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
+    from beamtrt.triton.export import ExportConfig, export
+
+    cfg = ExportConfig(args.engine_dir, args.out, args.copy_engines, args.force, args.backend, args.block_size,
+                       args.dtype, args.device, args.max_slots, args.max_seq_len, args.seed, not args.raw_prompts)
+    print("\n".join(export(cfg)))

@@ -1,0 +1,369 @@
+"""Write a build as a Triton model repository (preprocessing -> beam_dflash2 -> postprocessing, and the ensemble), then
+validate it: every config.pbtxt parses as tritonclient's ModelConfig, no placeholder is left, every referenced path
+exists, the ensemble's steps fit together, and the world size is the build's TP.
+
+The configs are rendered from the tables below and the tensor tables of `beamtrt.triton.serving`; the model.py files
+are copied from `beamtrt/triton/models/`. The repository is written into a temporary directory beside --out and
+renamed into place at the end, so a failure never leaves a half-written repository.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
+from beamtrt.errors import BeamtrtError, ConfigError
+from beamtrt.triton import serving
+from beamtrt.triton.serving import ServeSettings, Tensor
+
+MODEL = "beam_dflash2"
+MAX_BATCH_SIZE = 1  # each request is one sequence [1, ...]; requests are batched inside beam_dflash2 (max_slots)
+MODELS_SOURCE = Path(__file__).resolve().parent / "models"
+PYTHON_PATH = Path(serving.__file__).resolve().parents[2]  # the folder holding the beamtrt package
+COPIED_ENGINE = f"{MODEL}/1/engine"  # where --copy-engines puts the build, relative to the repository
+LAUNCH = "scripts/launch_triton.sh"
+
+
+class ExportError(BeamtrtError):
+    """The build cannot be served as it is, or the written repository does not validate."""
+
+
+# ---- the models (tables) -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    decoupled: bool = False
+
+
+MODELS = (
+    Model("preprocessing", tuple(replace(t, optional=False) for t in serving.PRE_INPUTS), serving.PRE_OUTPUTS),
+    Model(MODEL, serving.FIELDS, serving.OUTPUTS, decoupled=True),
+    Model("postprocessing", serving.POST_INPUTS, serving.POST_OUTPUTS),
+)
+_OWN = ("max_tokens", "temperature", "top_p", "top_k", "stop_words", "stream", "finish_reason", "acceptance_length",
+        "accepted_draft_tokens", "draft_tokens")
+# (model, {its input: ensemble tensor}, {its output: ensemble tensor}); "_" marks tensors internal to the ensemble,
+# the others are the ensemble's own inputs (consumed, never produced) and outputs
+STEPS = (
+    ("preprocessing", {"text_input": "text_input"}, {"input_ids": "_input_ids"}),
+    (MODEL, {"input_ids": "_input_ids", **{t.name: t.name for t in serving.FIELDS if t.name in _OWN}},
+     {"output_ids": "_output_ids", "context_ids": "_context_ids", "text_end": "_text_end",
+      **{t.name: t.name for t in serving.OUTPUTS if t.name in _OWN}}),
+    ("postprocessing", {"output_ids": "_output_ids", "context_ids": "_context_ids", "text_end": "_text_end"},
+     {"text_output": "text_output"}),
+)
+
+
+def ensemble_tensors() -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The ensemble's inputs and outputs, taken from the step models' own tensors."""
+    spec = {m.name: m for m in MODELS}
+    produced = {name for _, _, outs in STEPS for name in outs.values()}
+    inputs, outputs = {}, {}
+    for model, ins, outs in STEPS:
+        by_name = {t.name: t for t in spec[model].inputs}
+        inputs.update({e: replace(by_name[k], name=e) for k, e in ins.items() if e not in produced})
+        by_name = {t.name: t for t in spec[model].outputs}
+        outputs.update({e: replace(by_name[k], name=e) for k, e in outs.items() if not e.startswith("_")})
+    return tuple(inputs.values()), tuple(outputs.values())
+
+
+# ---- protobuf text format --------------------------------------------------------------------------------------
+
+class Enum(str):
+    """A bare enum value in protobuf text format (TYPE_INT32, KIND_CPU)."""
+
+
+def render(message: dict, indent: int = 0) -> str:
+    """dict -> protobuf text format. Values: str, int, bool, Enum, dict (a message), list of dicts (repeated
+    messages) or of scalars (a repeated scalar)."""
+    pad, lines = "  " * indent, []
+    for key, value in message.items():
+        if isinstance(value, dict):
+            lines += [f"{pad}{key} {{", render(value, indent + 1), f"{pad}}}"]
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            items = [f"{pad}  {{\n{render(v, indent + 2)}\n{pad}  }}" for v in value]
+            lines += [f"{pad}{key} [", ",\n".join(items), f"{pad}]"]
+        elif isinstance(value, list):
+            lines.append(f"{pad}{key}: [ {', '.join(_scalar(v) for v in value)} ]")
+        else:
+            lines.append(f"{pad}{key}: {_scalar(value)}")
+    return "\n".join(lines)
+
+
+def _scalar(value: object) -> str:
+    if isinstance(value, Enum):
+        return str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return str(value)
+
+
+def _tensors(tensors: tuple[Tensor, ...]) -> list[dict]:
+    return [{"name": t.name, "data_type": Enum(t.dtype), "dims": list(t.dims), **({"optional": True} if t.optional
+                                                                                  else {})} for t in tensors]
+
+
+def python_config(model: Model, parameters: dict[str, str]) -> dict:
+    config = {"name": model.name, "backend": "python", "max_batch_size": MAX_BATCH_SIZE}
+    if model.decoupled:
+        config["model_transaction_policy"] = {"decoupled": True}
+    return {**config, "input": _tensors(model.inputs), "output": _tensors(model.outputs),
+            "instance_group": [{"count": 1, "kind": Enum("KIND_CPU")}],
+            "parameters": [{"key": k, "value": {"string_value": v}} for k, v in parameters.items()]}
+
+
+def ensemble_config() -> dict:
+    inputs, outputs = ensemble_tensors()
+    steps = [{"model_name": model, "model_version": -1,
+              "input_map": [{"key": k, "value": v} for k, v in ins.items()],
+              "output_map": [{"key": k, "value": v} for k, v in outs.items()]} for model, ins, outs in STEPS]
+    return {"name": "ensemble", "platform": "ensemble", "max_batch_size": MAX_BATCH_SIZE,
+            "input": _tensors(inputs), "output": _tensors(outputs), "ensemble_scheduling": {"step": steps}}
+
+
+# ---- the build -------------------------------------------------------------------------------------------------
+
+def check_build(root: Path) -> dict:
+    """The manifest of a build output fit to serve; one-line ExportError / CheckpointError otherwise."""
+    if not root.is_dir():
+        raise ExportError(f"{root}: no such engine directory")
+    manifest = read_manifest(root)
+    try:
+        tp, target, drafter = manifest["mapping"]["tp_size"], manifest["target"]["dir"], manifest["drafter"]["dir"]
+        tokenizer = manifest["target"]["tokenizer"]
+    except (KeyError, TypeError) as e:
+        raise ExportError(f"{root / MANIFEST} lacks {e}: rebuild with build/build_engines.py") from None
+    if not tokenizer or not (root / tokenizer).is_dir():
+        raise ExportError(f"{root}: the build has no tokenizer/ (preprocessing needs the target's tokenizer and chat "
+                          "template): rebuild from a checkpoint with tokenizer files")
+    for name in (target, drafter):
+        if not (root / name).is_dir():
+            raise ExportError(f"{root / name}: missing (the manifest lists it)")
+        ranks = sorted(p.name for p in (root / name).glob("rank*.safetensors"))
+        if ranks != sorted(f"rank{r}.safetensors" for r in range(tp)):
+            raise ExportError(f"{root / name} holds {len(ranks)} rank file(s) but the manifest says tp {tp}")
+    engines = manifest.get("engines") or {}
+    for part in ("target", "drafter") if engines.get("built") else ():
+        missing = [r for r in range(tp) if not (root / engines[part] / f"rank{r}.engine").is_file()]
+        if missing:
+            raise ExportError(f"{root / engines[part]}: rank{missing[0]}.engine missing (the manifest says built)")
+    from beamtrt.checkpoint.validate import validate
+
+    validate(root)  # every file's sha256 and every tensor against the manifest
+    return manifest
+
+
+# ---- the repository --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExportConfig:
+    engine_dir: Path
+    out: Path
+    copy_engines: bool = False
+    force: bool = False
+    backend: str = "auto"
+    block_size: int | None = None   # None: the build's
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    max_slots: int = 8
+    max_seq_len: int = 4096
+    seed: int = 0
+    chat_template: bool = True
+
+
+def export(cfg: ExportConfig) -> list[str]:
+    """Write and validate the repository at cfg.out; returns summary lines."""
+    root, out = cfg.engine_dir.resolve(), cfg.out.resolve()
+    if out == root or root in out.parents:
+        raise ExportError(f"--out {out} is inside the engine directory; choose another place")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:
+        raise ExportError(f"{out} already exists and is not empty: pass --force to replace it")
+    manifest = check_build(root)
+    engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
+    block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
+    settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
+                             cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the repository from a tritonserver running as another user
+    try:
+        if cfg.copy_engines:
+            shutil.copytree(root, tmp / COPIED_ENGINE)
+        tokenizer = str(engine / manifest["target"]["tokenizer"])
+        text = {"python_path": str(PYTHON_PATH), "tokenizer_dir": tokenizer}
+        serve = settings.to_parameters()
+        parameters = {"preprocessing": {**text, "chat_template": serve["chat_template"]},
+                      MODEL: {**serve, "python_path": str(PYTHON_PATH)},
+                      "postprocessing": text}
+        for model in MODELS:
+            _write_model(tmp, model.name, render(python_config(model, parameters[model.name])))
+        _write_model(tmp, "ensemble", render(ensemble_config()))
+        (tmp / "README.md").write_text(readme(out, root, manifest, settings))
+        summary = check_repository(tmp)
+        _replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [f"{out}: Triton model repository of {root}", *summary,
+            f"launch: {LAUNCH} --world-size {settings.world_size} --model-repo {out}"]
+
+
+def _write_model(repo: Path, name: str, config: str) -> None:
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(config + "\n")
+    source = MODELS_SOURCE / name / "1" / "model.py"
+    if source.is_file():
+        shutil.copy2(source, repo / name / "1" / "model.py")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def readme(out: Path, root: Path, manifest: dict, s: ServeSettings) -> str:
+    where = f"a copy of `{root}` in `{COPIED_ENGINE}/`" if not s.engine_dir.is_absolute() else f"`{root}` (referenced)"
+    return f"""# Triton model repository: Beam + DFlash2 ({manifest['precision']}, TP {s.world_size})
+
+Exported by `scripts/export_triton.py` from {where}.
+Launch it from the beamtrt checkout: one Triton process per rank (leader mode: rank 0 serves requests, the other
+ranks step with it):
+
+```bash
+{LAUNCH} --world-size {s.world_size} --model-repo {out}
+```
+
+Then query the `ensemble` (or `{MODEL}`) over gRPC streaming:
+
+```bash
+.venv/bin/python scripts/triton_client.py --prompt "Write a haiku about GPUs." --max-tokens 64
+```
+
+| model | what it does |
+|---|---|
+| `preprocessing` | `text_input` -> `input_ids` through the target's chat template |
+| `{MODEL}` | decoupled Python model: speculative decoding (backend {s.backend}, block {s.block_size}, {s.dtype}, \
+up to {s.max_slots} requests at once, {s.max_seq_len} tokens each) |
+| `postprocessing` | `output_ids` -> `text_output` |
+| `ensemble` | the three in a chain |
+
+The ensemble's tensors (each with a leading batch dimension of 1):
+
+| tensor | type | |
+|---|---|---|
+{tensor_rows()}
+
+See docs/TRITON.md in the beamtrt checkout.
+"""
+
+
+def tensor_rows() -> str:
+    inputs, outputs = ensemble_tensors()
+    return "\n".join(f"| {kind} `{t.name}` | {t.dtype.removeprefix('TYPE_')} {list(t.dims)}"
+                     f"{', optional' if t.optional else ''} | {t.help} |"
+                     for kind, tensors in (("in", inputs), ("out", outputs)) for t in tensors)
+
+
+# ---- validation ------------------------------------------------------------------------------------------------
+
+def _model_config():
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        raise ExportError("validating the repository needs tritonclient: pip install 'tritonclient[grpc]'") from None
+    return text_format, model_config_pb2
+
+
+def parse_config(path: Path):
+    """config.pbtxt -> tritonclient's ModelConfig message; ExportError (one line) when it does not parse."""
+    text_format, pb2 = _model_config()
+    text = path.read_text()
+    if "${" in text:
+        line = next(n for n, s in enumerate(text.splitlines(), 1) if "${" in s)
+        raise ExportError(f"{path}:{line}: an unfilled ${{...}} placeholder")
+    try:
+        return text_format.Parse(text, pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise ExportError(f"{path}: does not parse as a Triton ModelConfig: {e}") from None
+
+
+def check_repository(repo: Path) -> list[str]:
+    """Validate a written model repository; returns summary lines, raises ExportError on the first problem."""
+    configs = {}
+    for name in [m.name for m in MODELS] + ["ensemble"]:
+        if not (repo / name / "config.pbtxt").is_file():
+            raise ExportError(f"{repo / name / 'config.pbtxt'}: missing")
+        cfg = configs[name] = parse_config(repo / name / "config.pbtxt")
+        if cfg.name != name:
+            raise ExportError(f"{repo / name / 'config.pbtxt'}: name {cfg.name!r} is not the folder's {name!r}")
+        if cfg.backend == "python" and not (repo / name / "1" / "model.py").is_file():
+            raise ExportError(f"{repo / name / '1' / 'model.py'}: missing")
+    if not configs[MODEL].model_transaction_policy.decoupled:
+        raise ExportError(f"{MODEL}/config.pbtxt: not decoupled (streaming needs model_transaction_policy decoupled)")
+    _check_ensemble(configs)
+    params = {name: {k: v.string_value for k, v in cfg.parameters.items()} for name, cfg in configs.items()}
+    for name, values in params.items():
+        for key in ("python_path", "tokenizer_dir", "engine_dir"):
+            if key in values and not (repo / values[key]).exists():
+                raise ExportError(f"{name}/config.pbtxt: {key} {repo / values[key]} does not exist")
+    try:
+        settings = ServeSettings.from_parameters(params[MODEL], repo)  # checks every parameter's type and range
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
+    manifest = read_manifest(settings.engine_dir)
+    tp = manifest["mapping"]["tp_size"]
+    if settings.world_size != tp:
+        raise ExportError(f"{MODEL}/config.pbtxt: world_size {settings.world_size} but {settings.engine_dir} was "
+                          f"built for tp {tp}")
+    for part in (manifest["target"]["dir"], manifest["drafter"]["dir"]):
+        missing = [r for r in range(tp) if not (settings.engine_dir / part / f"rank{r}.safetensors").is_file()]
+        if missing:
+            raise ExportError(f"{settings.engine_dir / part}: rank{missing[0]}.safetensors missing for tp {tp}")
+    return [f"{len(configs)} models ({', '.join(configs)}): every config.pbtxt parses as a Triton ModelConfig, no "
+            "placeholder left, every path exists, the ensemble's steps fit together",
+            f"engines: {settings.engine_dir} ({manifest['precision']}, tp {tp} = world size {settings.world_size}), "
+            f"backend {settings.backend}, block {settings.block_size}, {settings.dtype}, device {settings.device}"]
+
+
+def _check_ensemble(configs: dict) -> None:
+    """Every step's model exists and maps only tensors it has, every required input is fed, and each ensemble tensor
+    has one data type wherever it is used."""
+    ensemble = configs["ensemble"]
+    types = {t.name: t.data_type for t in ensemble.input}
+    fed = set(types)
+    for step in ensemble.ensemble_scheduling.step:
+        where = f"ensemble step {step.model_name!r}"
+        if step.model_name not in configs:
+            raise ExportError(f"{where}: no such model in the repository")
+        cfg = configs[step.model_name]
+        ins, outs = {t.name: t for t in cfg.input}, {t.name: t for t in cfg.output}
+        for key, tensor in step.input_map.items():
+            if key not in ins:
+                raise ExportError(f"{where}: maps input {key!r}, which the model does not have")
+            if tensor not in fed:
+                raise ExportError(f"{where}: input {key!r} reads {tensor!r}, which no earlier step produces")
+            if types[tensor] != ins[key].data_type:
+                raise ExportError(f"{where}: input {key!r} has another data type than {tensor!r}")
+        unfed = [t.name for t in cfg.input if not t.optional and t.name not in step.input_map]
+        if unfed:
+            raise ExportError(f"{where}: required input {unfed[0]!r} is not mapped")
+        for key, tensor in step.output_map.items():
+            if key not in outs:
+                raise ExportError(f"{where}: maps output {key!r}, which the model does not have")
+            types[tensor] = outs[key].data_type
+            fed.add(tensor)
+    for t in ensemble.output:
+        if t.name not in fed or types[t.name] != t.data_type:
+            raise ExportError(f"ensemble output {t.name!r} is not produced by a step with its data type")

@@ -1,0 +1,27 @@
+"""Triton Python-backend model postprocessing: output_ids (after context_ids, cut to text_end) -> text_output."""
+
+import json
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
+        from beamtrt.triton import serving
+
+        self.serving = serving
+        tokenizer = serving.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
+        self.decode = serving.make_decode(tokenizer)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy()
+                      for t in self.serving.POST_INPUTS}
+            outputs = self.serving.postprocess(self.decode, values)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
+        return responses

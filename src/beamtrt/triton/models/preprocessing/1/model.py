@@ -1,0 +1,32 @@
+"""Triton Python-backend model preprocessing: text_input -> input_ids through the target's chat template."""
+
+import json
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
+        from beamtrt.triton import serving
+
+        self.serving = serving
+        self.tokenizer = serving.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
+        self.chat_template = params["chat_template"] == "true"
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy()
+                      for t in self.serving.PRE_INPUTS}
+            try:
+                outputs = self.serving.preprocess(self.tokenizer, values, self.chat_template)
+            except self.serving.RequestError as e:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+                continue
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
+        return responses

