@@ -29,9 +29,9 @@ def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
     built = engines.get("status") in ("ran", "reused")
     if requested == "torch":
         return "torch", "requested"
-    from beamtrt.runtime.trt_backend import trt_support
+    from beamtrt.build.engine import engine_support
 
-    missing = trt_support()
+    missing = engine_support()
     if requested == "trt":
         if manifest is None:
             raise ConfigError("--backend trt runs engines from a build output: pass --engine-dir")

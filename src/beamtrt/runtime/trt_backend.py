@@ -16,16 +16,11 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.build.engine import ENGINE_DIR, TAP_OUTPUT, EngineError, engine_support
+from beamtrt.build.engine import ENGINE_DIR, TAP_OUTPUT, EngineError
 from beamtrt.runtime.backend import DraftStep, TargetStep
 from beamtrt.spec.sampling import SamplingParams
 
 CONTEXT_CHUNK = 512  # drafter context rows appended per engine call (longer prompts take several calls)
-
-
-def trt_support() -> str | None:
-    """None where the trt backend can run here, else why not (one line)."""
-    return engine_support()
 
 
 class _Engine:
