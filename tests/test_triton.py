@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from beamtrt.checkpoint.manifest import read_manifest
-from beamtrt.triton import export, serving
-from beamtrt.triton.serving import Delta, Metrics, RequestError, ServeSettings
+from beamtrt.triton import export, protocol, serving
+from beamtrt.triton.protocol import Delta, Metrics, RequestError
+from beamtrt.triton.serving import ServeSettings
 
 pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 from google.protobuf import json_format, text_format  # noqa: E402  (protobuf comes with tritonclient)
@@ -110,9 +111,9 @@ def reference(builds, prompts: list, max_tokens: int) -> list:
     from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
     loaded = load_build(builds[1], read_manifest(builds[1]), Dist(None), dtype=torch.float32)
-    tokenizer = serving.load_tokenizer(loaded.tokenizer_dir)
+    tokenizer = protocol.load_tokenizer(loaded.tokenizer_dir)
     decoder = SpeculativeDecoder(loaded.target, loaded.drafter, 8, seed=0)
-    ids = [p if isinstance(p, list) else serving.encode_prompt(tokenizer, p, True) for p in prompts]
+    ids = [p if isinstance(p, list) else protocol.encode_prompt(tokenizer, p, True) for p in prompts]
     return decoder.generate([Request(tuple(i), max_tokens, frozenset(loaded.target.eos_token_ids)) for i in ids])
 
 
@@ -160,7 +161,7 @@ def test_not_streamed_is_one_response_and_mixed_sampling_keeps_greedy_exact(serv
     out["g"] = collect(server, {"text_input": PROMPTS[0], "max_tokens": 20})
     sampled.join(60)
     drawn = tokens(out["s"])
-    prefix = serving.encode_prompt(server.tokenizer, PROMPTS[1], True) + drawn[:1]  # the prompt + its first draw
+    prefix = protocol.encode_prompt(server.tokenizer, PROMPTS[1], True) + drawn[:1]  # the prompt + its first draw
     greedy = reference(builds, [PROMPTS[0], prefix], 20)
     assert len(out["g"]) == 1 and out["g"][0].finished
     assert tokens(out["g"]) == greedy[0].output_ids
@@ -187,7 +188,7 @@ def test_streamed_text_keeps_sentencepiece_spaces():
         pieces.append(text.take(final=False))
     pieces.append(text.take(final=True))
     assert "".join(p[3] for p in pieces if p) == decode(ids) == sentence
-    assert all(serving.text_delta(decode, p[1], p[0], p[2]) == p[3] for p in pieces if p)
+    assert all(protocol.text_delta(decode, p[1], p[0], p[2]) == p[3] for p in pieces if p)
 
 
 def test_stop_words_cut_the_text_and_postprocessing_rebuilds_every_delta(server):
@@ -199,8 +200,8 @@ def test_stop_words_cut_the_text_and_postprocessing_rebuilds_every_delta(server)
     assert "".join(d.text for d in deltas) == text[:text.index(stop)]
     assert deltas[-1].finish_reason == "stop"
     for d in full + deltas:  # what the postprocessing model computes from beam_dflash2's outputs alone
-        outputs = serving.delta_outputs(d)
-        got = serving.postprocess(server.decode, {t.name: outputs[t.name] for t in serving.POST_INPUTS})
+        outputs = protocol.delta_outputs(d)
+        got = protocol.postprocess(server.decode, {t.name: outputs[t.name] for t in protocol.POST_INPUTS})
         assert got["text_output"][0, 0].decode() == d.text
 
 
@@ -251,7 +252,7 @@ def test_bad_requests_are_one_line_errors(server, fields, needle):
 def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_path, builds):
     """Requests as Triton hands them over ([1, ...] numpy arrays, strings as bytes); a delta's arrays have the names,
     data types and batch dimension that beam_dflash2/config.pbtxt declares."""
-    params = serving.parse_request({
+    params = protocol.parse_request({
         "text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[7]], np.int32),
         "temperature": np.array([[0.5]], np.float32), "top_p": np.array([[0.75]], np.float32),
         "top_k": np.array([[3]], np.int32), "stream": np.array([[True]]),
@@ -261,14 +262,14 @@ def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_pa
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
     config = export.parse_config(tmp_path / "repo" / export.MODEL / "config.pbtxt")
     delta = Delta((5, 6), (4,), -1, "xy", Metrics(3, 2, 1, 14), True, "length")
-    arrays = serving.delta_outputs(delta)
+    arrays = protocol.delta_outputs(delta)
     assert list(arrays) == [t.name for t in config.output]
     for t in config.output:
-        numpy_type = serving.NUMPY[pb2.DataType.Name(t.data_type)]
+        numpy_type = protocol.NUMPY[pb2.DataType.Name(t.data_type)]
         assert arrays[t.name].dtype == numpy_type and arrays[t.name].shape[0] == 1
         assert arrays[t.name].ndim == 1 + len(t.dims)
     assert arrays["acceptance_length"][0, 0] == pytest.approx(1.5) and arrays["output_ids"].tolist() == [[5, 6]]
-    pre = serving.preprocess(server.tokenizer, {"text_input": np.array([[b"hi"]], dtype=object)}, True)
+    pre = protocol.preprocess(server.tokenizer, {"text_input": np.array([[b"hi"]], dtype=object)}, True)
     assert pre["input_ids"].dtype == np.int32 and pre["input_ids"].shape[0] == 1
 
 
@@ -548,8 +549,8 @@ def test_beam_mini_repository_validates(beam_mini, tmp_path):
     assert lines[-1] == f"launch: scripts/launch_triton.sh --world-size 4 --model-repo {repo}"
     for name in ("preprocessing", "beam_dflash2", "postprocessing", "ensemble"):
         assert parse(repo / name / "config.pbtxt").name == name
-    tokenizer = serving.load_tokenizer(engine / "tokenizer")
-    ids = serving.preprocess(tokenizer, {"text_input": np.array([[b"Hi!"]], dtype=object)}, True)["input_ids"]
+    tokenizer = protocol.load_tokenizer(engine / "tokenizer")
+    ids = protocol.preprocess(tokenizer, {"text_input": np.array([[b"Hi!"]], dtype=object)}, True)["input_ids"]
     assert tokenizer.decode(ids[0].tolist()).endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
 
 

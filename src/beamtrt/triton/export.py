@@ -2,7 +2,7 @@
 validate it: every config.pbtxt parses as tritonclient's ModelConfig, no placeholder is left, every referenced path
 exists, the ensemble's steps fit together, and the world size is the build's TP.
 
-The configs are rendered from the tables below and the tensor tables of `beamtrt.triton.serving`; the model.py files
+The configs are rendered from the tables below and the tensor tables of `beamtrt.triton.protocol`; the model.py files
 are copied from `beamtrt/triton/models/`. The repository is written into a temporary directory beside --out and
 renamed into place at the end, so a failure never leaves a half-written repository.
 """
@@ -17,8 +17,9 @@ from pathlib import Path
 
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.errors import BeamtrtError, ConfigError
-from beamtrt.triton import serving
-from beamtrt.triton.serving import ServeSettings, Tensor
+from beamtrt.triton import protocol, serving
+from beamtrt.triton.protocol import Tensor
+from beamtrt.triton.serving import ServeSettings
 
 MODEL = "beam_dflash2"
 MAX_BATCH_SIZE = 1  # each request is one sequence [1, ...]; requests are batched inside beam_dflash2 (max_slots)
@@ -43,9 +44,9 @@ class Model:
 
 
 MODELS = (
-    Model("preprocessing", tuple(replace(t, optional=False) for t in serving.PRE_INPUTS), serving.PRE_OUTPUTS),
-    Model(MODEL, serving.FIELDS, serving.OUTPUTS, decoupled=True),
-    Model("postprocessing", serving.POST_INPUTS, serving.POST_OUTPUTS),
+    Model("preprocessing", tuple(replace(t, optional=False) for t in protocol.PRE_INPUTS), protocol.PRE_OUTPUTS),
+    Model(MODEL, protocol.FIELDS, protocol.OUTPUTS, decoupled=True),
+    Model("postprocessing", protocol.POST_INPUTS, protocol.POST_OUTPUTS),
 )
 _OWN = ("max_tokens", "temperature", "top_p", "top_k", "stop_words", "stream", "finish_reason", "acceptance_length",
         "accepted_draft_tokens", "draft_tokens")
@@ -53,9 +54,9 @@ _OWN = ("max_tokens", "temperature", "top_p", "top_k", "stop_words", "stream", "
 # the others are the ensemble's own inputs (consumed, never produced) and outputs
 STEPS = (
     ("preprocessing", {"text_input": "text_input"}, {"input_ids": "_input_ids"}),
-    (MODEL, {"input_ids": "_input_ids", **{t.name: t.name for t in serving.FIELDS if t.name in _OWN}},
+    (MODEL, {"input_ids": "_input_ids", **{t.name: t.name for t in protocol.FIELDS if t.name in _OWN}},
      {"output_ids": "_output_ids", "context_ids": "_context_ids", "text_end": "_text_end",
-      **{t.name: t.name for t in serving.OUTPUTS if t.name in _OWN}}),
+      **{t.name: t.name for t in protocol.OUTPUTS if t.name in _OWN}}),
     ("postprocessing", {"output_ids": "_output_ids", "context_ids": "_context_ids", "text_end": "_text_end"},
      {"text_output": "text_output"}),
 )

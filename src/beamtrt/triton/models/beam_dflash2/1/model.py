@@ -17,21 +17,21 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
-        from beamtrt.triton import serving
+        from beamtrt.triton import protocol, serving
 
-        self.serving = serving
+        self.protocol = protocol
         repository = Path(args["model_repository"]).parent  # args give this model's folder
         self.server = serving.open_server(serving.ServeSettings.from_parameters(params, repository))
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            values = {t.name: tensor.as_numpy() for t in self.serving.FIELDS
+            values = {t.name: tensor.as_numpy() for t in self.protocol.FIELDS
                       if (tensor := pb_utils.get_input_tensor_by_name(request, t.name)) is not None}
             try:
                 self.server.submit(values, lambda delta, sender=sender: self._send(sender, delta), sender.is_cancelled)
             except Exception as e:  # a bad field (INVALID_ARG, one line), or the server cannot take it
-                bad = isinstance(e, self.serving.RequestError)
+                bad = isinstance(e, self.protocol.RequestError)
                 error = pb_utils.TritonError(str(e) if bad else f"{type(e).__name__}: {e}",
                                              pb_utils.TritonError.INVALID_ARG if bad else pb_utils.TritonError.INTERNAL)
                 sender.send(pb_utils.InferenceResponse(error=error),
@@ -46,7 +46,7 @@ class TritonPythonModel:
         elif delta.error:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(delta.error))
         else:
-            outputs = self.serving.delta_outputs(delta)
+            outputs = self.protocol.delta_outputs(delta)
             response = pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if delta.finished else 0)
 

@@ -11,17 +11,17 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
-        from beamtrt.triton import serving
+        from beamtrt.triton import protocol
 
-        self.serving = serving
-        tokenizer = serving.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
-        self.decode = serving.make_decode(tokenizer)
+        self.protocol = protocol
+        tokenizer = protocol.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
+        self.decode = protocol.make_decode(tokenizer)
 
     def execute(self, requests):
         responses = []
         for request in requests:
             values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy()
-                      for t in self.serving.POST_INPUTS}
-            outputs = self.serving.postprocess(self.decode, values)
+                      for t in self.protocol.POST_INPUTS}
+            outputs = self.protocol.postprocess(self.decode, values)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
         return responses

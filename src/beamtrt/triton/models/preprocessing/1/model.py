@@ -11,20 +11,20 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
-        from beamtrt.triton import serving
+        from beamtrt.triton import protocol
 
-        self.serving = serving
-        self.tokenizer = serving.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
+        self.protocol = protocol
+        self.tokenizer = protocol.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
         self.chat_template = params["chat_template"] == "true"
 
     def execute(self, requests):
         responses = []
         for request in requests:
             values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy()
-                      for t in self.serving.PRE_INPUTS}
+                      for t in self.protocol.PRE_INPUTS}
             try:
-                outputs = self.serving.preprocess(self.tokenizer, values, self.chat_template)
-            except self.serving.RequestError as e:
+                outputs = self.protocol.preprocess(self.tokenizer, values, self.chat_template)
+            except self.protocol.RequestError as e:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
                 continue

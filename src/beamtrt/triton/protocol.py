@@ -1,0 +1,231 @@
+"""What the Triton models exchange: the tensor tables, request fields -> RequestParams, deltas -> output tensors,
+and the text rules (tokenizer, chat template, the text a delta adds). The preprocessing and postprocessing models
+use only this module; beam_dflash2 adds `beamtrt.triton.serving`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+
+from beamtrt.errors import BeamtrtError, CheckpointError
+from beamtrt.spec.sampling import SamplingParams
+
+
+class RequestError(BeamtrtError):
+    """A request with a missing, unknown or out-of-range field; the message is one line for the client."""
+
+
+# ---- the tensors the Triton models exchange ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str                  # Triton data type: TYPE_STRING, TYPE_INT32, TYPE_FP32 or TYPE_BOOL
+    dims: tuple[int, ...]       # without the batch dimension: (1,) one value, (-1,) a list
+    optional: bool
+    help: str
+
+
+NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+
+# beam_dflash2's inputs = the request fields (the ensemble exposes all of them but input_ids)
+FIELDS = (
+    Tensor("text_input", "TYPE_STRING", (1,), True, "the prompt: a user message, sent through the chat template"),
+    Tensor("input_ids", "TYPE_INT32", (-1,), True, "the prompt as token ids, used as given (instead of text_input)"),
+    Tensor("max_tokens", "TYPE_INT32", (1,), False, "tokens to generate, >= 1"),
+    Tensor("temperature", "TYPE_FP32", (1,), True, "0 = greedy (the default); > 0 samples"),
+    Tensor("top_p", "TYPE_FP32", (1,), True, "nucleus sampling mass in (0, 1] (default 1)"),
+    Tensor("top_k", "TYPE_INT32", (1,), True, "sample from the k most likely tokens; 0 = all (the default)"),
+    Tensor("stop_words", "TYPE_STRING", (-1,), True,
+           "stop when the text contains one of these; the text ends before it"),
+    Tensor("stream", "TYPE_BOOL", (1,), True, "true: a response per step with the new text; false (the default): "
+           "one response at the end"),
+)
+OUTPUTS = (  # beam_dflash2's outputs, one set per response
+    Tensor("output_ids", "TYPE_INT32", (-1,), False, "the token ids committed since the previous response"),
+    Tensor("context_ids", "TYPE_INT32", (-1,), False, "the (up to 8) tokens sent just before output_ids: their "
+           "text is decoded after these"),
+    Tensor("text_end", "TYPE_INT32", (1,), False, "characters of the decoded text to keep; -1 = all (a stop string "
+           "cuts the final response)"),
+    Tensor("text_output", "TYPE_STRING", (1,), False, "the text of output_ids: the new text when streaming"),
+    Tensor("finish_reason", "TYPE_STRING", (1,), False, "empty until the final response, then stop or length"),
+    Tensor("acceptance_length", "TYPE_FP32", (1,), False, "tokens committed per verification step so far (τ)"),
+    Tensor("accepted_draft_tokens", "TYPE_INT32", (1,), False, "drafted tokens accepted (and kept) so far"),
+    Tensor("draft_tokens", "TYPE_INT32", (1,), False, "drafted tokens verified so far"),
+)
+PRE_INPUTS = tuple(t for t in FIELDS if t.name == "text_input")
+PRE_OUTPUTS = (Tensor("input_ids", "TYPE_INT32", (-1,), False, "the chat-formatted prompt's token ids"),)
+POST_INPUTS = tuple(t for t in OUTPUTS if t.name in ("output_ids", "context_ids", "text_end"))
+POST_OUTPUTS = tuple(t for t in OUTPUTS if t.name == "text_output")
+
+
+def _convert(t: Tensor, value: object) -> object:
+    """A Triton tensor (any shape, the batch dimension included) or a Python value -> a checked Python value."""
+    out = []
+    for v in np.asarray(value, dtype=object).reshape(-1).tolist():
+        if t.dtype == "TYPE_STRING":
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise RequestError(f"{t.name} is not valid UTF-8") from None
+            if not isinstance(v, str):
+                raise RequestError(f"{t.name} must be a string, got {type(v).__name__}")
+        elif t.dtype == "TYPE_INT32":
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RequestError(f"{t.name} must be an integer, got {v!r}")
+        elif t.dtype == "TYPE_FP32":
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RequestError(f"{t.name} must be a number, got {v!r}")
+            v = float(v)
+        elif not isinstance(v, bool):  # TYPE_BOOL
+            raise RequestError(f"{t.name} must be true or false, got {v!r}")
+        out.append(v)
+    if t.dims == (1,):
+        if len(out) != 1:
+            raise RequestError(f"{t.name} must be one value, got {len(out)}")
+        return out[0]
+    return tuple(out)
+
+
+# ---- one request's settings ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RequestParams:
+    max_tokens: int
+    text: str | None = None                     # a user message (chat template applied), or
+    prompt_ids: tuple[int, ...] | None = None   # the prompt's token ids
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+
+
+def parse_request(values: Mapping[str, object]) -> RequestParams:
+    """Request fields (Triton tensors or Python values; None = absent) -> RequestParams, or one RequestError line."""
+    names = [t.name for t in FIELDS]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r}; the fields are {', '.join(names)}")
+    got = {t.name: _convert(t, values[t.name]) for t in FIELDS if values.get(t.name) is not None}
+    missing = [t.name for t in FIELDS if not t.optional and t.name not in got]
+    if missing:
+        raise RequestError(f"{missing[0]} is required")
+    if ("text_input" in got) == ("input_ids" in got):
+        raise RequestError("give the prompt as text_input or as input_ids (one of them)")
+    if "text_input" in got and not got["text_input"].strip():
+        raise RequestError("text_input is empty")
+    if "input_ids" in got and not got["input_ids"]:
+        raise RequestError("input_ids is empty")
+    if got["max_tokens"] < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {got['max_tokens']}")
+    temperature, top_p, top_k = got.get("temperature", 0.0), got.get("top_p", 1.0), got.get("top_k", 0)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise RequestError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise RequestError(f"top_k must be >= 0, got {top_k}")
+    stop = got.get("stop_words", ())
+    if any(not s for s in stop):
+        raise RequestError("stop_words must be non-empty strings")
+    return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),
+                         SamplingParams(temperature, top_p, top_k), stop, got.get("stream", False))
+
+
+# ---- text ---------------------------------------------------------------------------------------------------------
+
+CONTEXT_TOKENS = 8  # tokens sent before a delta that its text is decoded after (leading-space / byte-merge rules)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})") from None
+
+
+def make_decode(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids -> text. No clean-up of spaces: it rewrites text already sent (" ." -> "."), breaking streaming."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    """A user message through the chat template (with the assistant turn opened), or raw text."""
+    if not text.strip():
+        raise RequestError("text_input is empty")
+    if not chat_template:
+        return tokenizer.encode(text, add_special_tokens=False)
+    try:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    except Exception as e:  # a template that rejects the message
+        raise RequestError(f"the chat template rejected the prompt: {str(e).strip().splitlines()[0]}") from None
+
+
+def text_delta(decode: Callable[[list[int]], str], context_ids, new_ids, end: int = -1) -> str:
+    """The text `new_ids` add after `context_ids` (the tokens sent just before them), cut to `end` chars (-1: all)."""
+    context = list(context_ids)
+    before = decode(context) if context else ""
+    text = decode(context + list(new_ids))[len(before):]
+    return text if end < 0 else text[:end]
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Metrics:
+    output_tokens: int = 0
+    steps: int = 0                  # verification steps
+    accepted_draft_tokens: int = 0  # tokens committed by verification minus one per step: drafts accepted and kept
+    draft_tokens: int = 0           # drafts verified: steps × (block_size - 1)
+
+    @property
+    def acceptance_length(self) -> float:
+        return (self.accepted_draft_tokens + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One response: the tokens committed since the previous one, their text, and the request's metrics so far."""
+    token_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]    # the tokens sent just before token_ids (postprocessing decodes after them)
+    text_end: int                   # characters of the decoded text kept: -1 all (a stop string cuts the last)
+    text: str
+    metrics: Metrics
+    finished: bool = False
+    finish_reason: str = ""         # stop | length | cancelled | error
+    error: str = ""
+
+
+def delta_outputs(delta: Delta) -> dict[str, np.ndarray]:
+    """A delta -> beam_dflash2's output tensors (OUTPUTS), each with a batch dimension of 1."""
+    m = delta.metrics
+    values = {"output_ids": delta.token_ids, "context_ids": delta.context_ids, "text_end": delta.text_end,
+              "text_output": delta.text, "finish_reason": delta.finish_reason,
+              "acceptance_length": m.acceptance_length, "accepted_draft_tokens": m.accepted_draft_tokens,
+              "draft_tokens": m.draft_tokens}
+    return {t.name: _array(t, values[t.name]) for t in OUTPUTS}
+
+
+def _array(t: Tensor, value: object) -> np.ndarray:
+    items = list(value) if t.dims == (-1,) else [value]
+    if t.dtype == "TYPE_STRING":
+        items = [v.encode("utf-8") for v in items]
+    return np.array(items, dtype=NUMPY[t.dtype]).reshape(1, len(items))
+
+
+def preprocess(tokenizer, values: Mapping[str, object], chat_template: bool) -> dict[str, np.ndarray]:
+    """preprocessing's step: text_input -> input_ids [1, n] int32."""
+    text = _convert(PRE_INPUTS[0], values.get("text_input", ""))
+    return {"input_ids": _array(PRE_OUTPUTS[0], encode_prompt(tokenizer, text, chat_template))}
+
+
+def postprocess(decode: Callable[[list[int]], str], values: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """postprocessing's step: output_ids after context_ids, cut to text_end -> text_output [1, 1]."""
+    ids, context, end = (_convert(t, values[t.name]) for t in POST_INPUTS)
+    return {"text_output": _array(POST_OUTPUTS[0], text_delta(decode, context, ids, end))}
