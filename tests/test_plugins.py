@@ -284,10 +284,15 @@ def test_cuda_selector_equals_the_host_build(host, codebook_dtype):
 @gpu
 @pytest.mark.parametrize("io,cache,scale", [(torch.bfloat16, None, 1.0), (torch.float16, None, 1.0),
                                             (torch.bfloat16, torch.float8_e4m3fn, 0.05)])
-def test_cuda_attention_equals_the_host_build(host, io, cache, scale):
+@pytest.mark.parametrize("shape", [
+    dict(L=8, Hq=16, Hkv=4, D=128),   # 32 query rows per KV head: the grouped kernel, 4 dims per lane
+    dict(L=4, Hq=8, Hkv=8, D=256),    # the grouped kernel, 8 dims per lane
+    dict(L=16, Hq=32, Hkv=2, D=64),   # 256 query rows per KV head: the per-row kernel
+])
+def test_cuda_attention_equals_the_host_build(host, io, cache, scale, shape):
     from beamtrt.native import cuda
 
-    c = attention_case(5, io=io, N=3, L=8, C=16, Hq=16, Hkv=4, D=128, W=64, start=(0, 40, 100), count=(16, 16, 9))
+    c = attention_case(5, io=io, N=3, C=16, W=64, start=(0, 40, 100), count=(16, 16, 9), **shape)
     want, want_k, want_v = run_attention(host, c, cache, scale)
     cache = cache or io
     ring_k = (c["ring_k"].float() / scale).to(cache).cuda()

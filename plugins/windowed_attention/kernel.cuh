@@ -47,21 +47,24 @@ BEAMTRT_HD int32_t visibleSlots(Args const& x, int32_t n) {
   return len < x.W ? int32_t(len) : x.W;
 }
 
-// Key j of (sequence n, KV head h): the visible ring slots first, then the block's L rows. Writes D floats.
-BEAMTRT_HD void keyValue(Args const& x, int32_t n, int32_t h, int32_t j, int32_t visible, float* key, float* value) {
+// Element d of key j (and its value) of (sequence n, KV head h): the visible ring slots first, then the block's
+// L rows.
+BEAMTRT_HD void keyValueAt(Args const& x, int32_t n, int32_t h, int32_t j, int32_t visible, int32_t d, float& key,
+                           float& value) {
   if (j < visible) {
-    const int64_t at = ((int64_t(n) * x.Hkv + h) * x.W + j) * x.D;
-    for (int32_t d = 0; d < x.D; d++) {
-      key[d] = load(x.ringK, at + d, x.cacheType, x.cacheScale);
-      value[d] = load(x.ringV, at + d, x.cacheType, x.cacheScale);
-    }
+    const int64_t at = ((int64_t(n) * x.Hkv + h) * x.W + j) * x.D + d;
+    key = load(x.ringK, at, x.cacheType, x.cacheScale);
+    value = load(x.ringV, at, x.cacheType, x.cacheScale);
   } else {
-    const int64_t at = ((int64_t(n) * x.L + (j - visible)) * x.Hkv + h) * x.D;
-    for (int32_t d = 0; d < x.D; d++) {
-      key[d] = load(x.k, at + d, x.ioType);
-      value[d] = load(x.v, at + d, x.ioType);
-    }
+    const int64_t at = ((int64_t(n) * x.L + (j - visible)) * x.Hkv + h) * x.D + d;
+    key = load(x.k, at, x.ioType);
+    value = load(x.v, at, x.ioType);
   }
+}
+
+// Key j of (sequence n, KV head h) whole: writes D floats each.
+BEAMTRT_HD void keyValue(Args const& x, int32_t n, int32_t h, int32_t j, int32_t visible, float* key, float* value) {
+  for (int32_t d = 0; d < x.D; d++) keyValueAt(x, n, h, j, visible, d, key[d], value[d]);
 }
 
 // Output row (sequence n, block row l, query head hq): an online softmax over the visible keys in order.
