@@ -83,6 +83,22 @@ def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path
     no_leftovers(tmp_path)
 
 
+def test_engine_settings_are_recorded_and_changes_need_force(sources, tmp_path):
+    """The engine limits are part of the build even where no engine is built: the manifest records them, and a
+    change needs --force (every stage is then reused, the manifest rewritten)."""
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0
+    assert read_manifest(out)["engines"]["settings"]["block_size"] == 8
+    one_line_error(build(sources, out, "--block-size", "4"), "stage engines (settings) differs", "--force")
+    forced = build(sources, out, "--block-size", "4", "--max-batch-size", "16", "--force")
+    assert forced.returncode == 0, forced.stderr
+    m = read_manifest(out)
+    assert m["engines"]["settings"] == {"max_batch_size": 16, "max_seq_len": 32768, "max_num_tokens": 8192,
+                                        "block_size": 4}
+    assert m["drafter"]["block_size"] == 4 and m["stages"]["target"]["status"] == "reused"
+    one_line_error(build(sources, out, "--max-num-tokens", "10", "--force"), "cannot hold one verify step")
+
+
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
 def test_quantized_build_validates(sources, tmp_path, precision):
     out = tmp_path / precision

@@ -21,7 +21,7 @@ from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.hf import CheckpointReader, write_json
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
-from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig
+from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import read_chats
 
@@ -71,6 +71,7 @@ class Plan:
         drafter_fp8 = bc.drafter_precision == "fp8"
         self.keys = {
             "calibrate": mf.hash_inputs("calibrate", bc.calib_samples, drafter_fp8,
+                                        bc.engine.block_size if drafter_fp8 else None,
                                         files=target_files + [prompts] + (drafter_files if drafter_fp8 else []))
             if bc.needs_calibration else None,
         }
@@ -103,6 +104,8 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
                 and mf.stage_outputs_intact(bc.out, stage)}
     stages = ("calibrate", "target", "drafter") + (("engines",) if plan.engines_why is None else ())
     needed = [n for n in stages if plan.keys.get(n) and n not in reusable]
+    if old and old.get("engines", {}).get("settings", EngineSettings().to_json()) != bc.engine.to_json():
+        needed.append("engines (settings)")  # recorded in the manifest even where no engine is built
     if old is not None and not needed:
         log(f"{bc.out}: up to date (every stage's inputs and outputs match {mf.MANIFEST}); nothing to do")
         from beamtrt.checkpoint.validate import validate
