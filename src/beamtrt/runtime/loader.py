@@ -10,6 +10,7 @@ import torch
 from beamtrt.errors import ConfigError
 
 BACKENDS = ("auto", "torch", "trt")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # compute dtypes of the torch backend
 
 
 @dataclass

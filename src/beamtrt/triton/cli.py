@@ -7,7 +7,7 @@ from pathlib import Path
 
 from beamtrt.cli_util import run_cli
 from beamtrt.runtime.loader import BACKENDS
-from beamtrt.triton.serving import DTYPES
+from beamtrt.runtime.loader import DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from beamtrt.errors import ConfigError
+from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.triton.protocol import (CONTEXT_TOKENS, Delta, Metrics, RequestError, RequestParams, encode_prompt,
@@ -31,9 +32,6 @@ from beamtrt.triton.protocol import (CONTEXT_TOKENS, Delta, Metrics, RequestErro
 
 
 # ---- how a server runs a build -------------------------------------------------------------------------------
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class ServeSettings:
