@@ -285,20 +285,22 @@ def test_cuda_selector_equals_the_host_build(host, codebook_dtype):
 @pytest.mark.parametrize("io,cache,scale", [(torch.bfloat16, None, 1.0), (torch.float16, None, 1.0),
                                             (torch.bfloat16, torch.float8_e4m3fn, 0.05)])
 @pytest.mark.parametrize("shape", [
-    dict(L=8, Hq=16, Hkv=4, D=128),   # 32 query rows per KV head: the grouped kernel, 4 dims per lane
+    dict(L=8, Hq=16, Hkv=4, D=128),   # 32 query rows per KV head: tensor cores (or grouped, 4 dims per lane)
+    dict(L=8, Hq=20, Hkv=4, D=64, W=300, start=(0, 250, 1000)),  # Beam's 5 heads per KV head: 40 rows, 5 stages
     dict(L=4, Hq=8, Hkv=8, D=256),    # the grouped kernel, 8 dims per lane
     dict(L=16, Hq=32, Hkv=2, D=64),   # 256 query rows per KV head: the per-row kernel
 ])
-def test_cuda_attention_equals_the_host_build(host, io, cache, scale, shape):
+@pytest.mark.parametrize("cuda_cores", [False, True], ids=["auto", "cuda-cores"])
+def test_cuda_attention_equals_the_host_build(host, io, cache, scale, shape, cuda_cores):
     from beamtrt.native import cuda
 
-    c = attention_case(5, io=io, N=3, C=16, W=64, start=(0, 40, 100), count=(16, 16, 9), **shape)
+    c = attention_case(5, io=io, N=3, C=16, **{"W": 64, "start": (0, 40, 100), "count": (16, 16, 9), **shape})
     want, want_k, want_v = run_attention(host, c, cache, scale)
     cache = cache or io
     ring_k = (c["ring_k"].float() / scale).to(cache).cuda()
     ring_v = (c["ring_v"].float() / scale).to(cache).cuda()
     out = cuda.windowed_attention(*(c[n].cuda() for n in ("q", "k", "v", "ck", "cv", "start", "count")), ring_k, ring_v,
-                                  cache_scale=scale)
+                                  cache_scale=scale, cuda_cores=cuda_cores)
     assert torch.equal(ring_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(ring_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
     torch.testing.assert_close(out.cpu().float(), want.float(), rtol=1e-2, atol=1e-2)

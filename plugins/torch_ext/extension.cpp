@@ -56,7 +56,8 @@ std::vector<torch::Tensor> blockSelector(torch::Tensor logits, torch::Tensor pro
 // ring_k / ring_v [N, Hkv, W, D] (updated in place) -> out [N, L, Hq, D]
 torch::Tensor windowedAttention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor contextK,
                                 torch::Tensor contextV, torch::Tensor start, torch::Tensor count, torch::Tensor ringK,
-                                torch::Tensor ringV, double cacheScale, double softmaxScale, int64_t stream) {
+                                torch::Tensor ringV, double cacheScale, double softmaxScale, bool cudaCores,
+                                int64_t stream) {
   for (auto const& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&contextK, "context_k"},
                                 {&contextV, "context_v"}, {&ringK, "ring_k"}, {&ringV, "ring_v"}}) {
     check(*t, name, 4);
@@ -71,7 +72,9 @@ torch::Tensor windowedAttention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   args.q = q.data_ptr(), args.k = k.data_ptr(), args.v = v.data_ptr(), args.contextK = contextK.data_ptr();
   args.contextV = contextV.data_ptr(), args.start = start.data_ptr<int32_t>(), args.count = count.data_ptr<int32_t>();
   args.ringK = ringK.data_ptr(), args.ringV = ringV.data_ptr(), args.out = out.data_ptr();
-  const cudaError_t status = beamtrt::windowed_attention::launch(args, reinterpret_cast<cudaStream_t>(stream));
+  using beamtrt::windowed_attention::Kernel;
+  const cudaError_t status = beamtrt::windowed_attention::launch(args, reinterpret_cast<cudaStream_t>(stream),
+                                                                 cudaCores ? Kernel::kCudaCores : Kernel::kAuto);
   TORCH_CHECK(status == cudaSuccess, "windowed attention: ", cudaGetErrorString(status));
   return out;
 }

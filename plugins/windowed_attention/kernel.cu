@@ -7,6 +7,7 @@
 // warp shuffle sum, and an online softmax walks the keys in order.
 // Attention, per row (more query rows per KV head than a CTA holds): one warp per output row, keys from memory.
 #include "kernel.h"
+#include "kernel_mma.cuh"
 
 namespace beamtrt {
 namespace windowed_attention {
@@ -128,6 +129,12 @@ __global__ void __launch_bounds__(kGroupWarps * kWarp) attendGroupKernel(Args x)
   }
 }
 
+template <int32_t D, bool BF16>
+cudaError_t attendMma(Args const& x, cudaStream_t stream) {
+  return x.cacheType == DType::kFP8 ? mma::attendMma<D, BF16, true>(x, stream)
+                                    : mma::attendMma<D, BF16, false>(x, stream);
+}
+
 template <int32_t PER_LANE>
 void attend(Args const& x, cudaStream_t stream) {
   if (x.L * (x.Hq / x.Hkv) <= kGroupRows) {
@@ -141,12 +148,17 @@ void attend(Args const& x, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch(Args const& args, cudaStream_t stream) {
+cudaError_t launch(Args const& args, cudaStream_t stream, Kernel kernel) {
   if (args.D < 1 || args.D > kMaxHeadDim || args.Hkv < 1 || args.Hq % args.Hkv != 0 || args.W < 1) {
     return cudaErrorInvalidValue;
   }
   if (args.N == 0) return cudaSuccess;
   if (args.C > 0) appendKernel<<<args.N * args.C, 128, 0, stream>>>(args);
+  if (args.L > 0 && kernel == Kernel::kAuto && mma::supports(args)) {
+    const bool bf16 = args.ioType == DType::kBF16;
+    if (args.D == 64) return bf16 ? attendMma<64, true>(args, stream) : attendMma<64, false>(args, stream);
+    return bf16 ? attendMma<128, true>(args, stream) : attendMma<128, false>(args, stream);
+  }
   if (args.L > 0) {
     if (args.D <= 4 * kWarp) {
       attend<4>(args, stream);  // D <= 128: four head dims per lane

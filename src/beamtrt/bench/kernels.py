@@ -31,7 +31,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def attention_point(batch: int, window: int, block: int, q_heads: int, kv_heads: int, head_dim: int,
-                    repeats: int) -> dict:
+                    repeats: int, cuda_cores: bool = False) -> dict:
     from beamtrt.native import cuda
 
     dev, io = "cuda", torch.bfloat16
@@ -41,13 +41,14 @@ def attention_point(batch: int, window: int, block: int, q_heads: int, kv_heads:
     ring_k, ring_v = t(batch, kv_heads, window, head_dim), t(batch, kv_heads, window, head_dim)
     start = torch.full((batch,), 10 * window, dtype=torch.int32, device=dev)  # a full ring: every slot visible
     count = torch.zeros(batch, dtype=torch.int32, device=dev)
-    seconds = _time(lambda: cuda.windowed_attention(q, k, v, ctx, ctx, start, count, ring_k, ring_v), repeats)
+    seconds = _time(lambda: cuda.windowed_attention(q, k, v, ctx, ctx, start, count, ring_k, ring_v,
+                                                    cuda_cores=cuda_cores), repeats)
     moved = 2 * ring_k.nbytes + 2 * q.nbytes + 2 * k.nbytes  # both rings read; q read and the output written
     src = torch.empty(moved // 2, dtype=torch.int16, device=dev)
     dst = torch.empty_like(src)
     copy_seconds = _time(lambda: dst.copy_(src), repeats)  # reads and writes `moved` bytes in all
-    return {"kernel": "windowed_attention", "batch": batch, "window": window, "block": block, "q_heads": q_heads,
-            "kv_heads": kv_heads, "head_dim": head_dim, "us": round(seconds * 1e6, 1),
+    return {"kernel": "windowed_attention", "cores": "cuda" if cuda_cores else "auto", "batch": batch,
+            "window": window, "block": block, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "us": round(seconds * 1e6, 1),
             "bytes_per_s": moved / seconds, "copy_bytes_per_s": 2 * src.nbytes / copy_seconds,
             "fraction_of_copy": round(moved / seconds / (2 * src.nbytes / copy_seconds), 3)}
 
@@ -80,15 +81,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         if not torch.cuda.is_available():
             raise DeviceError("no CUDA device here: the kernel micro-benchmark needs a GPU")
-        points = [attention_point(32, 4096, 8, 40, 8, 128, args.repeats)]
+        points = [attention_point(32, 4096, 8, 40, 8, 128, args.repeats, cuda_cores) for cuda_cores in (False, True)]
         points += [selector_point(batch, 7, 151_936, 16, 256, args.repeats) for batch in (1, 64)]
         result = {"device": torch.cuda.get_device_name(), "points": points}
         print("| kernel | shape | µs | achieved | vs copy |", file=sys.stderr)
         print("|---|---|---|---|---|", file=sys.stderr)
         for pt in points:
             if pt["kernel"] == "windowed_attention":
-                print(f"| windowed attention | N {pt['batch']}, W {pt['window']}, {pt['kv_heads']} KV x "
-                      f"{pt['head_dim']} | {pt['us']} | {pt['bytes_per_s'] / 1e9:.0f} GB/s | "
+                print(f"| windowed attention ({pt['cores']} cores) | N {pt['batch']}, W {pt['window']}, "
+                      f"{pt['kv_heads']} KV x {pt['head_dim']} | {pt['us']} | {pt['bytes_per_s'] / 1e9:.0f} GB/s | "
                       f"{pt['fraction_of_copy']:.2f} of {pt['copy_bytes_per_s'] / 1e9:.0f} GB/s |", file=sys.stderr)
             else:
                 print(f"| block selector | N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']} | {pt['us']} | — | — |",

@@ -59,8 +59,10 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N,
                        context_k: torch.Tensor, context_v: torch.Tensor,   # [N, C, Hkv, D]
                        start: torch.Tensor, count: torch.Tensor,           # [N] int32
                        ring_k: torch.Tensor, ring_v: torch.Tensor,         # [N, Hkv, W, D], updated in place
-                       cache_scale: float = 1.0, softmax_scale: float | None = None) -> torch.Tensor:
-    """-> out [N, L, Hq, D], as plugins/windowed_attention (an fp8 ring holds values / cache_scale)."""
+                       cache_scale: float = 1.0, softmax_scale: float | None = None,
+                       cuda_cores: bool = False) -> torch.Tensor:
+    """-> out [N, L, Hq, D], as plugins/windowed_attention (an fp8 ring holds values / cache_scale). cuda_cores:
+    skip the tensor-core kernel even where it applies (to compare the two)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     return extension().windowed_attention(q, k, v, context_k, context_v, start, count, ring_k, ring_v, cache_scale,
-                                          scale, _stream())
+                                          scale, cuda_cores, _stream())
