@@ -90,7 +90,8 @@ __device__ __forceinline__ uint32_t sharedAddress(void const* p) {
 // 16 bytes global -> shared without registers; bytes = 0 writes zeros (a key past the end).
 __device__ __forceinline__ void copy16(void* dst, void const* src, int32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sharedAddress(dst)), "l"(src), "r"(bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sharedAddress(dst)), "l"(src), "r"(bytes)
+               : "memory");
 #else
   __trap();
 #endif
@@ -98,13 +99,13 @@ __device__ __forceinline__ void copy16(void* dst, void const* src, int32_t bytes
 
 __device__ __forceinline__ void commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
 __device__ __forceinline__ void waitPrevious() {  // every committed group but the newest has landed
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group 1;\n" ::);
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 #endif
 }
 
