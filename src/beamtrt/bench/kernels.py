@@ -48,7 +48,8 @@ def attention_point(batch: int, window: int, block: int, q_heads: int, kv_heads:
     dst = torch.empty_like(src)
     copy_seconds = _time(lambda: dst.copy_(src), repeats)  # reads and writes `moved` bytes in all
     return {"kernel": "windowed_attention", "cores": "cuda" if cuda_cores else "auto", "batch": batch,
-            "window": window, "block": block, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "us": round(seconds * 1e6, 1),
+            "window": window, "block": block, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "us": round(seconds * 1e6, 1),
             "bytes_per_s": moved / seconds, "copy_bytes_per_s": 2 * src.nbytes / copy_seconds,
             "fraction_of_copy": round(moved / seconds / (2 * src.nbytes / copy_seconds), 3)}
 

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 from beamtrt.cli_util import run_cli
-from beamtrt.runtime.loader import BACKENDS
-from beamtrt.runtime.loader import DTYPES
+from beamtrt.runtime.loader import BACKENDS, DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
