@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,12 +151,34 @@ def test_feature_shards_round_trip_and_corruption(target, tmp_path):
 
 def test_training_prompts_are_deterministic_and_not_benchmarks():
     pytest.importorskip("reasoning_gym")
-    from beamtrt.train.prompts import GYM_TASKS, training_prompts
+    from beamtrt.train.prompts import BOXED, CODE_PREFIX, GYM_TASKS, training_prompts
 
-    a, b = training_prompts(60, seed=3), training_prompts(60, seed=3)
-    assert a == b and len(set(a)) == len(a) and len(a) >= 50
+    for mix in ("v1", "v2"):
+        a, b = training_prompts(60, seed=3, mix=mix), training_prompts(60, seed=3, mix=mix)
+        assert a == b and len(set(a)) == len(a) and len(a) >= 50
+        assert training_prompts(60, seed=4, mix=mix) != a
     assert "gsm_symbolic" not in GYM_TASKS
-    assert training_prompts(60, seed=4) != a
+    v2 = training_prompts(200, seed=0)  # v2 is the default
+    assert any(p.endswith(BOXED) for p in v2) and not any(p.endswith(BOXED) for p in training_prompts(200, 0, "v1"))
+    assert any(p.startswith(CODE_PREFIX + "def ") and '"""' in p for p in v2)  # HumanEval-style stubs
+    assert any("Continue this story" in p or "following passage" in p for p in v2)
+    with pytest.raises(BeamtrtError, match="unknown prompt mix"):
+        training_prompts(10, mix="v3")
+
+
+def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
+    """A cache made before mixes had names is the v1 mix: it resumes under v1 and is refused under v2."""
+    import json
+
+    from beamtrt.train.features import DataRecipe, build_features
+
+    old = {"recipe": {k: v for k, v in dataclasses.asdict(DataRecipe(mix="v1")).items() if k != "mix"},
+           "taps": list(TAPS), "prompts": 0, "hidden_size": target.cfg.hidden_size}
+    (tmp_path / "meta.json").write_text(json.dumps(old))
+    no_prompts = SimpleNamespace(eos_token_id=None)  # no prompt is encoded: only the cache's settings are checked
+    build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(mix="v1"), quiet=True)
+    with pytest.raises(BeamtrtError, match="other settings"):
+        build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(), quiet=True)
 
 
 @pytest.mark.usefixtures("step_path")  # each CPU step path compared with itself

@@ -40,6 +40,7 @@ def start_from(path: Path, cfg, target):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from beamtrt.train.features import DataRecipe
+    from beamtrt.train.prompts import MIXES
     from beamtrt.train.trainer import TrainConfig
 
     d, t = DataRecipe(), TrainConfig()
@@ -69,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--gen-batch", type=int, default=d.batch, help="answers decoded together (default: %(default)s)")
     data.add_argument("--data-seed", type=int, default=d.seed,
                       help="seed of the prompt mix and sampling (default: %(default)s)")
+    data.add_argument("--prompt-mix", choices=tuple(MIXES), default=d.mix,
+                      help="training prompt mix: v1 = math, code, general (the first caches); v2 adds code stubs, "
+                           "chat, passages and the evaluation wrappers (default: %(default)s)")
     tr = p.add_argument_group("phase 2: training")
     tr.add_argument("--steps", type=int, default=t.steps, help="optimizer steps (default: %(default)s)")
     tr.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step,
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                           init_from=str(Path(args.init).resolve()) if args.init else "")
         recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
-                            batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size))
+                            batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size),
+                            mix=args.prompt_mix)
         if args.init and not (Path(args.init) / "config.json").is_file():
             raise BeamtrtError(f"--init {args.init}: not a drafter checkpoint (no config.json)")
         for extra in map(Path, args.extra_data):
@@ -136,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
-        build_features(target, tokenizer, dcfg.target_layer_ids, training_prompts(recipe.prompts, recipe.seed),
-                       data_dir, recipe, quiet=args.quiet)
+        prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
+        build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet)
         if args.data_only:
             print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
             return
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         save_drafter(drafter.to(torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
         write_log(out / "train_log.jsonl", log)
         final = next((row for row in reversed(log) if "eval_tau" in row), {})
-        summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "extra_data": args.extra_data, "train": dataclasses.asdict(cfg),
+        summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "extra_data": args.extra_data,
+                   "train": dataclasses.asdict(cfg),
                    "data_sequences": len(data), "data_tokens": int(data.ids.shape[0]), "answer_tokens": n_answer,
                    "train_seconds_this_run": round(time.perf_counter() - t0, 1),
                    "train_seconds_total": round(sum(row["seconds"] for row in log), 1),

@@ -37,6 +37,7 @@ class DataRecipe:
     sampled_every: int = 4           # every n-th sequence is sampled (T, top-p below) instead of greedy
     temperature: float = 0.7
     top_p: float = 0.99
+    mix: str = "v2"                  # training prompt mix (beamtrt.train.prompts.MIXES)
 
 
 @dataclass
@@ -127,6 +128,7 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     meta_path = out / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
+        old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
         if {k: old.get(k) for k in meta} != meta:
             raise BeamtrtError(f"{out} holds features made with other settings: remove it or choose another --data")
     else:

@@ -5,14 +5,22 @@ text the benchmarks ask for (step-by-step arithmetic, Python functions, explanat
 the benchmark questions. Sources: reasoning-gym's procedural generators (every generator except `gsm_symbolic`,
 whose templates come from the GSM8K test set the benchmark uses), word problems from templates below, function
 stubs from the Python standard library's own signatures and docstrings, and templated general instructions.
+
+Mix "v2" (the default) adds what "v1" (the first three drafters' data) lacked: the instruction wrappers the
+evaluations put around their questions (a step-by-step / boxed-answer suffix, a complete-this-function prefix) on
+non-benchmark content, twice as many word-problem templates, HumanEval-style stubs of reasoning-gym's CodeI/O tasks,
+and MT-Bench-style writing, role-play, extraction and knowledge requests, some over passages of a public-domain story
+that reasoning-gym ships (Jules Verne, "In the Year 2889").
 """
 
 from __future__ import annotations
 
 import inspect
 import random
+from pathlib import Path
 from typing import Callable
 
+from beamtrt.bench.prompt_sets import CODE_PREFIX, MATH_SUFFIX as BOXED  # the evaluations' wrappers
 from beamtrt.errors import BeamtrtError
 
 # reasoning-gym generators with short, well-posed math / logic questions (gsm_symbolic is excluded on purpose)
@@ -38,6 +46,37 @@ WORD_PROBLEMS = (  # (template, answer rule) pairs are not needed: only the targ
     "{a} and {b} share {x}{y} {item} equally. Then {a} finds {z} more. How many does {a} have?",
     "A recipe needs {x} cups of flour for {y} cookies. How many cups are needed for {z}{y} cookies?",
 )
+WORD_PROBLEMS_V2 = WORD_PROBLEMS + (
+    "{a} buys {y} notebooks at ${x} each and {z} pens at $2 each. {a} has a coupon for 10% off the total. How much "
+    "does {a} pay?",
+    "{a} is {x} years old. {b} is {y} years older than {a}. In {z} years, what will the sum of their ages be?",
+    "A garden is {x} meters long and {y} meters wide. {a} wants to put a fence around it and plant grass on half of "
+    "it. How many meters of fence are needed, and how many square meters get grass?",
+    "{a} earns ${x} per hour and works {y} hours a week. {a} spends a quarter of the weekly pay on food and ${z}0 "
+    "on rent. How much is left each week?",
+    "A bakery makes {x}0 loaves of bread a day. It sells {y}0 in the morning and half of the rest in the afternoon. "
+    "How many loaves are left at the end of the day?",
+    "{a} has {x} {item}, which is {z} times as many as {b}. {b} then buys {y} more. How many {item} do they have "
+    "together?",
+    "A tank holds {x}0 liters of water. It leaks {y} liters per hour, and {a} adds {z} liters every two hours. How "
+    "much water is in the tank after 6 hours?",
+    "In a school of {x}0 students, {y}0% play soccer and a third of the rest play basketball. How many students play "
+    "neither?",
+    "{a} drives {x}0 km at {y}0 km per hour, then stops for {z}0 minutes, then drives another {x}0 km at twice the "
+    "speed. How long does the whole trip take?",
+    "A shirt costs ${x}. It is on sale for {z}0% off, and there is a {y}% sales tax on the sale price. What is the "
+    "final price?",
+    "{a} collects {item}. On the first day {a} gets {x}, and each day after that {a} gets {y} more than the day "
+    "before. How many {item} does {a} have after {z} days?",
+    "{a} and {b} paint a fence together. {a} paints {x} meters an hour and {b} paints {y} meters an hour. The fence "
+    "is {z}0 meters long. How long does it take them?",
+    "A farmer has {x} cows and {y} chickens. Each cow eats {z} kg of hay a day. How many legs are on the farm, and "
+    "how much hay do the cows eat in a week?",
+    "{a} wants to buy a bike that costs ${x}0. {a} has ${y}0 and saves ${z}0 a month. How many months until {a} can "
+    "buy the bike?",
+    "A movie starts at {y}:15 pm and lasts {x}0 minutes longer than 2 hours. {a} needs {z}0 minutes to get home "
+    "after it ends. What time does {a} get home?",
+)
 
 TOPICS = ("photosynthesis", "black holes", "the water cycle", "machine learning", "the French Revolution",
           "inflation", "vaccines", "plate tectonics", "the internet", "climate change", "the stock market",
@@ -55,14 +94,47 @@ GENERAL = ("Explain {topic} in simple terms.", "Write a short story about {topic
 CODE = ("Write a Python function `{sig}` that does the following: {doc}",
         "Implement `{sig}` in Python. {doc}",
         "Write a Python function called `{name}`. {doc} Include a short example.")
+CODE_STUB = '{prefix}def {name}{args}:\n    """{doc}\n    """\n'
 CODE_MODULES = ("string", "textwrap", "statistics", "bisect", "heapq", "fnmatch", "shlex", "colorsys",
                 "calendar", "difflib", "html", "ipaddress", "fractions", "posixpath", "base64", "random",
                 "itertools", "functools", "operator", "math", "json", "csv", "urllib.parse", "copy", "glob")
 
+NAMES_V2 = NAMES + ("Priya", "Jamal", "Chloe", "Mateo", "Hannah", "Wei", "Fatima", "Lucas", "Grace", "Ivan")
+ITEMS_V2 = ITEMS + ("stamps", "shells", "toy cars", "cupcakes", "bottles", "seeds", "beads", "tickets")
+
+ROLES = ("a pirate captain", "a tour guide in Rome", "a detective", "a medieval knight", "a customer support agent",
+         "a chef", "a personal trainer", "a museum curator", "a spaceship engineer", "a kindergarten teacher",
+         "Sherlock Holmes", "a travel agent", "a job interviewer", "a wise old wizard", "a sports commentator")
+TASKS = ("introduce yourself and describe a typical day", "give advice to someone who is nervous about {activity}",
+         "explain {topic} to a visitor", "describe the most surprising thing you have seen",
+         "answer the question: what makes a good leader?", "convince me to try {activity}")
+PLACES = ("Kyoto", "Iceland", "Morocco", "New Orleans", "the Scottish Highlands", "Patagonia", "Vienna",
+          "the Amalfi Coast", "Hanoi", "Cape Town", "Istanbul", "Banff")
+CHAT = ("Pretend you are {role}. {task_cap}.", "Act as {role} and {task}.",
+        "Write a persuasive essay arguing for {topic}.", "Compose an engaging travel blog post about a trip to "
+        "{place}, highlighting culture and must-see attractions.",
+        "Draft a professional email asking a colleague for feedback on a report about {topic}.",
+        "Describe {topic} as if you were writing an encyclopedia entry.",
+        "Write a dialogue between two friends debating {topic}.",
+        "What would happen if {topic} suddenly disappeared? Think it through step by step.",
+        "Compare {topic} and {topic2}: how are they similar and how are they different?",
+        "Write a product description for a new gadget related to {topic}.",
+        "Imagine you are planning a three-day trip to {place}. Write an itinerary.",
+        "Explain the history of {topic} in a few paragraphs.")
+PASSAGE = ("Summarize the following passage in two or three sentences.\n\n{text}",
+           "Extract every person, place and invention mentioned in the text below, as a list.\n\n{text}",
+           "Rewrite this paragraph in plain modern English.\n\n{text}",
+           "What is the main idea of this passage? Answer briefly.\n\n{text}",
+           "Read the text and write three questions a teacher could ask about it.\n\n{text}",
+           "{text}\n\nContinue this story for one more paragraph.")
+
 MIX = (("math", 0.4), ("code", 0.3), ("general", 0.3))
+MIX_V2 = (("gym", 0.2), ("word", 0.15), ("code", 0.1), ("stub", 0.2), ("general", 0.1), ("chat", 0.15),
+          ("passage", 0.1))
+MIXES = {"v1": MIX, "v2": MIX_V2}
 
 
-def _gym_prompts(n: int, seed: int) -> list[str]:
+def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES) -> list[str]:
     try:
         import reasoning_gym
     except ImportError:
@@ -73,18 +145,20 @@ def _gym_prompts(n: int, seed: int) -> list[str]:
     per_task = -(-n // len(GYM_TASKS))
     for i, task in enumerate(GYM_TASKS):
         for item in reasoning_gym.create_dataset(task, size=per_task, seed=seed + i):
-            out.append(item["question"].strip() + rng.choice(MATH_SUFFIXES))
+            out.append(item["question"].strip() + rng.choice(suffixes))
     rng.shuffle(out)
     return out[:n]
 
 
-def _word_problems(n: int, rng: random.Random) -> list[str]:
+def _word_problems(n: int, rng: random.Random, templates: tuple[str, ...] = WORD_PROBLEMS,
+                   names: tuple[str, ...] = NAMES, items: tuple[str, ...] = ITEMS,
+                   suffixes: tuple[str, ...] = MATH_SUFFIXES) -> list[str]:
     out = []
     for _ in range(n):
-        a, b = rng.sample(NAMES, 2)
-        out.append(rng.choice(WORD_PROBLEMS).format(a=a, b=b, item=rng.choice(ITEMS), x=rng.randint(2, 60),
-                                                    y=rng.randint(2, 12), z=rng.randint(1, 9))
-                   + rng.choice(MATH_SUFFIXES))
+        a, b = rng.sample(names, 2)
+        out.append(rng.choice(templates).format(a=a, b=b, item=rng.choice(items), x=rng.randint(2, 60),
+                                                y=rng.randint(2, 12), z=rng.randint(1, 9))
+                   + rng.choice(suffixes))
     return out
 
 
@@ -119,21 +193,103 @@ def _general_prompts(n: int, rng: random.Random) -> list[str]:
             for _ in range(n)]
 
 
-def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """Up to n distinct prompts, deterministic: 40% math (half reasoning-gym, half word problems), 30% code,
-    30% general."""
+def _codeio_tasks() -> list[tuple[str, str]]:
+    """(argument list, description) of reasoning-gym's CodeI/O tasks whose description is short enough."""
+    import gzip
+    import importlib.util
+    import json
+
+    spec = importlib.util.find_spec("reasoning_gym")
+    if spec is None or not spec.submodule_search_locations:
+        raise BeamtrtError("reasoning-gym is not installed: pip install 'beamtrt[train]' (or reasoning-gym==0.1.25)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "codeio.jsonl.gz"
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            head = next((ln for ln in row["code_sample"].splitlines() if ln.startswith("def main_solution(")), None)
+            doc = row["task_description"].strip() + "\n\n" + row["input_output_spec"].strip()
+            if head and head.endswith(":") and len(doc) <= 900:
+                out.append((head[len("def main_solution"):-1], doc))
+    return out
+
+
+def _indent(text: str) -> str:
+    return "\n".join(("    " + ln) if ln.strip() else "" for ln in text.splitlines())
+
+
+def _stub_prompts(n: int, rng: random.Random) -> list[str]:
+    """HumanEval-style stubs: three in four from CodeI/O task descriptions, one in four from stdlib docstrings."""
+    tasks, funcs = _codeio_tasks(), _stdlib_functions()
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.75:
+            args, doc = rng.choice(tasks)
+            name = "main_solution"
+        else:
+            name, sig, doc = rng.choice(funcs)
+            args = sig[len(name):]
+        prefix = CODE_PREFIX if rng.random() < 0.8 else ""
+        out.append(CODE_STUB.format(prefix=prefix, name=name, args=args, doc=_indent(doc).lstrip()))
+    return out
+
+
+def _chat_prompts(n: int, rng: random.Random) -> list[str]:
+    out = []
+    for _ in range(n):
+        task = rng.choice(TASKS).format(topic=rng.choice(TOPICS), activity=rng.choice(ACTIVITIES))
+        t1, t2 = rng.sample(TOPICS, 2)
+        out.append(rng.choice(CHAT).format(role=rng.choice(ROLES), task=task, task_cap=task[0].upper() + task[1:],
+                                           topic=t1, topic2=t2, place=rng.choice(PLACES)))
+    return out
+
+
+def _passages() -> list[str]:
+    """Paragraph runs of 300–700 characters from the public-domain story reasoning-gym ships."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("reasoning_gym")
+    if spec is None or not spec.submodule_search_locations:
+        raise BeamtrtError("reasoning-gym is not installed: pip install 'beamtrt[train]' (or reasoning-gym==0.1.25)")
+    text = (Path(list(spec.submodule_search_locations)[0]) / "data" / "in_the_year_2889.txt").read_text("utf-8")
+    out, run = [], ""
+    for para in (" ".join(p.split()) for p in text.split("\n\n")):
+        run = f"{run}\n\n{para}" if run else para
+        if len(run) >= 300:
+            if len(run) <= 700:
+                out.append(run)
+            run = ""
+    return out
+
+
+def _passage_prompts(n: int, rng: random.Random) -> list[str]:
+    texts = _passages()
+    return [rng.choice(PASSAGE).format(text=rng.choice(texts)) for _ in range(n)]
+
+
+def training_prompts(n: int, seed: int = 0, mix: str = "v2") -> list[str]:
+    """Up to n distinct prompts, deterministic. Mix "v1": 40% math (half reasoning-gym, half word problems), 30%
+    code, 30% general; "v2" (MIX_V2): also stubs, chat, passages, and the evaluation wrappers."""
     if n < 1:
         raise ValueError(f"number of training prompts must be >= 1, got {n}")
+    if mix not in MIXES:
+        raise BeamtrtError(f"unknown prompt mix {mix!r}: choose from {', '.join(MIXES)}")
     rng = random.Random(seed)
-    counts = {kind: int(n * share) for kind, share in MIX}
-    counts["math"] += n - sum(counts.values())
+    counts = {kind: int(n * share) for kind, share in MIXES[mix]}
+    counts[MIXES[mix][0][0]] += n - sum(counts.values())
+    suffixes = MATH_SUFFIXES + (BOXED,) * 2  # v2: a third of the math carries the evaluation wrapper
     makers: dict[str, Callable[[int], list[str]]] = {
         "math": lambda k: _gym_prompts(k // 2, seed) + _word_problems(k - k // 2, rng),
         "code": lambda k: _code_prompts(k, rng),
         "general": lambda k: _general_prompts(k, rng),
+        "gym": lambda k: _gym_prompts(k, seed, suffixes),
+        "word": lambda k: _word_problems(k, rng, WORD_PROBLEMS_V2, NAMES_V2, ITEMS_V2, suffixes),
+        "stub": lambda k: _stub_prompts(k, rng),
+        "chat": lambda k: _chat_prompts(k, rng),
+        "passage": lambda k: _passage_prompts(k, rng),
     }
     prompts = []
-    for kind, _ in MIX:  # over-draw, then keep distinct prompts (a template mix repeats itself)
+    for kind, _ in MIXES[mix]:  # over-draw, then keep distinct prompts (a template mix repeats itself)
         distinct = list(dict.fromkeys(makers[kind](3 * counts[kind])))
         prompts += distinct[:counts[kind]]
     rng.shuffle(prompts)
