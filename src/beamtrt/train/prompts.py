@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import inspect
 import random
-from pathlib import Path
 from typing import Callable
 
-from beamtrt.bench.prompt_sets import CODE_PREFIX, MATH_SUFFIX as BOXED  # the evaluations' wrappers
+from beamtrt.bench.prompt_sets import CODE_PREFIX, _package_file
+from beamtrt.bench.prompt_sets import MATH_SUFFIX as BOXED  # the evaluations' wrappers
 from beamtrt.errors import BeamtrtError
 
 # reasoning-gym generators with short, well-posed math / logic questions (gsm_symbolic is excluded on purpose)
@@ -128,6 +128,7 @@ PASSAGE = ("Summarize the following passage in two or three sentences.\n\n{text}
            "Read the text and write three questions a teacher could ask about it.\n\n{text}",
            "{text}\n\nContinue this story for one more paragraph.")
 
+GYM_INSTALL = "pip install 'beamtrt[train]' (or reasoning-gym==0.1.25)"
 MIX = (("math", 0.4), ("code", 0.3), ("general", 0.3))
 MIX_V2 = (("gym", 0.2), ("word", 0.15), ("code", 0.1), ("stub", 0.2), ("general", 0.1), ("chat", 0.15),
           ("passage", 0.1))
@@ -196,13 +197,9 @@ def _general_prompts(n: int, rng: random.Random) -> list[str]:
 def _codeio_tasks() -> list[tuple[str, str]]:
     """(argument list, description) of reasoning-gym's CodeI/O tasks whose description is short enough."""
     import gzip
-    import importlib.util
     import json
 
-    spec = importlib.util.find_spec("reasoning_gym")
-    if spec is None or not spec.submodule_search_locations:
-        raise BeamtrtError("reasoning-gym is not installed: pip install 'beamtrt[train]' (or reasoning-gym==0.1.25)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "codeio.jsonl.gz"
+    path = _package_file("reasoning_gym", "data/codeio.jsonl.gz", GYM_INSTALL)
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -246,12 +243,7 @@ def _chat_prompts(n: int, rng: random.Random) -> list[str]:
 
 def _passages() -> list[str]:
     """Paragraph runs of 300–700 characters from the public-domain story reasoning-gym ships."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("reasoning_gym")
-    if spec is None or not spec.submodule_search_locations:
-        raise BeamtrtError("reasoning-gym is not installed: pip install 'beamtrt[train]' (or reasoning-gym==0.1.25)")
-    text = (Path(list(spec.submodule_search_locations)[0]) / "data" / "in_the_year_2889.txt").read_text("utf-8")
+    text = _package_file("reasoning_gym", "data/in_the_year_2889.txt", GYM_INSTALL).read_text("utf-8")
     out, run = [], ""
     for para in (" ".join(p.split()) for p in text.split("\n\n")):
         run = f"{run}\n\n{para}" if run else para
