@@ -93,7 +93,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--gen-batch", "--data-seed", "--steps", "--seqs-per-step", "--anchors",
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
-                                  "--quiet", "--extra-data", "--data-only", "--init"]),
+                                  "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
@@ -179,3 +179,6 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
+    bad_mix = run("scripts/train_drafter.py", "--prompt-mix", "v3")  # argparse: usage, then one error line
+    assert bad_mix.returncode == 2 and "Traceback" not in bad_mix.stderr
+    assert "argument --prompt-mix: invalid choice: 'v3'" in bad_mix.stderr.splitlines()[-1]
