@@ -406,7 +406,7 @@ class BeamForCausalLM(nn.Module):
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache capacity {cache.max_len}")
         if last_only:
             out_index = torch.arange(B, device=device) * T + num_tokens - 1  # [B] flat rows whose logits are wanted
-        if native.usable(self, cache, B * T):  # CPU decode / verify: one fused call (see beamtrt.native)
+        if native.usable(self, cache, B * T, T):  # CPU decode / verify: one fused call (see beamtrt.native)
             positions = start[:, None] + torch.arange(T, device=device)
             rows = torch.arange(B, device=device) if slots is None else slots
             logits, captured = native.beam_step(self, cache, input_ids, positions, rows,

@@ -6,7 +6,7 @@ A shard `features-NNNNN.safetensors` holds a run of sequences back to back:
     seq_start  [n + 1] int64        sequence i is rows seq_start[i] : seq_start[i + 1]
     prompt_len [n] int64            the first prompt_len[i] rows of sequence i are prompt (no loss on them)
     greedy     [n] bool             the answer was decoded greedily (so it is the target's argmax path)
-Shards are written whole (temporary file, then rename), so an interrupted run resumes at the first missing shard.
+Shards are written whole (temporary file, then rename), so an interrupted run answers only the missing shards.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -67,50 +67,71 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
     return order.gather(-1, pick[:, None]).squeeze(-1)
 
 
+PREFILL_ROWS = 8  # prompts prefilled per forward: sorted by length, so that little of it is padding
+
+
 @torch.inference_mode()
 def answer_with_taps(target: BeamForCausalLM, prompts: Sequence[Sequence[int]], taps: Sequence[int],
-                     eos_ids: Sequence[int], max_new_tokens: int, sampled: Sequence[bool], temperature: float,
-                     top_p: float, gen: torch.Generator) -> list[tuple[list[int], torch.Tensor]]:
-    """Decode every prompt in one batch and return (all tokens, taps [T, n_taps * H]) per sequence.
+                     eos_ids: Sequence[int], max_new_tokens: int, sampled: Sequence[bool], seeds: Sequence[int],
+                     temperature: float, top_p: float, batch: int | None = None
+                     ) -> Iterator[tuple[int, list[int], torch.Tensor]]:
+    """Answer every prompt; yield (prompt index, all tokens, taps [T, n_taps * H]) as each answer ends.
 
-    Every new token is fed back once (that forward yields its taps); a row stops after an EOS id (kept) or
-    max_new_tokens. Finished rows step along with their EOS, ignored, until half the batch has finished; then the
-    live rows' caches are compacted into a smaller batch (one copy, instead of a gather every step).
+    Continuous batching over `batch` cache slots (default: all prompts at once): every new token is fed back once
+    (that forward yields its taps); an answer stops after an EOS id (kept) or max_new_tokens, and its slot takes
+    the next waiting prompt at once. Decode steps feed only the occupied slots. A sampled answer (T, top-p) draws
+    from its own generator, seeded with seeds[i], so every answer is the same whatever it is batched with.
     """
-    B, device = len(prompts), target.device
-    ids, lengths = right_padded(prompts, device)
-    cache = target.new_cache(B, int(lengths.max()) + max_new_tokens)
-    out = target(ids, cache, num_tokens=lengths, taps=taps)
-    prompt_taps = torch.cat(out.taps, dim=-1)  # [B, T, F]
-    logits = out.logits[torch.arange(B), lengths - 1]  # [B, V]
-    sampled_rows = torch.tensor(list(sampled), device=device)
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    rows = torch.arange(B, device=device)  # the sequence each cache row holds
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    answers: list[list[int]] = [[] for _ in range(B)]
-    answer_taps: list[list[torch.Tensor]] = [[] for _ in range(B)]
-    for _ in range(max_new_tokens):
-        nxt = logits.argmax(-1)
-        if bool(sampled_rows[rows].any()):
-            nxt = torch.where(sampled_rows[rows], _sample(logits, temperature, top_p, gen), nxt)
-        if eos.numel():
-            nxt = torch.where(done, eos[0], nxt)
-        out = target(nxt[:, None], cache, taps=taps)
-        feats = torch.cat(out.taps, dim=-1)[:, 0]  # [rows, F]
-        live = (~done).nonzero().flatten()
-        for r, b in zip(live.tolist(), rows[live].tolist()):
-            answers[b].append(int(nxt[r]))
-            answer_taps[b].append(feats[r])
-        done |= torch.isin(nxt, eos)
-        if bool(done.all()):
-            break
-        logits = out.logits[:, -1]
-        if int(done.sum()) * 2 >= done.numel():  # compact: keep only the live rows' caches
-            keep = (~done).nonzero().flatten()
-            cache.k, cache.v, cache.lengths = cache.k[:, keep], cache.v[:, keep], cache.lengths[keep]
-            rows, done, logits = rows[keep], done[keep], logits[keep]
-    return [(list(p) + answers[b], torch.cat((prompt_taps[b, :len(p)], torch.stack(answer_taps[b]))))
-            for b, p in enumerate(prompts)]
+    n, device = len(prompts), target.device
+    if n == 0:
+        return
+    B = min(batch or n, n)
+    cache = target.new_cache(B, max(map(len, prompts)) + max_new_tokens)
+    eos = set(eos_ids)
+    holds = [-1] * B  # the prompt each slot is answering; -1 = free
+    gens: dict[int, torch.Generator] = {}  # slot -> generator of its sampled answer
+    logits = torch.empty(B, target.cfg.vocab_size, device=device)  # each slot's next-token logits
+    prompt_taps: dict[int, torch.Tensor] = {}
+    answers: dict[int, list[int]] = {}
+    answer_taps: dict[int, list[torch.Tensor]] = {}
+    waiting = 0  # prompts[waiting:] have no slot yet
+    while True:
+        free = [s for s in range(B) if holds[s] < 0][:n - waiting]
+        new = sorted(range(waiting, waiting + len(free)), key=lambda i: len(prompts[i]))
+        waiting += len(free)
+        for g in range(0, len(free), PREFILL_ROWS):  # prefill the next prompts into the free slots
+            group, into = new[g:g + PREFILL_ROWS], free[g:g + PREFILL_ROWS]
+            slots = torch.tensor(into, device=device)
+            lengths = cache.lengths.clone()
+            lengths[slots] = 0
+            cache.lengths = lengths
+            ids, num = right_padded([prompts[i] for i in group], device)
+            out = target(ids, cache, num_tokens=num, taps=taps, last_only=True, slots=slots)
+            feats = torch.cat(out.taps, dim=-1)  # [rows, T, F]
+            logits[slots] = out.logits[:, -1]
+            for j, (s, i) in enumerate(zip(into, group)):
+                holds[s], prompt_taps[i], answers[i], answer_taps[i] = i, feats[j, :len(prompts[i])], [], []
+                if sampled[i]:
+                    gens[s] = torch.Generator(device=device).manual_seed(seeds[i])
+        live = [s for s in range(B) if holds[s] >= 0]
+        if not live:
+            return
+        rows = torch.tensor(live, device=device)
+        nxt = logits[rows].argmax(-1)
+        for j, s in enumerate(live):
+            if sampled[holds[s]]:
+                nxt[j] = _sample(logits[s:s + 1], temperature, top_p, gens[s])[0]
+        out = target(nxt[:, None], cache, taps=taps, slots=None if len(live) == B else rows)
+        feats = torch.cat(out.taps, dim=-1)[:, 0]  # [live, F]
+        logits[rows] = out.logits[:, -1]
+        for j, (s, tok) in enumerate(zip(live, nxt.tolist())):
+            i = holds[s]
+            answers[i].append(tok)
+            answer_taps[i].append(feats[j])
+            if tok in eos or len(answers[i]) == max_new_tokens:
+                holds[s] = -1
+                yield i, list(prompts[i]) + answers.pop(i), torch.cat((prompt_taps.pop(i),
+                                                                        torch.stack(answer_taps.pop(i))))
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -119,7 +140,7 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
 
 def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prompts: Sequence[str], out: Path,
                    recipe: DataRecipe, quiet: bool = False) -> Path:
-    """Fill `out` with feature shards for `prompts` (resuming after the last complete shard); returns `out`."""
+    """Fill `out` with feature shards for `prompts` (answering only the shards not yet written); returns `out`."""
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -136,39 +157,44 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     encoded = [ids for ids in (_chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
-    done = sum(1 for i in range(len(shards)) if (out / f"features-{i:05d}.safetensors").exists())
-    bar = tqdm(total=len(encoded), initial=sum(len(s) for s in shards[:done]), desc="target answers",
+    todo = [i for i in range(len(shards)) if not (out / f"features-{i:05d}.safetensors").exists()]
+    bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[i]) for i in todo), desc="target answers",
                unit="seq", disable=quiet, dynamic_ncols=True)
+    where = [(i, k) for i in todo for k in range(len(shards[i]))]  # (shard, position) of every prompt to answer
+    number = [i * recipe.shard_size + k for i, k in where]  # its index in the cache
+    sampled = [x % recipe.sampled_every == recipe.sampled_every - 1 for x in number]  # the others are greedy
+    pending: dict[int, dict[int, tuple[list[int], torch.Tensor, bool]]] = {i: {} for i in todo}  # shard -> answers
     produced, t0 = 0, time.perf_counter()
-    for i, shard in enumerate(shards):
-        path = out / f"features-{i:05d}.safetensors"
-        if path.exists():
-            continue
-        gen = torch.Generator().manual_seed(recipe.seed * 1_000_003 + i)
-        seqs = []
-        for j in range(0, len(shard), recipe.batch):
-            chunk = shard[j:j + recipe.batch]
-            sampled = [(i * recipe.shard_size + j + k) % recipe.sampled_every == recipe.sampled_every - 1
-                       for k in range(len(chunk))]
-            seqs += [(ids, f, len(p), not s) for (ids, f), p, s in zip(
-                answer_with_taps(target, chunk, taps, eos_ids, recipe.max_new_tokens, sampled,
-                                 recipe.temperature, recipe.top_p, gen), chunk, sampled)]
-            produced += sum(len(ids) - len(p) for (ids, _, _, _), p in zip(seqs[-len(chunk):], chunk))
-            bar.update(len(chunk))
-            bar.set_postfix(answer_tok_s=f"{produced / (time.perf_counter() - t0):.0f}")
-        lengths = torch.tensor([len(s[0]) for s in seqs])
-        tensors = {
-            "ids": torch.tensor([t for s in seqs for t in s[0]], dtype=torch.long),
-            "taps": torch.cat([s[1] for s in seqs]).to(torch.bfloat16).contiguous(),
-            "seq_start": torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
-            "prompt_len": torch.tensor([s[2] for s in seqs], dtype=torch.long),
-            "greedy": torch.tensor([s[3] for s in seqs], dtype=torch.bool),
-        }
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+    for j, ids, feats in answer_with_taps(
+            target, [shards[i][k] for i, k in where], taps, eos_ids, recipe.max_new_tokens,
+            sampled, seeds=[recipe.seed * 1_000_003 + x for x in number], temperature=recipe.temperature,
+            top_p=recipe.top_p, batch=recipe.batch):
+        i, k = where[j]
+        pending[i][k] = ids, feats, not sampled[j]
+        produced += len(ids) - len(shards[i][k])
+        bar.update(1)
+        bar.set_postfix(answer_tok_s=f"{produced / (time.perf_counter() - t0):.0f}")
+        if len(pending[i]) == len(shards[i]):
+            _write_shard(out / f"features-{i:05d}.safetensors", shards[i], pending.pop(i))
     bar.close()
     return out
+
+
+def _write_shard(path: Path, prompts: list[list[int]], answers: dict[int, tuple[list[int], torch.Tensor, bool]]
+                 ) -> None:
+    """One shard file, written whole (temporary file, then rename). answers: position -> (all tokens, taps, greedy)."""
+    seqs = [answers[k] for k in range(len(prompts))]
+    lengths = torch.tensor([len(ids) for ids, _, _ in seqs])
+    tensors = {
+        "ids": torch.tensor([t for ids, _, _ in seqs for t in ids], dtype=torch.long),
+        "taps": torch.cat([f for _, f, _ in seqs]).to(torch.bfloat16).contiguous(),
+        "seq_start": torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
+        "prompt_len": torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        "greedy": torch.tensor([greedy for _, _, greedy in seqs], dtype=torch.bool),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
 
 
 def load_features(*dirs: Path) -> FeatureSet:
