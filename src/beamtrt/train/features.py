@@ -102,9 +102,7 @@ def answer_with_taps(target: BeamForCausalLM, prompts: Sequence[Sequence[int]], 
         for g in range(0, len(free), PREFILL_ROWS):  # prefill the next prompts into the free slots
             group, into = new[g:g + PREFILL_ROWS], free[g:g + PREFILL_ROWS]
             slots = torch.tensor(into, device=device)
-            lengths = cache.lengths.clone()
-            lengths[slots] = 0
-            cache.lengths = lengths
+            cache.reset(into)
             ids, num = right_padded([prompts[i] for i in group], device)
             out = target(ids, cache, num_tokens=num, taps=taps, last_only=True, slots=slots)
             feats = torch.cat(out.taps, dim=-1)  # [rows, T, F]
