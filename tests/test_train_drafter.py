@@ -11,7 +11,7 @@ import torch
 from beamtrt.errors import BeamtrtError
 from beamtrt.runtime.generate import generate
 from beamtrt.train.features import FeatureSet, answer_with_taps, load_features
-from beamtrt.train.trainer import TrainConfig, block_forward, block_labels, train
+from beamtrt.train.trainer import HeadSlice, TrainConfig, block_forward, block_labels, block_losses, split, train
 from conftest import tiny_model
 from test_dflash2 import TAPS, make_drafter
 
@@ -111,6 +111,50 @@ def test_resume_repeats_the_uninterrupted_run(target, tmp_path):
     assert [{k: v for k, v in row.items() if k != "seconds"} for row in resumed] == strip
     losses = [row["loss"] for row in whole]  # one step's loss is noisy (other sequences): compare 3-step means
     assert any("eval_tau" in row for row in whole) and sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_head_slice_losses(target, tmp_path):
+    """A slice of the whole vocabulary gives the full head's losses and gradients; the "seen" slice holds every
+    training label, maps its candidates and top-1 back to token ids, and scores only its own rows."""
+    data, cfg = _features(target), dataclasses.replace(TINY_RUN, anchors_per_seq=6)
+    train_ids, _ = split(data, cfg)
+    ids, taps, prompt = data.sequence(train_ids[0])
+    anchors = torch.arange(prompt, ids.shape[0] - 1)[:6]
+    drafter = make_drafter(target)
+    results = []
+    for head in (None, HeadSlice.of(target, torch.arange(target.cfg.vocab_size))):
+        drafter.zero_grad()
+        out = block_losses(drafter, ids, taps.float(), anchors, cfg, head)
+        (out["base"] / out["base_w"] + out["sel"] / out["sel_w"].clamp(min=1e-9)).backward()
+        results.append(({k: v.detach() for k, v in out.items()}, [p.grad.clone() for p in drafter.parameters()
+                                                                   if p.grad is not None]))
+    (full, g_full), (whole, g_whole) = results
+    for k in full:
+        torch.testing.assert_close(whole[k], full[k])
+    for a, b in zip(g_full, g_whole, strict=True):
+        torch.testing.assert_close(a, b)
+    seen = HeadSlice.of(target, torch.cat([data.sequence(i)[0] for i in train_ids]))
+    assert seen.ids.shape[0] < target.cfg.vocab_size and torch.equal(seen.ids, seen.ids.sort().values)
+    labels = block_labels(ids, anchors, cfg.block_size)
+    assert bool((seen.index[labels[labels >= 0]] >= 0).all())
+    assert torch.equal(seen.ids[seen.index[seen.ids]], seen.ids)
+    with torch.no_grad():
+        sliced = block_losses(drafter, ids, taps.float(), anchors, cfg, seen)
+        logits, _ = block_forward(drafter, ids, taps.float(), anchors, cfg.block_size, seen)
+        full_logits, z = block_forward(drafter, ids, taps.float(), anchors, cfg.block_size)
+        torch.testing.assert_close(logits, full_logits[..., seen.ids])
+        masked = torch.full_like(full_logits, -torch.inf)
+        masked[..., seen.ids] = full_logits[..., seen.ids]
+        prev = labels.clamp(min=0)
+        scorer = drafter.candidate_selector.teacher_forced_scores
+        for a, b in zip(scorer(logits, z, prev, 4, seen.ids), scorer(masked, z, prev, 4)):
+            torch.testing.assert_close(a, b)  # candidates come back as token ids
+    assert float(sliced["base"]) < float(full["base"])  # fewer competitors: a lower cross-entropy on the same blocks
+    with pytest.raises(ValueError, match="head vocabulary"):
+        dataclasses.replace(TINY_RUN, head_vocab="some")
+    log = train(make_drafter(target), data, dataclasses.replace(TINY_RUN, head_vocab="seen", steps=3), tmp_path,
+                quiet=True)
+    assert 0.0 <= log[-1]["eval_outside_head"] <= 1.0 and "eval_tau" in log[-1]
 
 
 def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):

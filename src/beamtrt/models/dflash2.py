@@ -200,11 +200,14 @@ class CandidateSelector(nn.Module):
         return cand, unary.float().unsqueeze(2) + edge
 
     def teacher_forced_scores(self, logits: torch.Tensor, hidden: torch.Tensor, prev_ids: torch.Tensor,
-                              top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                              top_k: int, vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Training form of `edge_scores` with known predecessors: logits [N, S, V]; hidden [N, S, H];
         prev_ids [N, S] the true token before each slot (the anchor for slot 0) ->
-        (cand_ids [N, S, K], scores [N, S, K] fp32 = S_t(prev_t, cand_j)); gradients reach the logits too."""
+        (cand_ids [N, S, K], scores [N, S, K] fp32 = S_t(prev_t, cand_j)); gradients reach the logits too.
+        vocab_ids [V]: the token id of each logit column when the logits cover a slice of the vocabulary."""
         unary, cand = torch.topk(logits, top_k, dim=-1)  # [N, S, K]
+        if vocab_ids is not None:
+            cand = vocab_ids[cand]
         g = self.hidden_projection(hidden).float()  # [N, S, r]
         a = self.predecessor_codebook[prev_ids].float()  # [N, S, r]
         b = self.successor_codebook[cand].float()  # [N, S, K, r]

@@ -49,6 +49,7 @@ class TrainConfig:
     eval_sequences: int = 32        # the last greedy sequences of the data: held out, never trained on
     eval_anchors: int = 12          # evenly spaced anchors per held-out sequence
     init_from: str = ""             # a drafter checkpoint to start from ("" = the recipe's initialization)
+    head_vocab: str = "full"        # LM head rows the loss scores: "full", or "seen" = the training data's tokens
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "eval_every", "checkpoint_every",
@@ -59,13 +60,43 @@ class TrainConfig:
             raise ValueError(f"eval block size {self.eval_block_size} must be within [2, {self.block_size}]")
         if not self.lr > 0 or not self.gamma > 0:
             raise ValueError("lr and gamma must be positive")
+        if self.head_vocab not in HEAD_VOCABS:
+            raise ValueError(f"head vocabulary {self.head_vocab!r} is not one of {', '.join(HEAD_VOCABS)}")
+
+
+HEAD_VOCABS = ("full", "seen")
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """The frozen LM head's rows that the training loss scores (dflash.md §3: the head is frozen, so only the
+    drafter's hidden z learns). Scoring only the tokens the training data contains makes the head 4x cheaper on
+    beam-mini's caches; tokens never seen as a label are then no longer pushed down (the eval, on the full head,
+    reports how often a draft falls outside the slice)."""
+
+    ids: torch.Tensor     # [V'] sorted token ids
+    weight: torch.Tensor  # [V', H] their head rows
+    index: torch.Tensor   # [V] token id -> row of the slice, −1 outside it
+
+    @classmethod
+    def of(cls, target, ids: torch.Tensor) -> "HeadSlice":
+        weight = target.embed.weight if target.lm_head is None else target.lm_head.weight
+        ids = ids.unique()
+        index = torch.full((weight.shape[0],), -1, dtype=torch.long)
+        index[ids] = torch.arange(ids.shape[0])
+        return cls(ids, weight[ids].detach().contiguous(), index)
+
+    def logits(self, target, z: torch.Tensor) -> torch.Tensor:
+        """z [..., H] -> fp32 [..., V'] (the target's logit transform included)."""
+        return target.logit_transform(F.linear(z, self.weight).float())
 
 
 # ---- one forward over a sequence's blocks ---------------------------------------------------------------------
 
 def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
-                  block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [T], taps [T, F] of one sequence; anchors [N] -> (logits [N, B−1, V] fp32, hidden [N, B−1, H]).
+                  block: int, head: HeadSlice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T], taps [T, F] of one sequence; anchors [N] -> (logits [N, B−1, V] fp32, hidden [N, B−1, H]);
+    with a head slice the logits are over its V' tokens only.
 
     The same computation as DFlash2Drafter.draft for N requests whose context is this sequence's prefix: context
     features are fused and projected once, and block n sees context positions [max(0, p_n − W), p_n).
@@ -86,8 +117,8 @@ def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor
         k, v = layer.self_attn.context_kv(c, ctx_rope)  # [1, S, KV, D]
         k, v = (t.transpose(1, 2).expand(N, -1, -1, -1) for t in (k, v))  # [N, KV, S, D]
         h = layer(h, rope, k, v, mask, block, drafter.use_conv)
-    z = drafter.norm(h[:, 1:])
-    return target.lm_logits(z.to(target.dtype)), z
+    z = drafter.norm(h[:, 1:]).to(target.dtype)
+    return (target.lm_logits(z) if head is None else head.logits(target, z)), z
 
 
 def block_labels(ids: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
@@ -106,21 +137,24 @@ def accept_lengths(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
-                 cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """Weighted sums and weights for one sequence's blocks (summed over sequences, divided once per step)."""
-    logits, z = block_forward(drafter, ids, taps, anchors, cfg.block_size)
-    labels = block_labels(ids, anchors, cfg.block_size)  # [N, S]
+                 cfg: TrainConfig, head: HeadSlice | None = None) -> dict[str, torch.Tensor]:
+    """Weighted sums and weights for one sequence's blocks (summed over sequences, divided once per step).
+    With a head slice, every label must be one of its tokens."""
+    logits, z = block_forward(drafter, ids, taps, anchors, cfg.block_size, head)
+    labels = block_labels(ids, anchors, cfg.block_size)  # [N, S] token ids
     valid = labels != IGNORE
+    rows = labels if head is None else torch.where(valid, head.index[labels.clamp(min=0)], IGNORE)  # in the logits
     w = decay_weights(cfg.block_size, cfg.gamma)[None].expand_as(labels) * valid
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    ce = F.cross_entropy(logits.flatten(0, 1), rows.flatten(), ignore_index=IGNORE, reduction="none")
     prev = torch.cat((ids[anchors][:, None], labels[:, :-1].clamp(min=0)), dim=1)  # teacher-forced predecessors
     top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
-    cand, scores = drafter.candidate_selector.teacher_forced_scores(logits, z, prev, top_k)
+    cand, scores = drafter.candidate_selector.teacher_forced_scores(logits, z, prev, top_k,
+                                                                     None if head is None else head.ids)
     hit = cand == labels[..., None]  # [N, S, K]
     recalled = hit.any(-1) & valid
     sel_ce = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
     sel_w = w * recalled
-    top1 = logits.argmax(-1)
+    top1 = logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]
     eval_slots = cfg.eval_block_size - 1
     return {
         "base": (ce.view_as(w) * w).sum(), "base_w": w.sum(),
@@ -177,11 +211,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 # ---- evaluation -----------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: TrainConfig) -> dict[str, float]:
+def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: TrainConfig,
+             head: HeadSlice | None = None) -> dict[str, float]:
     """Greedy acceptance length at the serving block on held-out greedy answers: the labels are the target's own
-    argmax path, so 1 + leading matches of the selector walk is exactly the τ speculative decoding would see."""
+    argmax path, so 1 + leading matches of the selector walk is exactly the τ speculative decoding would see.
+    Always on the full LM head; with a training head slice, also the fraction of drafts outside it."""
     block = cfg.eval_block_size
-    taus, taus_top1, recall, count = [], [], 0.0, 0.0
+    taus, taus_top1, recall, count, outside = [], [], 0.0, 0.0, 0.0
     for i in held:
         ids, taps, _ = data.sequence(i)
         lo, hi = _anchor_range(data, i)
@@ -198,11 +234,14 @@ def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: Tr
         valid = labels != IGNORE
         recall += float(((cand == labels[..., None]).any(-1) & valid).sum())
         count += float(valid.sum())
+        if head is not None:
+            outside += float(((head.index[drafts] < 0) & valid).sum())
     if not taus:
         return {}
     return {"eval_tau": round(float(torch.cat(taus).mean()), 4),
             "eval_tau_top1": round(float(torch.cat(taus_top1).mean()), 4),
-            "eval_recall": round(recall / max(count, 1.0), 4)}
+            "eval_recall": round(recall / max(count, 1.0), 4)} | (
+        {} if head is None else {"eval_outside_head": round(outside / max(count, 1.0), 5)})
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
@@ -246,6 +285,9 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         opt.load_state_dict(state["optimizer"])
         step, log = state["step"], state["log"]
     train_ids, held = split(data, cfg)
+    head = None
+    if cfg.head_vocab == "seen":
+        head = HeadSlice.of(drafter.target, torch.cat([data.sequence(i)[0] for i in train_ids]))
     bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", unit="step", disable=quiet, dynamic_ncols=True)
     drafter.train()
     while step < cfg.steps:
@@ -253,7 +295,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         opt.zero_grad(set_to_none=True)
-        parts = [block_losses(drafter, *data.sequence(i)[:2], anchors, cfg)
+        parts = [block_losses(drafter, *data.sequence(i)[:2], anchors, cfg, head)
                  for i, anchors in draw(data, train_ids, cfg, step)]
         total = {k: sum(p[k] for p in parts) for k in parts[0]}
         base = total["base"] / total["base_w"].clamp(min=1e-9)
@@ -271,7 +313,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
                "lr": lr_at(cfg, step - 1), "seconds": round(time.perf_counter() - t0, 3)}
         if held and (step % cfg.eval_every == 0 or step == cfg.steps):
             drafter.eval()
-            row.update(evaluate(drafter, data, held, cfg))
+            row.update(evaluate(drafter, data, held, cfg, head))
             drafter.train()
         log.append(row)
         on_log(row)
