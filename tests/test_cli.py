@@ -93,7 +93,8 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--gen-batch", "--data-seed", "--steps", "--seqs-per-step", "--anchors",
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
-                                  "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix"]),
+                                  "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix",
+                                  "--head-vocab"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
@@ -182,3 +183,6 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     bad_mix = run("scripts/train_drafter.py", "--prompt-mix", "v3")  # argparse: usage, then one error line
     assert bad_mix.returncode == 2 and "Traceback" not in bad_mix.stderr
     assert "argument --prompt-mix: invalid choice: 'v3'" in bad_mix.stderr.splitlines()[-1]
+    bad_head = run("scripts/train_drafter.py", "--head-vocab", "some")
+    assert bad_head.returncode == 2 and "Traceback" not in bad_head.stderr
+    assert "argument --head-vocab: invalid choice: 'some'" in bad_head.stderr.splitlines()[-1]

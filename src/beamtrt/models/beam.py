@@ -348,9 +348,14 @@ class BeamForCausalLM(nn.Module):
         """Final norm -> LM head -> logit transform. h: [..., H] -> fp32 logits [..., V]."""
         return self.lm_logits(self.norm(h))
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's [V, H] weight: the embedding's when tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def lm_logits(self, z: torch.Tensor) -> torch.Tensor:
         """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it)."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         rows = z.numel() // z.shape[-1]
         if native.gemm_usable(weight, rows):  # a draft block or a few rows on CPU: the host kernel's GEMM
             logits = native.gemm(z.reshape(rows, -1), weight).view(*z.shape[:-1], -1)

@@ -131,7 +131,7 @@ class _Descriptor:
             else:
                 d.router, d.gate_up, d.down, d.inter = None, _ptr(mlp.gate_up.weight), _ptr(mlp.down.weight), \
                     cfg.intermediate_size
-        head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+        head = model.head_weight
         self.layers = layers
         self.model = _Model(dtype=DTYPES[model.dtype], layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,

@@ -80,7 +80,7 @@ class HeadSlice:
 
     @classmethod
     def of(cls, target, ids: torch.Tensor) -> "HeadSlice":
-        weight = target.embed.weight if target.lm_head is None else target.lm_head.weight
+        weight = target.head_weight
         ids = ids.unique()
         index = torch.full((weight.shape[0],), -1, dtype=torch.long)
         index[ids] = torch.arange(ids.shape[0])
