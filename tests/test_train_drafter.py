@@ -11,7 +11,8 @@ import torch
 from beamtrt.errors import BeamtrtError
 from beamtrt.runtime.generate import generate
 from beamtrt.train.features import FeatureSet, answer_with_taps, load_features
-from beamtrt.train.trainer import HeadSlice, TrainConfig, block_forward, block_labels, block_losses, split, train
+from beamtrt.train.trainer import (HeadSlice, TrainConfig, block_forward, block_labels, block_losses, evaluate,
+                                   split, train)
 from conftest import tiny_model
 from test_dflash2 import TAPS, make_drafter
 
@@ -289,3 +290,9 @@ def test_init_from_a_saved_drafter(target, tmp_path):
     with pytest.raises(BeamtrtError, match="layout differs .*num_hidden_layers"):
         start_from(tmp_path / "d", dataclasses.replace(saved.cfg, num_hidden_layers=saved.cfg.num_hidden_layers + 1),
                    target)
+    data = _features(target)  # a run from --init first scores the starting drafter on its held-out set (step 0)
+    cfg = dataclasses.replace(TINY_RUN, steps=2, init_from=str(tmp_path / "d"))
+    log = train(copy, data, cfg, tmp_path / "w", quiet=True)
+    assert [row["step"] for row in log] == [0, 1, 2] and log[0] == {"step": 0, "seconds": 0.0} | evaluate(
+        start_from(tmp_path / "d", saved.cfg, target).eval(), data, split(data, cfg)[1], cfg)
+    assert log[0]["eval_tau"] >= 1.0 and "loss" not in log[0]

@@ -165,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         save_drafter(drafter.to(torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
         write_log(out / "train_log.jsonl", log)
         final = next((row for row in reversed(log) if "eval_tau" in row), {})
+        first = log[0] if log and log[0]["step"] == 0 else {}
         summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "extra_data": args.extra_data,
                    "train": dataclasses.asdict(cfg),
                    "data_sequences": len(data), "data_tokens": int(data.ids.shape[0]), "answer_tokens": n_answer,
                    "train_seconds_this_run": round(time.perf_counter() - t0, 1),
                    "train_seconds_total": round(sum(row["seconds"] for row in log), 1),
+                   "initial_eval": {k: v for k, v in first.items() if k.startswith("eval_")},  # the --init drafter
                    "final_eval": {k: v for k, v in final.items() if k.startswith("eval_")}}
         (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(f"drafter: {out}  (held-out greedy acceptance length at block {cfg.eval_block_size}: "

@@ -288,6 +288,10 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
     head = None
     if cfg.head_vocab == "seen":
         head = HeadSlice.of(drafter.target, torch.cat([data.sequence(i)[0] for i in train_ids]))
+    if held and step == 0 and cfg.init_from:  # the starting drafter's score on this held-out set: the baseline
+        drafter.eval()
+        log.append({"step": 0, "seconds": 0.0} | evaluate(drafter, data, held, cfg, head))
+        on_log(log[-1])
     bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", unit="step", disable=quiet, dynamic_ncols=True)
     drafter.train()
     while step < cfg.steps:
