@@ -233,8 +233,9 @@ def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
 
 def test_feature_cache_resumes_with_the_same_shards(target, tmp_path):
     """Shards of 4 answered 3 at a time (answers cross shard boundaries); a shard lost to an interruption is
-    answered again, alone, and comes out as it was; every 2nd answer is sampled and flagged as such."""
-    from beamtrt.train.features import DataRecipe, build_features
+    answered again, alone, and comes out as it was; every 2nd answer is sampled and flagged as such. From its answers
+    files alone, a cache gets the same taps back."""
+    from beamtrt.train.features import DataRecipe, build_features, rebuild_features
 
     chars = SimpleNamespace(eos_token_id=None, apply_chat_template=lambda messages, add_generation_prompt: [
         ord(c) % (target.cfg.vocab_size - 1) + 1 for c in messages[0]["content"]])
@@ -248,10 +249,31 @@ def test_feature_cache_resumes_with_the_same_shards(target, tmp_path):
     assert len(whole) == 10 and whole.greedy.tolist() == [True, False] * 5
     assert whole.prompt_len.tolist() == [len(p) for p in prompts]
     paths[1].unlink()
+    (tmp_path / "answers-00001.safetensors").unlink()  # with its answers file: answered again
     build_features(target, chars, TAPS, prompts, tmp_path, recipe, quiet=True)
     again = load_features(tmp_path)
     assert torch.equal(again.ids, whole.ids) and torch.equal(again.seq_start, whole.seq_start)
     torch.testing.assert_close(again.taps, whole.taps)
+
+    # Only the answers files kept (what git holds): the taps come back from a teacher-forced forward
+    answers = {p.name: p.read_bytes() for p in tmp_path.glob("answers-*.safetensors")}
+    assert sorted(answers) == [f"answers-0000{i}.safetensors" for i in range(3)]
+    for p in tmp_path.glob("features-*.safetensors"):
+        p.unlink()
+    build_features(target, chars, TAPS, prompts, tmp_path, recipe, quiet=True)
+    rebuilt = load_features(tmp_path)
+    assert torch.equal(rebuilt.ids, whole.ids) and torch.equal(rebuilt.seq_start, whole.seq_start)
+    assert torch.equal(rebuilt.prompt_len, whole.prompt_len) and torch.equal(rebuilt.greedy, whole.greedy)
+    torch.testing.assert_close(rebuilt.taps, whole.taps)  # bf16: rounding may differ in the last bit
+    (tmp_path / "answers-00002.safetensors").unlink()  # caches made before answers files get them
+    rebuild_features(target, TAPS, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("answers-*.safetensors")} == answers
+    (tmp_path / "features-00000.safetensors").unlink()
+    with pytest.raises(BeamtrtError, match="answers made for target layers"):
+        rebuild_features(target, TAPS[:-1], tmp_path)
+    (tmp_path / "answers-00000.safetensors").write_bytes(b"garbage")
+    with pytest.raises(BeamtrtError, match="answers-00000.safetensors: corrupt answers file"):
+        rebuild_features(target, TAPS, tmp_path)
 
 
 @pytest.mark.usefixtures("step_path")  # each CPU step path compared with itself

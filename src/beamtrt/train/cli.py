@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
-        from beamtrt.train.features import DataRecipe, build_features, load_features
+        from beamtrt.train.features import DataRecipe, build_features, load_features, rebuild_features
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, train, write_log
 
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_only:
             print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
             return
+        for extra in map(Path, args.extra_data):  # committed answers files get their taps back
+            rebuild_features(target, dcfg.target_layer_ids, extra, quiet=args.quiet)
         data = load_features(*map(Path, args.extra_data), data_dir)
         n_answer = int(sum(int(data.seq_start[i + 1] - data.seq_start[i]) - int(data.prompt_len[i])
                            for i in range(len(data))))

@@ -7,6 +7,10 @@ A shard `features-NNNNN.safetensors` holds a run of sequences back to back:
     prompt_len [n] int64            the first prompt_len[i] rows of sequence i are prompt (no loss on them)
     greedy     [n] bool             the answer was decoded greedily (so it is the target's argmax path)
 Shards are written whole (temporary file, then rename), so an interrupted run answers only the missing shards.
+Beside each one, `answers-NNNNN.safetensors` holds the same sequences without their taps (ids as int32, seq_start,
+prompt_len, greedy: about 4 bytes a token instead of ~5.8 KB), small enough to commit; a shard whose answers file
+is present but whose features are not gets its taps back from one teacher-forced forward per sequence
+(`rebuild_features`), several times faster than answering again.
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     encoded = [ids for ids in (_chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
+    rebuild_features(target, taps, out, quiet=quiet)
     todo = [i for i in range(len(shards)) if not (out / f"features-{i:05d}.safetensors").exists()]
     bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[i]) for i in todo), desc="target answers",
                unit="seq", disable=quiet, dynamic_ncols=True)
@@ -178,9 +183,25 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     return out
 
 
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")  # written whole: temporary file, then rename
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _answers_path(features: Path) -> Path:
+    return features.with_name(features.name.replace("features-", "answers-", 1))
+
+
+def _save_answers(shard: dict[str, torch.Tensor], features: Path) -> None:
+    """The shard's sequences without their taps, beside it (ids as int32: every vocabulary here is < 2^31)."""
+    _save({"ids": shard["ids"].to(torch.int32)} | {k: shard[k] for k in ("seq_start", "prompt_len", "greedy")},
+          _answers_path(features))
+
+
 def _write_shard(path: Path, prompts: list[list[int]], answers: dict[int, tuple[list[int], torch.Tensor, bool]]
                  ) -> None:
-    """One shard file, written whole (temporary file, then rename). answers: position -> (all tokens, taps, greedy)."""
+    """One shard file and its answers file. answers: position -> (all tokens, taps, greedy)."""
     seqs = [answers[k] for k in range(len(prompts))]
     lengths = torch.tensor([len(ids) for ids, _, _ in seqs])
     tensors = {
@@ -190,9 +211,55 @@ def _write_shard(path: Path, prompts: list[list[int]], answers: dict[int, tuple[
         "prompt_len": torch.tensor([len(p) for p in prompts], dtype=torch.long),
         "greedy": torch.tensor([greedy for _, _, greedy in seqs], dtype=torch.bool),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    _save_answers(tensors, path)
+    _save(tensors, path)
+
+
+def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises several types for a truncated or corrupt file
+        raise BeamtrtError(f"{path}: corrupt {what} ({e})") from None
+
+
+@torch.no_grad()
+def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
+                     rows: int = 8) -> None:
+    """Give every answers file in `data` without a feature shard its taps (one teacher-forced forward per sequence,
+    `rows` sequences at a time), and every feature shard without an answers file its answers file."""
+    from tqdm import tqdm
+
+    for features in sorted(data.glob("features-*.safetensors")):
+        if not _answers_path(features).exists():
+            _save_answers(_read(features, "feature shard"), features)
+    missing = [(a, a.with_name(a.name.replace("answers-", "features-", 1)))
+               for a in sorted(data.glob("answers-*.safetensors"))]
+    missing = [(a, f) for a, f in missing if not f.exists()]
+    if not missing:
+        return
+    meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").is_file() else {}
+    if meta.get("taps", list(taps)) != list(taps):
+        raise BeamtrtError(f"{data}: answers made for target layers {meta.get('taps')}, the drafter taps {list(taps)}")
+    shards = [(features, _read(answers, "answers file")) for answers, features in missing]
+    bar = tqdm(total=sum(len(s["prompt_len"]) for _, s in shards), desc=f"taps from answers ({data.name})",
+               unit="seq", disable=quiet, dynamic_ncols=True)
+    for features, shard in shards:
+        start = shard["seq_start"].tolist()
+        seqs = [shard["ids"][a:b].long() for a, b in zip(start[:-1], start[1:])]
+        order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))  # similar lengths together: little padding
+        feats: dict[int, torch.Tensor] = {}
+        for g in range(0, len(order), rows):
+            group = order[g:g + rows]
+            ids, num = right_padded([seqs[k].tolist() for k in group], target.device)
+            cache = target.new_cache(len(group), ids.shape[1])
+            out = torch.cat(target(ids, cache, num_tokens=num, taps=taps).taps, dim=-1)  # [rows, T, F]
+            for j, k in enumerate(group):
+                feats[k] = out[j, :len(seqs[k])].to(torch.bfloat16)
+            bar.update(len(group))
+        _save({"ids": shard["ids"].long(), "taps": torch.cat([feats[k] for k in range(len(seqs))]).cpu(),
+               "seq_start": shard["seq_start"], "prompt_len": shard["prompt_len"], "greedy": shard["greedy"]},
+              features)
+    bar.close()
 
 
 def load_features(*dirs: Path) -> FeatureSet:
@@ -206,11 +273,7 @@ def load_features(*dirs: Path) -> FeatureSet:
         if taps is not None and meta.get("taps") != taps:
             raise BeamtrtError(f"{data}: features of target layers {meta.get('taps')}, the first cache has {taps}")
         taps = meta.get("taps")
-        for p in paths:
-            try:
-                parts.append(load_file(str(p)))
-            except Exception as e:  # safetensors raises several types for a truncated or corrupt file
-                raise BeamtrtError(f"{p}: corrupt feature shard ({e})") from None
+        parts += [_read(p, "feature shard") for p in paths]
     starts, total = [], 0
     for part in parts:
         starts.append(part["seq_start"][:-1] + total)
