@@ -201,19 +201,22 @@ def test_feature_shards_round_trip_and_corruption(target, tmp_path):
 
 def test_training_prompts_are_deterministic_and_not_benchmarks():
     pytest.importorskip("reasoning_gym")
-    from beamtrt.train.prompts import BOXED, CODE_PREFIX, GYM_TASKS, training_prompts
+    from beamtrt.train.prompts import BOXED, CODE_PREFIX, GYM_TASKS, GYM_TASKS_V3, training_prompts
 
-    for mix in ("v1", "v2"):
+    for mix in ("v1", "v2", "v3"):
         a, b = training_prompts(60, seed=3, mix=mix), training_prompts(60, seed=3, mix=mix)
         assert a == b and len(set(a)) == len(a) and len(a) >= 50
         assert training_prompts(60, seed=4, mix=mix) != a
-    assert "gsm_symbolic" not in GYM_TASKS
+    assert "gsm_symbolic" not in GYM_TASKS + GYM_TASKS_V3
     v2 = training_prompts(200, seed=0)  # v2 is the default
     assert any(p.endswith(BOXED) for p in v2) and not any(p.endswith(BOXED) for p in training_prompts(200, 0, "v1"))
     assert any(p.startswith(CODE_PREFIX + "def ") and '"""' in p for p in v2)  # HumanEval-style stubs
     assert any("Continue this story" in p or "following passage" in p for p in v2)
+    v3 = training_prompts(200, seed=0, mix="v3")
+    boxed = lambda prompts: sum(p.endswith(BOXED) for p in prompts)  # noqa: E731
+    assert boxed(v3) > boxed(v2) and any("hens lay" in p for p in training_prompts(400, seed=0, mix="v3"))
     with pytest.raises(BeamtrtError, match="unknown prompt mix"):
-        training_prompts(10, mix="v3")
+        training_prompts(10, mix="v4")
 
 
 def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):

@@ -77,6 +77,61 @@ WORD_PROBLEMS_V2 = WORD_PROBLEMS + (
     "A movie starts at {y}:15 pm and lasts {x}0 minutes longer than 2 hours. {a} needs {z}0 minutes to get home "
     "after it ends. What time does {a} get home?",
 )
+# v3: longer, GSM8K-shaped problems (four to six quantities, several steps, money / time / rates / percentages);
+# written here, like the templates above ({w} is a larger number, 10-500)
+WORD_PROBLEMS_V3 = (
+    "{a}'s hens lay {x} eggs a day. {a} uses {z} eggs for breakfast and {y} for baking every day, and sells the "
+    "rest at the market for ${z} a dozen. How much money does {a} make in a week?",
+    "{a} buys {y} packs of {item} with {x} in each pack. {a} gives {z} {item} to each of {y} friends and keeps the "
+    "rest in {z} equal piles. How many {item} are in each pile?",
+    "A school trip costs ${w} for the bus plus ${x} per student. {y}0 students go, and the school pays {z}0% of the "
+    "total. How much does each student pay?",
+    "{a} works {y} hours on weekdays and {z} hours on Saturday. {a} earns ${x} an hour on weekdays and one and a "
+    "half times that on Saturday. How much does {a} earn in four weeks?",
+    "A store had {w} {item}. On Monday it sold a quarter of them, on Tuesday {x} more than on Monday, and on "
+    "Wednesday it received a delivery of {y}0. How many {item} does the store have now?",
+    "{a} is training for a race. In the first week {a} runs {z} km a day for {y} days. Each week after that, {a} "
+    "runs {x}% more than the week before. How many km does {a} run in the third week?",
+    "{a} has ${w}. {a} spends a fifth of it on a jacket, ${x} on shoes, and half of what is left on {item}. How "
+    "much money does {a} have left?",
+    "A water bottle holds {x}00 ml. {a} drinks {y} bottles a day on weekdays and {z} bottles a day on weekends. How "
+    "many liters does {a} drink in two weeks?",
+    "{a} and {b} sell {item} at a fair. {a} sells {x} at ${z} each and {b} sells {y} more than {a} at ${z} less "
+    "than {a}'s price plus $2. How much money do they make together?",
+    "A printer prints {x} pages a minute. {a} needs {y} copies of a {w}-page report. If the printer stops for {z} "
+    "minutes every hour to cool down, how long does the job take?",
+    "{a} plants {y} rows of tomatoes with {x} plants in each row. Each plant gives {z} kg of tomatoes, and {a} "
+    "sells them for $3 per kg after keeping a tenth for the family. How much money does {a} make?",
+    "A car uses {z} liters of fuel per 100 km. {a} drives {w} km to visit {b} and back. Fuel costs $2 per liter. "
+    "How much does the fuel for the trip cost?",
+    "{a} read {x} pages on Monday, twice as many on Tuesday, and {y} fewer than Tuesday on Wednesday. The book has "
+    "{w} pages. How many pages are left?",
+    "A pizza is cut into {y} slices. {a} orders {z} pizzas for a party of {x} people. If everyone eats the same "
+    "number of whole slices, how many slices does each person get, and how many are left over?",
+    "{a} rents a bike for ${z} plus ${y} per hour. {b} rents one for ${x} a day. For how many hours is {a}'s bike "
+    "cheaper than {b}'s?",
+    "A phone costs ${w}0. {a} pays ${x}0 now and the rest in {y} equal monthly payments with an extra ${z} fee "
+    "each month. How much is each monthly payment?",
+    "There are {w} people at a concert. {x}% of them are children, and a third of the adults bought a T-shirt for "
+    "${y}. How much money was spent on T-shirts?",
+    "{a} is {x} years old. {a}'s mother is {z} times as old as {a} was {y} years ago. How old will {a}'s mother be "
+    "when {a} is twice as old as now?",
+    "A baker uses {z} eggs and {y}00 g of flour for one cake. The baker has {w} eggs and {x} kg of flour. How many "
+    "cakes can the baker make, and what runs out first?",
+    "{a} swims {x} laps on Monday. Each day {a} swims {z} more laps than the day before. A lap is {y}0 meters. How "
+    "many meters does {a} swim from Monday to Friday?",
+    "A class of {x} students votes for a trip. {y}0% want the zoo, {z} students want the museum and the rest want "
+    "the beach. How many more students want the zoo than the beach?",
+    "{a} buys {y} shirts at ${x} each and {z} pairs of pants at twice the price of a shirt. The store gives 15% off "
+    "purchases over $100. How much does {a} pay?",
+    "A tank is filled by a pipe at {x} liters a minute and drained by another at {z} liters a minute. The tank "
+    "holds {w}0 liters. Starting empty, how long does it take to fill with both pipes open?",
+    "{a} has {x} {item} and {b} has {y} times as many. {b} gives {a} enough {item} so that they have the same "
+    "number. How many {item} does {b} give {a}?",
+)
+# v3: reasoning-gym generators closer to MATH-500's algebra, geometry, counting and probability
+GYM_TASKS_V3 = GYM_TASKS + ("advanced_geometry", "polynomial_equations", "polynomial_multiplication",
+                            "simple_integration", "decimal_arithmetic", "power_function", "count_primes", "dice")
 
 TOPICS = ("photosynthesis", "black holes", "the water cycle", "machine learning", "the French Revolution",
           "inflation", "vaccines", "plate tectonics", "the internet", "climate change", "the stock market",
@@ -132,10 +187,13 @@ GYM_INSTALL = "pip install 'beamtrt[train]' (or reasoning-gym==0.1.25)"
 MIX = (("math", 0.4), ("code", 0.3), ("general", 0.3))
 MIX_V2 = (("gym", 0.2), ("word", 0.15), ("code", 0.1), ("stub", 0.2), ("general", 0.1), ("chat", 0.15),
           ("passage", 0.1))
-MIXES = {"v1": MIX, "v2": MIX_V2}
+MIX_V3 = (("gym3", 0.15), ("word3", 0.25), ("code", 0.05), ("stub", 0.15), ("general", 0.05), ("chat", 0.25),
+          ("passage", 0.1))
+MIXES = {"v1": MIX, "v2": MIX_V2, "v3": MIX_V3}
 
 
-def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES) -> list[str]:
+def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES,
+                 tasks: tuple[str, ...] = GYM_TASKS) -> list[str]:
     try:
         import reasoning_gym
     except ImportError:
@@ -143,8 +201,8 @@ def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES) -
                            "(or reasoning-gym==0.1.25)") from None
     rng = random.Random(seed)
     out = []
-    per_task = -(-n // len(GYM_TASKS))
-    for i, task in enumerate(GYM_TASKS):
+    per_task = -(-n // len(tasks))
+    for i, task in enumerate(tasks):
         for item in reasoning_gym.create_dataset(task, size=per_task, seed=seed + i):
             out.append(item["question"].strip() + rng.choice(suffixes))
     rng.shuffle(out)
@@ -153,13 +211,17 @@ def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES) -
 
 def _word_problems(n: int, rng: random.Random, templates: tuple[str, ...] = WORD_PROBLEMS,
                    names: tuple[str, ...] = NAMES, items: tuple[str, ...] = ITEMS,
-                   suffixes: tuple[str, ...] = MATH_SUFFIXES) -> list[str]:
+                   suffixes: tuple[str, ...] = MATH_SUFFIXES, big: bool = False) -> list[str]:
+    """big: also draw {w} (10-500) for the v3 templates (only then, so v1 / v2 prompts stay as they were)."""
     out = []
     for _ in range(n):
         a, b = rng.sample(names, 2)
-        out.append(rng.choice(templates).format(a=a, b=b, item=rng.choice(items), x=rng.randint(2, 60),
-                                                y=rng.randint(2, 12), z=rng.randint(1, 9))
-                   + rng.choice(suffixes))
+        template = rng.choice(templates)  # drawn before the values, as v1 / v2 always did
+        values = dict(a=a, b=b, item=rng.choice(items), x=rng.randint(2, 60), y=rng.randint(2, 12),
+                      z=rng.randint(1, 9))
+        if big:
+            values["w"] = rng.randint(10, 500)
+        out.append(template.format(**values) + rng.choice(suffixes))
     return out
 
 
@@ -261,7 +323,8 @@ def _passage_prompts(n: int, rng: random.Random) -> list[str]:
 
 def training_prompts(n: int, seed: int = 0, mix: str = "v2") -> list[str]:
     """Up to n distinct prompts, deterministic. Mix "v1": 40% math (half reasoning-gym, half word problems), 30%
-    code, 30% general; "v2" (MIX_V2): also stubs, chat, passages, and the evaluation wrappers."""
+    code, 30% general; "v2" (MIX_V2): also stubs, chat, passages, and the evaluation wrappers; "v3" (MIX_V3): more
+    and longer word problems, MATH-like generators, more chat, half of the math with the boxed-answer wrapper."""
     if n < 1:
         raise ValueError(f"number of training prompts must be >= 1, got {n}")
     if mix not in MIXES:
@@ -270,6 +333,7 @@ def training_prompts(n: int, seed: int = 0, mix: str = "v2") -> list[str]:
     counts = {kind: int(n * share) for kind, share in MIXES[mix]}
     counts[MIXES[mix][0][0]] += n - sum(counts.values())
     suffixes = MATH_SUFFIXES + (BOXED,) * 2  # v2: a third of the math carries the evaluation wrapper
+    suffixes_v3 = MATH_SUFFIXES + (BOXED,) * 4  # v3: half of it
     makers: dict[str, Callable[[int], list[str]]] = {
         "math": lambda k: _gym_prompts(k // 2, seed) + _word_problems(k - k // 2, rng),
         "code": lambda k: _code_prompts(k, rng),
@@ -279,6 +343,9 @@ def training_prompts(n: int, seed: int = 0, mix: str = "v2") -> list[str]:
         "stub": lambda k: _stub_prompts(k, rng),
         "chat": lambda k: _chat_prompts(k, rng),
         "passage": lambda k: _passage_prompts(k, rng),
+        "gym3": lambda k: _gym_prompts(k, seed, suffixes_v3, GYM_TASKS_V3),
+        "word3": lambda k: _word_problems(k, rng, WORD_PROBLEMS_V2 + WORD_PROBLEMS_V3, NAMES_V2, ITEMS_V2,
+                                          suffixes_v3, big=True),
     }
     prompts = []
     for kind, _ in MIXES[mix]:  # over-draw, then keep distinct prompts (a template mix repeats itself)
