@@ -10,7 +10,8 @@ Mix "v2" (the default) adds what "v1" (the first three drafters' data) lacked: t
 evaluations put around their questions (a step-by-step / boxed-answer suffix, a complete-this-function prefix) on
 non-benchmark content, twice as many word-problem templates, HumanEval-style stubs of reasoning-gym's CodeI/O tasks,
 and MT-Bench-style writing, role-play, extraction and knowledge requests, some over passages of a public-domain story
-that reasoning-gym ships (Jules Verne, "In the Year 2889").
+that reasoning-gym ships (Jules Verne, "In the Year 2889"). Mix "v3" leans toward the benchmark families the
+drafter was weakest on: longer multi-step word problems, MATH-like generators, half the math boxed, more chat.
 """
 
 from __future__ import annotations
