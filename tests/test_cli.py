@@ -180,9 +180,10 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
-    bad_mix = run("scripts/train_drafter.py", "--prompt-mix", "v3")  # argparse: usage, then one error line
+    # argparse rejects these (usage, then one error line); --steps 0 fails fast should a choice ever become valid
+    bad_mix = run("scripts/train_drafter.py", "--prompt-mix", "v-none", "--steps", "0")
     assert bad_mix.returncode == 2 and "Traceback" not in bad_mix.stderr
-    assert "argument --prompt-mix: invalid choice: 'v3'" in bad_mix.stderr.splitlines()[-1]
-    bad_head = run("scripts/train_drafter.py", "--head-vocab", "some")
+    assert "argument --prompt-mix: invalid choice: 'v-none'" in bad_mix.stderr.splitlines()[-1]
+    bad_head = run("scripts/train_drafter.py", "--head-vocab", "some", "--steps", "0")
     assert bad_head.returncode == 2 and "Traceback" not in bad_head.stderr
     assert "argument --head-vocab: invalid choice: 'some'" in bad_head.stderr.splitlines()[-1]
