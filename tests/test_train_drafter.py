@@ -11,8 +11,10 @@ import torch
 from beamtrt.errors import BeamtrtError
 from beamtrt.runtime.generate import generate
 from beamtrt.train.features import FeatureSet, answer_with_taps, load_features
-from beamtrt.train.trainer import (HeadSlice, TrainConfig, block_forward, block_labels, block_losses, evaluate,
-                                   split, train)
+from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
+from beamtrt.spec.decoder import Request, SpeculativeDecoder
+from beamtrt.train.trainer import (HeadSlice, TrainConfig, block_forward, block_labels, block_losses, decode_steps,
+                                   evaluate, split, train)
 from conftest import tiny_model
 from test_dflash2 import TAPS, make_drafter
 
@@ -98,7 +100,7 @@ def test_teacher_forced_scores_are_lattice_rows(target):
 
 
 TINY_RUN = TrainConfig(steps=10, seqs_per_step=2, anchors_per_seq=4, block_size=8, eval_block_size=4, lr=3e-3,
-                       eval_every=3, checkpoint_every=2, eval_sequences=2, eval_anchors=3)
+                       eval_every=3, checkpoint_every=2, eval_sequences=2)
 
 
 def test_resume_repeats_the_uninterrupted_run(target, tmp_path):
@@ -112,6 +114,39 @@ def test_resume_repeats_the_uninterrupted_run(target, tmp_path):
     assert [{k: v for k, v in row.items() if k != "seconds"} for row in resumed] == strip
     losses = [row["loss"] for row in whole]  # one step's loss is noisy (other sequences): compare 3-step means
     assert any("eval_tau" in row for row in whole) and sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_decode_steps_walks_like_the_decoder():
+    # anchors 0 (3 tokens) -> 3 (2) -> 5 (1) -> 6 (1) -> 7 (1): 8 tokens in 5 steps
+    assert decode_steps(torch.tensor([3, 1, 1, 2, 5, 1, 1, 1])) == 5
+    assert decode_steps(torch.tensor([2, 4, 3, 1])) == 2  # the second step runs past the end: it commits what is left
+    assert decode_steps(torch.ones(7)) == 7 and decode_steps(torch.tensor([8, 7, 6, 5, 4, 3, 2, 1])) == 1
+
+
+def test_eval_tau_is_the_decoders_acceptance_length(target, tmp_path):
+    """A briefly trained drafter, so that blocks are sometimes accepted: evaluate's τ on the decoder's own greedy
+    answers is the decoder's acceptance length (committed tokens / steps), and the every-anchor mean is not."""
+    block, new = 4, 24
+    cfg = TrainConfig(steps=60, seqs_per_step=4, anchors_per_seq=8, block_size=8, eval_block_size=block, lr=3e-3,
+                      eval_every=1000, checkpoint_every=1000, eval_sequences=3)
+    drafter = make_drafter(target)
+    train(drafter, _features(target, n=16, max_new=new), cfg, tmp_path, quiet=True)
+    drafter.eval()
+    prompts = [[5, 9, 2, 7], [11, 3], [8, 8, 1, 4, 6, 2]]
+    done = SpeculativeDecoder(TorchTarget(target), TorchDrafter(drafter), block).generate(
+        [Request(tuple(p), new) for p in prompts])
+    seqs = [p + c.output_ids for p, c in zip(prompts, done)]
+    with torch.no_grad():
+        taps = [torch.cat(target(torch.tensor([s]), target.new_cache(1, len(s)), taps=TAPS).taps, dim=-1)[0]
+                for s in seqs]
+    lengths = torch.tensor([len(s) for s in seqs])
+    data = FeatureSet(ids=torch.tensor([t for s in seqs for t in s]), taps=torch.cat(taps),
+                      seq_start=torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
+                      prompt_len=torch.tensor([len(p) for p in prompts]), greedy=torch.ones(3, dtype=torch.bool))
+    got = evaluate(drafter, data, [0, 1, 2], cfg, chunk=5)
+    tau = sum(c.committed for c in done) / sum(c.steps for c in done)
+    assert tau > 1.05 and got["eval_tau"] == round(tau, 4)
+    assert got["eval_tau_every_anchor"] != got["eval_tau"]
 
 
 def test_head_slice_losses(target, tmp_path):
