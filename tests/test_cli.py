@@ -94,7 +94,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
                                   "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix",
-                                  "--head-vocab"]),
+                                  "--head-vocab", "--anchor-weight"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
@@ -181,9 +181,7 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
     # argparse rejects these (usage, then one error line); --steps 0 fails fast should a choice ever become valid
-    bad_mix = run("scripts/train_drafter.py", "--prompt-mix", "v-none", "--steps", "0")
-    assert bad_mix.returncode == 2 and "Traceback" not in bad_mix.stderr
-    assert "argument --prompt-mix: invalid choice: 'v-none'" in bad_mix.stderr.splitlines()[-1]
-    bad_head = run("scripts/train_drafter.py", "--head-vocab", "some", "--steps", "0")
-    assert bad_head.returncode == 2 and "Traceback" not in bad_head.stderr
-    assert "argument --head-vocab: invalid choice: 'some'" in bad_head.stderr.splitlines()[-1]
+    for flag, value in (("--prompt-mix", "v-none"), ("--head-vocab", "some"), ("--anchor-weight", "some")):
+        bad = run("scripts/train_drafter.py", flag, value, "--steps", "0")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert f"argument {flag}: invalid choice: '{value}'" in bad.stderr.splitlines()[-1]
