@@ -94,7 +94,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
                                   "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix",
-                                  "--head-vocab", "--anchor-weight"]),
+                                  "--head-vocab"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
@@ -181,7 +181,7 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
     # argparse rejects these (usage, then one error line); --steps 0 fails fast should a choice ever become valid
-    for flag, value in (("--prompt-mix", "v-none"), ("--head-vocab", "some"), ("--anchor-weight", "some")):
+    for flag, value in (("--prompt-mix", "v-none"), ("--head-vocab", "some")):
         bad = run("scripts/train_drafter.py", flag, value, "--steps", "0")
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
         assert f"argument {flag}: invalid choice: '{value}'" in bad.stderr.splitlines()[-1]

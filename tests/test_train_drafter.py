@@ -149,30 +149,6 @@ def test_eval_tau_is_the_decoders_acceptance_length(target, tmp_path):
     assert got["eval_tau_every_anchor"] != got["eval_tau"]
 
 
-def test_visit_weights_divide_each_block_by_its_accept_length(target):
-    data, drafter = _features(target, max_new=20), make_drafter(target)
-    ids, taps, _ = data.sequence(0)
-    anchors = torch.arange(int(data.prompt_len[0]), len(ids) - 1)
-    with torch.no_grad():  # make the first anchor's drafts right for 3 slots: its accept length is at least 4
-        ids = ids.clone()
-        logits = block_forward(drafter, ids, taps.float(), anchors[:1], TINY_RUN.block_size)[0]
-        ids[anchors[0] + 1:anchors[0] + 4] = logits[0, :3].argmax(-1)
-    uniform, visits = TINY_RUN, dataclasses.replace(TINY_RUN, anchor_weight="visits")
-    with torch.no_grad():
-        whole = block_losses(drafter, ids, taps.float(), anchors, visits)
-        singles = [(block_losses(drafter, ids, taps.float(), a[None], uniform),
-                    block_losses(drafter, ids, taps.float(), a[None], visits)) for a in anchors]
-    for u, v in singles:
-        for key in ("base", "base_w", "sel", "sel_w"):
-            torch.testing.assert_close(v[key], u[key] / u["tau"])
-        assert torch.equal(v["tau"], u["tau"]) and torch.equal(v["correct"], u["correct"])
-    for key in ("base", "base_w", "sel", "sel_w", "tau"):
-        torch.testing.assert_close(whole[key], sum(v[key] for _, v in singles))
-    assert float(singles[0][0]["tau"]) >= 4.0
-    with pytest.raises(ValueError, match="anchor weight 'some'"):
-        dataclasses.replace(TINY_RUN, anchor_weight="some")
-
-
 def test_head_slice_losses(target, tmp_path):
     """A slice of the whole vocabulary gives the full head's losses and gradients; the "seen" slice holds every
     training label, maps its candidates and top-1 back to token ids, and scores only its own rows."""

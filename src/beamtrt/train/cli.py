@@ -41,7 +41,7 @@ def start_from(path: Path, cfg, target):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from beamtrt.train.features import DataRecipe
     from beamtrt.train.prompts import MIXES
-    from beamtrt.train.trainer import ANCHOR_WEIGHTS, HEAD_VOCABS, TrainConfig
+    from beamtrt.train.trainer import HEAD_VOCABS, TrainConfig
 
     d, t = DataRecipe(), TrainConfig()
     p = argparse.ArgumentParser(
@@ -91,10 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the tokens in the training data (about 4x less head work on beam-mini, so ~2.5x faster "
                          "steps; unseen tokens are no longer pushed down, and the eval reports how often a draft "
                          "falls outside them) (default: %(default)s)")
-    tr.add_argument("--anchor-weight", choices=ANCHOR_WEIGHTS, default=t.anchor_weight,
-                    help="weight of each training block: uniform (the recipe), or visits = 1 / the block's current "
-                         "top-1 accept length at the eval block, since decoding lands on anchors in hard stretches "
-                         "more often than on anchors in easy ones (default: %(default)s)")
     tr.add_argument("--seed", type=int, default=t.seed, help="seed of initialization and draws (default: %(default)s)")
     tr.add_argument("--eval-every", type=int, default=t.eval_every,
                     help="held-out eval period in steps (default: %(default)s)")
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                           block_size=args.block_size, eval_block_size=args.eval_block_size, lr=args.lr,
                           gamma=args.gamma, selector_weight=args.selector_weight, seed=args.seed,
                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-                          head_vocab=args.head_vocab, anchor_weight=args.anchor_weight,
+                          head_vocab=args.head_vocab,
                           init_from=str(Path(args.init).resolve()) if args.init else "")
         recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                             batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size),

@@ -49,7 +49,6 @@ class TrainConfig:
     eval_sequences: int = 32        # the last greedy sequences of the data: held out, never trained on
     init_from: str = ""             # a drafter checkpoint to start from ("" = the recipe's initialization)
     head_vocab: str = "full"        # LM head rows the loss scores: "full", or "seen" = the training data's tokens
-    anchor_weight: str = "uniform"  # "uniform", or "visits": each block weighted 1 / its current accept length
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "eval_every", "checkpoint_every"):
@@ -61,12 +60,9 @@ class TrainConfig:
             raise ValueError("lr and gamma must be positive")
         if self.head_vocab not in HEAD_VOCABS:
             raise ValueError(f"head vocabulary {self.head_vocab!r} is not one of {', '.join(HEAD_VOCABS)}")
-        if self.anchor_weight not in ANCHOR_WEIGHTS:
-            raise ValueError(f"anchor weight {self.anchor_weight!r} is not one of {', '.join(ANCHOR_WEIGHTS)}")
 
 
 HEAD_VOCABS = ("full", "seen")
-ANCHOR_WEIGHTS = ("uniform", "visits")
 
 
 @dataclass(frozen=True)
@@ -146,12 +142,7 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
     labels = block_labels(ids, anchors, cfg.block_size)  # [N, S] token ids
     valid = labels != IGNORE
     rows = labels if head is None else torch.where(valid, head.index[labels.clamp(min=0)], IGNORE)  # in the logits
-    top1 = logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]
-    eval_slots = cfg.eval_block_size - 1
-    accepted = accept_lengths(top1[:, :eval_slots], labels[:, :eval_slots])  # [N] at the serving block
     w = decay_weights(cfg.block_size, cfg.gamma)[None].expand_as(labels) * valid
-    if cfg.anchor_weight == "visits":  # decoding lands on an anchor about 1 / (accept length around it) of the time
-        w = w / accepted[:, None]
     ce = F.cross_entropy(logits.flatten(0, 1), rows.flatten(), ignore_index=IGNORE, reduction="none")
     prev = torch.cat((ids[anchors][:, None], labels[:, :-1].clamp(min=0)), dim=1)  # teacher-forced predecessors
     top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
@@ -161,12 +152,14 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
     recalled = hit.any(-1) & valid
     sel_ce = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
     sel_w = w * recalled
+    top1 = logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]
+    eval_slots = cfg.eval_block_size - 1
     return {
         "base": (ce.view_as(w) * w).sum(), "base_w": w.sum(),
         "sel": (sel_ce.view_as(w) * sel_w).sum(), "sel_w": sel_w.sum(),
         "correct": ((top1 == labels) & valid).sum().float(), "count": valid.sum().float(),
         "recalled": recalled.sum().float(),
-        "tau": accepted.sum(),
+        "tau": accept_lengths(top1[:, :eval_slots], labels[:, :eval_slots]).sum(),
         "blocks": torch.tensor(float(len(anchors))),
     }
 
