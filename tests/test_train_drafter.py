@@ -37,12 +37,16 @@ def _features(target, n: int = 6, seed: int = 0, max_new: int = 12) -> FeatureSe
     prompts = [torch.randint(1, target.cfg.vocab_size, (int(torch.randint(3, 9, (1,), generator=gen)),),
                              generator=gen).tolist() for _ in range(n)]
     seqs = _answers(target, prompts, max_new, sampled=[i % 3 == 2 for i in range(n)], seed=seed)
+    return _feature_set([(ids, taps.to(torch.bfloat16)) for ids, taps in seqs], prompts,
+                        greedy=[i % 3 != 2 for i in range(n)])
+
+
+def _feature_set(seqs, prompts, greedy) -> FeatureSet:
+    """[(all token ids, taps [T, F])] with their prompts and greedy flags -> one FeatureSet."""
     lengths = torch.tensor([len(ids) for ids, _ in seqs])
-    return FeatureSet(ids=torch.tensor([t for ids, _ in seqs for t in ids]),
-                      taps=torch.cat([f for _, f in seqs]).to(torch.bfloat16),
+    return FeatureSet(ids=torch.tensor([t for ids, _ in seqs for t in ids]), taps=torch.cat([f for _, f in seqs]),
                       seq_start=torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
-                      prompt_len=torch.tensor([len(p) for p in prompts]),
-                      greedy=torch.tensor([i % 3 != 2 for i in range(n)]))
+                      prompt_len=torch.tensor([len(p) for p in prompts]), greedy=torch.tensor(greedy))
 
 
 def test_captured_taps_equal_a_full_forward(target):
@@ -137,12 +141,9 @@ def test_eval_tau_is_the_decoders_acceptance_length(target, tmp_path):
         [Request(tuple(p), new) for p in prompts])
     seqs = [p + c.output_ids for p, c in zip(prompts, done)]
     with torch.no_grad():
-        taps = [torch.cat(target(torch.tensor([s]), target.new_cache(1, len(s)), taps=TAPS).taps, dim=-1)[0]
+        seqs = [(s, torch.cat(target(torch.tensor([s]), target.new_cache(1, len(s)), taps=TAPS).taps, dim=-1)[0])
                 for s in seqs]
-    lengths = torch.tensor([len(s) for s in seqs])
-    data = FeatureSet(ids=torch.tensor([t for s in seqs for t in s]), taps=torch.cat(taps),
-                      seq_start=torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
-                      prompt_len=torch.tensor([len(p) for p in prompts]), greedy=torch.ones(3, dtype=torch.bool))
+    data = _feature_set(seqs, prompts, greedy=[True] * len(prompts))
     got = evaluate(drafter, data, [0, 1, 2], cfg, chunk=5)
     tau = sum(c.committed for c in done) / sum(c.steps for c in done)
     assert tau > 1.05 and got["eval_tau"] == round(tau, 4)

@@ -235,10 +235,10 @@ def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: Tr
         lo, hi = _anchor_range(data, i)
         if hi <= lo:
             continue
-        accepted, accepted_top1 = [], []
+        taps, accepted, accepted_top1 = taps.float(), [], []
         for start in range(lo, hi, chunk):
             anchors = torch.arange(start, min(start + chunk, hi))
-            logits, z = block_forward(drafter, ids, taps.float(), anchors, block)
+            logits, z = block_forward(drafter, ids, taps, anchors, block)
             labels = block_labels(ids, anchors, block)
             top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
             cand, scores = drafter.candidate_selector.edge_scores(logits, z, ids[anchors], top_k)
