@@ -348,12 +348,36 @@ def test_init_from_a_saved_drafter(target, tmp_path):
     copy = start_from(tmp_path / "d", saved.cfg, target)
     assert copy.dtype == torch.float32 and all(p.requires_grad for p in copy.parameters())
     assert all(torch.equal(a.float(), b) for a, b in zip(saved.state_dict().values(), copy.state_dict().values()))
-    with pytest.raises(BeamtrtError, match="layout differs .*num_hidden_layers"):
-        start_from(tmp_path / "d", dataclasses.replace(saved.cfg, num_hidden_layers=saved.cfg.num_hidden_layers + 1),
-                   target)
+    for other in ({"num_hidden_layers": saved.cfg.num_hidden_layers - 1}, {"selector_rank": 4}):
+        with pytest.raises(BeamtrtError, match=f"layout differs .*{next(iter(other))}"):
+            start_from(tmp_path / "d", dataclasses.replace(saved.cfg, **other), target)
     data = _features(target)  # a run from --init first scores the starting drafter on its held-out set (step 0)
     cfg = dataclasses.replace(TINY_RUN, steps=2, init_from=str(tmp_path / "d"))
     log = train(copy, data, cfg, tmp_path / "w", quiet=True)
     assert [row["step"] for row in log] == [0, 1, 2] and log[0] == {"step": 0, "seconds": 0.0} | evaluate(
         start_from(tmp_path / "d", saved.cfg, target).eval(), data, split(data, cfg)[1], cfg)
     assert log[0]["eval_tau"] >= 1.0 and "loss" not in log[0]
+
+
+def test_init_grows_a_drafter_by_identity_layers(target, tmp_path):
+    """--init with a deeper --layers: the checkpoint's layers are kept and new last layers start as the identity, so
+    the grown drafter drafts exactly as the checkpoint at step 0; one training step moves the new layers."""
+    from beamtrt.models.dflash2 import save_drafter
+    from beamtrt.train.cli import start_from
+
+    saved = make_drafter(target, seed=3)
+    save_drafter(saved, tmp_path / "d")
+    depth = saved.cfg.num_hidden_layers
+    grown = start_from(tmp_path / "d", dataclasses.replace(saved.cfg, num_hidden_layers=depth + 2), target, seed=1)
+    assert len(grown.layers) == depth + 2 and all(p.requires_grad for p in grown.parameters())
+    data = _features(target)
+    ids, taps = data.sequence(0)[:2]
+    anchors = torch.arange(2, ids.shape[0] - 4, 3)
+    same = start_from(tmp_path / "d", saved.cfg, target)
+    with torch.no_grad():
+        for got, want in zip(*(block_forward(d, ids, taps.float(), anchors, 4) for d in (grown, same))):
+            assert torch.equal(got, want)  # logits [N, 3, V] and hidden [N, 3, H]
+    new = grown.layers[depth].self_attn.o_proj.weight
+    assert not new.any()
+    train(grown, data, dataclasses.replace(TINY_RUN, steps=1), tmp_path / "w", quiet=True)
+    assert new.any()

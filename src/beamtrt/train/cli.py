@@ -26,16 +26,28 @@ def init_drafter(cfg, target, seed: int):
     return drafter
 
 
-def start_from(path: Path, cfg, target):
-    """fp32 trainable copy of an existing drafter whose layout is `cfg` (--init)."""
+def start_from(path: Path, cfg, target, seed: int = 0):
+    """fp32 trainable copy of an existing drafter (--init) whose layout is `cfg`, or `cfg` with fewer layers: then
+    the drafter grows to cfg's depth by new last layers that start as the identity (recipe initialization with
+    their output projections zeroed), so at step 0 it drafts exactly as the checkpoint does."""
     from beamtrt.models.dflash2 import load_drafter
 
     drafter = load_drafter(path, target, dtype=torch.float32)
-    if drafter.cfg != cfg:
-        diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name)]
+    if drafter.cfg == cfg:
+        return drafter.requires_grad_(True)
+    diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name)]
+    if diff != ["num_hidden_layers"] or drafter.cfg.num_hidden_layers > cfg.num_hidden_layers:
         raise BeamtrtError(f"--init {path}: its layout differs from the one to train ({', '.join(diff)}); pass the "
-                           "matching --layers / --selector-rank")
-    return drafter.requires_grad_(True)
+                           "matching --selector-rank, and --layers at least its depth")
+    grown = init_drafter(cfg, target, seed)
+    params = dict(grown.named_parameters())
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            params[name].copy_(p)
+        for layer in grown.layers[drafter.cfg.num_hidden_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down.weight.zero_()
+    return grown.requires_grad_(True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     io.add_argument("--out", help="trained drafter output (default: checkpoints/<target>-dflash2)")
     io.add_argument("--init", metavar="DIR",
                     help="start from this drafter checkpoint instead of the recipe's initialization (continued "
-                         "training, e.g. on more data; its layout must match --layers / --selector-rank)")
+                         "training, e.g. on more data; its layout must match --selector-rank; a --layers deeper "
+                         "than its own grows it by identity-initialized last layers)")
     io.add_argument("--extra-data", nargs="+", default=[], metavar="DIR",
                     help="more feature caches (e.g. made earlier with another --data-seed and --data-only) to train "
                          "on, placed before --data's (whose last greedy answers stay the held-out set)")
@@ -161,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
               file=sys.stderr)
 
-        drafter = init_drafter(dcfg, target, cfg.seed) if not args.init else start_from(Path(args.init), dcfg, target)
+        drafter = (start_from(Path(args.init), dcfg, target, cfg.seed) if args.init
+                   else init_drafter(dcfg, target, cfg.seed))
         log = train(drafter, data, cfg, work, quiet=args.quiet)
         write_log(work / "train_log.jsonl", log)
 
