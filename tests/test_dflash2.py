@@ -506,7 +506,7 @@ def test_batch_rows_are_independent(target):
         alone = drafter.new_cache(1)
         drafter.append_context(alone, taps[n:n + 1, :size])
         got = drafter.draft(alone, anchors[n:n + 1], BLOCK)
-        assert rel_err(out.logits[n], got.logits[0]) < 1e-6, n
+        assert rel_err(out.logits[n], got.logits[0]) < 1e-5, n  # 3 blocks take CPU BLAS, 1 the host GEMM
         assert torch.equal(out.cand_ids[n], got.cand_ids[0])
     # reset empties a slot: it then drafts like a fresh sequence
     drafter.reset(batched, [0])

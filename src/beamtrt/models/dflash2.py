@@ -15,7 +15,7 @@ from torch import nn
 
 from beamtrt.config import DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
-from beamtrt.models.beam import MLP, ActHook, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _hook, _rotate
+from beamtrt.models.beam import MLP, ActHook, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _hook, _rotate, linear
 
 CONV_SIDES = 2  # side 0 = before the sublayer ("prepare"), side 1 = after it ("finish")
 
@@ -50,7 +50,7 @@ class GroupedConv2Tap(nn.Module):
     def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, L, H] (L a multiple of `block`) -> (y [N, L, H], δ [N, L, 2, T, G] for `finish`)."""
         N, L, _ = x.shape
-        delta = self.kernel_projection(x).view(N, L, CONV_SIDES, self.kernel_size, self.groups)
+        delta = linear(x, self.kernel_projection.weight).view(N, L, CONV_SIDES, self.kernel_size, self.groups)
         return self._conv(x, 0, delta, block), delta
 
     def finish(self, z: torch.Tensor, block: int, delta: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ class DraftAttention(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """c: [N, T, H] fused context features; rope: [N, T, D] at their positions -> k, v: [N, T, KV, D]."""
         N, T, _ = c.shape
-        kv = F.linear(_hook(self.qkv_in, c), self.qkv.weight[self.q_size:]).view(N, T, 2 * self.n_kv, self.head_dim)
+        kv = linear(_hook(self.qkv_in, c), self.qkv.weight[self.q_size:]).view(N, T, 2 * self.n_kv, self.head_dim)
         k, v = self.k_norm(kv[:, :, :self.n_kv]), kv[:, :, self.n_kv:]
         return _rotate(k, rope[0].unsqueeze(2), rope[1].unsqueeze(2)), v
 
@@ -123,7 +123,8 @@ class DraftAttention(nn.Module):
         # x: [N, L, H] block rows; rope: [N, L, D]; ctx_k, ctx_v: [N, KV, S, D] rotated context rows;
         # mask: [N, 1, L, S + L] bool, True = visible (context columns first, then the L block columns)
         N, L, _ = x.shape
-        heads = self.qkv(_hook(self.qkv_in, x)).view(N, L, -1, self.head_dim)  # [N, L, n_heads + 2 * n_kv, D]
+        heads = linear(_hook(self.qkv_in, x), self.qkv.weight)  # [N, L, (n_heads + 2 * n_kv) * D]
+        heads = heads.view(N, L, -1, self.head_dim)
         q = self.q_norm(heads[:, :, :self.n_heads])
         k = self.k_norm(heads[:, :, self.n_heads:self.n_heads + self.n_kv])
         v = heads[:, :, self.n_heads + self.n_kv:]
@@ -131,12 +132,13 @@ class DraftAttention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if isinstance(ctx_k, RingContext):  # the windowed-attention kernel over the ring (no append: count 0)
             out = ctx_k.attend(q, k, v)  # [N, L, n_heads, D]
-            return _hook(self.reduce, self.o_proj(_hook(self.o_in, out.reshape(N, L, -1))))
+            return _hook(self.reduce, linear(_hook(self.o_in, out.reshape(N, L, -1)), self.o_proj.weight))
         keys = torch.cat((ctx_k, k.transpose(1, 2)), dim=2)  # [N, KV, S + L, D]
         values = torch.cat((ctx_v, v.transpose(1, 2)), dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)  # [N, n_heads, L, D]
-        return _hook(self.reduce, self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(N, L, -1))))
+        out = out.transpose(1, 2).reshape(N, L, -1)  # [N, L, n_heads * D]
+        return _hook(self.reduce, linear(_hook(self.o_in, out), self.o_proj.weight))
 
 
 class DraftLayer(nn.Module):
@@ -192,7 +194,7 @@ class CandidateSelector(nn.Module):
         N, S, _ = logits.shape
         unary, cand = torch.topk(logits, top_k, dim=-1)  # [N, S, K]
         pred = torch.cat((anchor_ids.view(N, 1, 1).expand(N, 1, top_k), cand[:, :-1]), dim=1)  # [N, S, K]
-        g = self.hidden_projection(hidden).float()  # [N, S, r]
+        g = linear(hidden, self.hidden_projection.weight).float()  # [N, S, r]
         lookup = (lambda table, ids: table[ids]) if self.shard is None else self.shard.lookup  # vocab-parallel
         a = lookup(self.predecessor_codebook, pred).float()  # [N, S, K, r]
         b = lookup(self.successor_codebook, cand).float()
@@ -208,7 +210,7 @@ class CandidateSelector(nn.Module):
         unary, cand = torch.topk(logits, top_k, dim=-1)  # [N, S, K]
         if vocab_ids is not None:
             cand = vocab_ids[cand]
-        g = self.hidden_projection(hidden).float()  # [N, S, r]
+        g = linear(hidden, self.hidden_projection.weight).float()  # [N, S, r]
         a = self.predecessor_codebook[prev_ids].float()  # [N, S, r]
         b = self.successor_codebook[cand].float()  # [N, S, K, r]
         return cand, unary.float() + torch.einsum("nsr,nskr->nsk", a * g, b)
@@ -288,7 +290,7 @@ class DFlash2Drafter(nn.Module):
 
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
         """taps: [..., n_taps * H_target] concatenated target residual streams -> c = hidden_norm(fc(taps)) [..., H]."""
-        return self.hidden_norm(self.fc(taps.to(self.dtype)))
+        return self.hidden_norm(linear(taps.to(self.dtype), self.fc.weight))
 
     @torch.inference_mode()
     def append_context(self, cache: DraftCache, taps: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
