@@ -116,3 +116,20 @@ def test_a_failed_build_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "building the host kernels failed" in err[0]
     assert not any(tmp_path.rglob("*.so"))  # nothing half-written left behind
+
+
+def test_lm_head_keeps_gradients_on_a_few_rows():
+    """A few rows outside autograd take the host GEMM (fp32 logits, bit-identical to native.gemm); rows that need
+    gradients (a small training batch through the full head) keep PyTorch's graph."""
+    model = tiny_model()
+    z = torch.randn(2, 3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fast = model.lm_logits(z)
+    assert torch.equal(fast, native.gemm(z.reshape(6, -1), model.head_weight).view(2, 3, -1))
+    z.requires_grad_(True)
+    logits = model.lm_logits(z)
+    logits.square().sum().backward()  # the host GEMM keeps no graph: this raised before lm_logits checked for it
+    assert torch.allclose(logits.detach(), fast, atol=1e-5)
+    zr = z.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(zr, model.head_weight).square().sum().backward()
+    assert torch.allclose(z.grad, zr.grad, atol=1e-5)

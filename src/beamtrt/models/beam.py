@@ -149,14 +149,23 @@ ActHook = Callable[[torch.Tensor], torch.Tensor]
 SMALL_M = 16  # LM-head inputs of at most this many rows take the W·xᵀ path on CPU (see lm_logits)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] · weight [N, K]ᵀ. On CPU, for a few rows outside autograd, through the host kernel's GEMM: CPU BLAS
-    runs x·Wᵀ with a few rows far below the weight stream's speed (the drafter's 8-row block: ~5x slower)."""
+def _host_gemm(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether x [rows, K] · weightᵀ takes the host kernel's GEMM: on CPU, a few rows, outside autograd (it keeps no
+    graph, so a product that needs gradients stays with PyTorch)."""
+    return (bool(rows) and x.device.type == "cpu" and native.gemm_usable(weight, rows)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] · weight [N, K]ᵀ in `dtype` (x's by default). On CPU, for a few rows outside autograd, through the host
+    kernel's GEMM: CPU BLAS runs x·Wᵀ with a few rows far below the weight stream's speed (the drafter's 8-row block:
+    ~5x slower)."""
     rows = x.numel() // x.shape[-1]
-    if (rows and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and native.gemm_usable(weight, rows)):
-        return native.gemm(x.reshape(rows, -1), weight).to(x.dtype).view(*x.shape[:-1], -1)
-    return F.linear(x, weight)
+    if _host_gemm(x, weight, rows):
+        y = native.gemm(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
+    else:
+        y = F.linear(x, weight)
+    return y.to(dtype or x.dtype)
 
 
 def _hook(fn: ActHook | None, x: torch.Tensor) -> torch.Tensor:
@@ -367,14 +376,13 @@ class BeamForCausalLM(nn.Module):
         """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it)."""
         weight = self.head_weight
         rows = z.numel() // z.shape[-1]
-        if native.gemm_usable(weight, rows):  # a draft block or a few rows on CPU: the host kernel's GEMM
-            logits = native.gemm(z.reshape(rows, -1), weight).view(*z.shape[:-1], -1)
-        elif 1 < rows <= SMALL_M and z.dtype == torch.float32 and z.device.type == "cpu":
-            # a verify block or a draft: x·Wᵀ with a few rows leaves cores idle in CPU BLAS; W·xᵀ does not
-            # (2x faster for 8 rows of beam-mini's 49,152 x 576 head on the 2-core dev machine)
+        if (1 < rows <= SMALL_M and z.dtype == torch.float32 and z.device.type == "cpu"
+                and not _host_gemm(z, weight, rows)):
+            # a verify block or a draft without the host kernel: x·Wᵀ with a few rows leaves cores idle in CPU BLAS;
+            # W·xᵀ does not (2x faster for 8 rows of beam-mini's 49,152 x 576 head on the 2-core dev machine)
             logits = (weight @ z.reshape(rows, -1).T).T.reshape(*z.shape[:-1], -1)
-        else:
-            logits = F.linear(z, weight).float()
+        else:  # a draft block or a few rows on CPU take the host kernel's GEMM
+            logits = linear(z, weight, torch.float32)
         if self.shard is not None:  # vocab-parallel head: every rank gets the whole row, padding cut off
             logits = self.shard.allgather(logits)[..., :self.shard.vocab_size]
         return self.logit_transform(logits)
