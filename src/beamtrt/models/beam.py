@@ -381,7 +381,7 @@ class BeamForCausalLM(nn.Module):
             # a verify block or a draft without the host kernel: x·Wᵀ with a few rows leaves cores idle in CPU BLAS;
             # W·xᵀ does not (2x faster for 8 rows of beam-mini's 49,152 x 576 head on the 2-core dev machine)
             logits = (weight @ z.reshape(rows, -1).T).T.reshape(*z.shape[:-1], -1)
-        else:  # a draft block or a few rows on CPU take the host kernel's GEMM
+        else:  # the host kernel's GEMM where `linear` may take it (a draft block, a few rows), else F.linear
             logits = linear(z, weight, torch.float32)
         if self.shard is not None:  # vocab-parallel head: every rank gets the whole row, padding cut off
             logits = self.shard.allgather(logits)[..., :self.shard.vocab_size]
