@@ -23,6 +23,7 @@ MAINS = {
     "scripts/bench_convert.py": "beamtrt.bench.convert", "scripts/bench_tp.py": "beamtrt.bench.tp",
     "scripts/benchmark.py": "beamtrt.bench.benchmark", "scripts/train_drafter.py": "beamtrt.train.cli",
     "scripts/bench_kernels.py": "beamtrt.bench.kernels", "scripts/export_triton.py": "beamtrt.triton.cli",
+    "scripts/eval_drafter.py": "beamtrt.train.eval_cli",
 }
 STANDALONE = {"scripts/triton_client.py"}  # runs on a client machine with tritonclient only (no beamtrt, no torch)
 
@@ -96,6 +97,8 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix",
                                   "--head-vocab"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
+    ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--threads",
+                                 "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
@@ -170,6 +173,13 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
+
+
+def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--per-kind", "0"), "--per-kind")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path / "gone")), "gone", "no such directory")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(tmp_path)),
+                          "target", "no config.json")
 
 
 def test_train_drafter_bad_values_are_one_line(tmp_path, run):

@@ -239,7 +239,7 @@ def test_training_prompts_are_deterministic_and_not_benchmarks():
     pytest.importorskip("reasoning_gym")
     from beamtrt.train.prompts import BOXED, CODE_PREFIX, GYM_TASKS, GYM_TASKS_V3, training_prompts
 
-    for mix in ("v1", "v2", "v3"):
+    for mix in ("v1", "v2", "v3", "v4"):
         a, b = training_prompts(60, seed=3, mix=mix), training_prompts(60, seed=3, mix=mix)
         assert a == b and len(set(a)) == len(a) and len(a) >= 50
         assert training_prompts(60, seed=4, mix=mix) != a
@@ -251,8 +251,12 @@ def test_training_prompts_are_deterministic_and_not_benchmarks():
     v3 = training_prompts(200, seed=0, mix="v3")
     boxed = lambda prompts: sum(p.endswith(BOXED) for p in prompts)  # noqa: E731
     assert boxed(v3) > boxed(v2) and any("hens lay" in p for p in training_prompts(400, seed=0, mix="v3"))
+    v4 = training_prompts(200, seed=0, mix="v4")
+    personas = sum(p.startswith(("Pretend to be", "From now on, act as", "Embody", "You are", "Imagine yourself"))
+                   for p in v4)
+    assert personas >= 30 and sum(p.startswith(("Write", "Draft", "Compose", "Describe", "Come up")) for p in v4) >= 70
     with pytest.raises(BeamtrtError, match="unknown prompt mix"):
-        training_prompts(10, mix="v4")
+        training_prompts(10, mix="v9")
 
 
 def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
@@ -270,14 +274,50 @@ def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
         build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(), quiet=True)
 
 
+def _char_tokenizer(target):
+    """A stand-in tokenizer for the tiny target: one id per character of the prompt, no template."""
+    return SimpleNamespace(eos_token_id=None, apply_chat_template=lambda messages, add_generation_prompt: [
+        ord(c) % (target.cfg.vocab_size - 1) + 1 for c in messages[0]["content"]])
+
+
+def test_eval_by_kind_finds_each_answers_prompt_kind(target, tmp_path):
+    """scripts/eval_drafter.py's pieces: a cache's sequences get the kinds of the prompts they answer (regenerated
+    from its recipe), and each kind scores its last greedy answers exactly as the training eval does."""
+    pytest.importorskip("reasoning_gym")
+    from beamtrt.train.eval_cli import cache_kinds, evaluate_by_kind
+    from beamtrt.train.features import DataRecipe, build_features
+    from beamtrt.train.prompts import tagged_prompts
+
+    chars = _char_tokenizer(target)
+    recipe = DataRecipe(prompts=12, seed=5, mix="v1", max_new_tokens=6, batch=4, shard_size=8, sampled_every=3)
+    tagged = [(p, k) for p, k in tagged_prompts(12, 5, "v1") if len(p) <= recipe.max_prompt_tokens]
+    build_features(target, chars, TAPS, [p for p, _ in tagged], tmp_path, recipe, quiet=True)
+    data = load_features(tmp_path)
+    kinds = cache_kinds(tmp_path, chars, data)
+    assert kinds == [k for _, k in tagged] and len(set(kinds)) == 3
+    sub = data.select([3, 0])
+    assert torch.equal(sub.sequence(0)[0], data.sequence(3)[0]) and torch.equal(sub.sequence(1)[1], data.sequence(0)[1])
+    assert sub.greedy.tolist() == [bool(data.greedy[3]), bool(data.greedy[0])]
+
+    drafter = make_drafter(target)
+    rows = evaluate_by_kind(drafter, data, kinds, per_kind=2, block=4)
+    cfg = TrainConfig(eval_block_size=4)
+    for kind in set(kinds):
+        last = [i for i in range(len(data)) if kinds[i] == kind and bool(data.greedy[i])][-2:]
+        assert rows[kind] == {"scored": len(last)} | evaluate(drafter, data, last, cfg)
+    assert rows["all"]["scored"] == sum(rows[k]["scored"] for k in set(kinds))
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(BeamtrtError, match="no readable meta.json"):
+        cache_kinds(tmp_path, chars, data)
+
+
 def test_feature_cache_resumes_with_the_same_shards(target, tmp_path):
     """Shards of 4 answered 3 at a time (answers cross shard boundaries); a shard lost to an interruption is
     answered again, alone, and comes out as it was; every 2nd answer is sampled and flagged as such. From its answers
     files alone, a cache gets the same taps back."""
     from beamtrt.train.features import DataRecipe, build_features, rebuild_features
 
-    chars = SimpleNamespace(eos_token_id=None, apply_chat_template=lambda messages, add_generation_prompt: [
-        ord(c) % (target.cfg.vocab_size - 1) + 1 for c in messages[0]["content"]])
+    chars = _char_tokenizer(target)
     prompts = ["two plus two", "hello", "a haiku on rain", "sort a list", "why", "tcp in one line", "bees", "blue",
                "name a painter", "twelve times seven"]
     recipe = DataRecipe(prompts=len(prompts), max_new_tokens=6, batch=3, shard_size=4, sampled_every=2)

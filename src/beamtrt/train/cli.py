@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--prompt-mix", choices=tuple(MIXES), default=d.mix,
                       help="training prompt mix: v1 = math, code, general (the first caches); v2 adds code stubs, "
                            "chat, passages and the evaluation wrappers; v3 shifts toward longer word problems, "
-                           "MATH-like algebra and chat (default: %(default)s)")
+                           "MATH-like algebra and chat; v4 is over half open-ended writing and role-play "
+                           "(default: %(default)s)")
     tr = p.add_argument_group("phase 2: training")
     tr.add_argument("--steps", type=int, default=t.steps, help="optimizer steps (default: %(default)s)")
     tr.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step,

@@ -62,6 +62,22 @@ class FeatureSet:
         a, b = int(self.seq_start[i]), int(self.seq_start[i + 1])
         return self.ids[a:b], self.taps[a:b], int(self.prompt_len[i])
 
+    def select(self, indices: Sequence[int]) -> "FeatureSet":
+        """A new set of these sequences, in this order."""
+        return concat_features([FeatureSet(*self.sequence(i)[:2], torch.tensor([0, int(self.seq_start[i + 1] -
+                                                                                      self.seq_start[i])]),
+                                           self.prompt_len[i:i + 1], self.greedy[i:i + 1]) for i in indices])
+
+
+def concat_features(parts: Sequence[FeatureSet]) -> FeatureSet:
+    starts, total = [], 0
+    for part in parts:
+        starts.append(part.seq_start[:-1] + total)
+        total += part.ids.shape[0]
+    return FeatureSet(ids=torch.cat([p.ids for p in parts]), taps=torch.cat([p.taps for p in parts]),
+                      seq_start=torch.cat(starts + [torch.tensor([total])]),
+                      prompt_len=torch.cat([p.prompt_len for p in parts]), greedy=torch.cat([p.greedy for p in parts]))
+
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -273,12 +289,6 @@ def load_features(*dirs: Path) -> FeatureSet:
         if taps is not None and meta.get("taps") != taps:
             raise BeamtrtError(f"{data}: features of target layers {meta.get('taps')}, the first cache has {taps}")
         taps = meta.get("taps")
-        parts += [_read(p, "feature shard") for p in paths]
-    starts, total = [], 0
-    for part in parts:
-        starts.append(part["seq_start"][:-1] + total)
-        total += part["ids"].shape[0]
-    return FeatureSet(ids=torch.cat([p["ids"] for p in parts]), taps=torch.cat([p["taps"] for p in parts]),
-                      seq_start=torch.cat(starts + [torch.tensor([total])]),
-                      prompt_len=torch.cat([p["prompt_len"] for p in parts]),
-                      greedy=torch.cat([p["greedy"] for p in parts]))
+        parts += [FeatureSet(**{k: v for k, v in _read(p, "feature shard").items()
+                                if k in ("ids", "taps", "seq_start", "prompt_len", "greedy")}) for p in paths]
+    return concat_features(parts)

@@ -12,6 +12,8 @@ non-benchmark content, twice as many word-problem templates, HumanEval-style stu
 and MT-Bench-style writing, role-play, extraction and knowledge requests, some over passages of a public-domain story
 that reasoning-gym ships (Jules Verne, "In the Year 2889"). Mix "v3" leans toward the benchmark families the
 drafter was weakest on: longer multi-step word problems, MATH-like generators, half the math boxed, more chat.
+Mix "v4" is over half open-ended writing (blog posts, emails, stories, letters, reviews, speeches, poems) and
+role-play in a persona, the kinds of request MT-Bench opens with, beside a smaller share of v3's kinds.
 """
 
 from __future__ import annotations
@@ -184,13 +186,83 @@ PASSAGE = ("Summarize the following passage in two or three sentences.\n\n{text}
            "Read the text and write three questions a teacher could ask about it.\n\n{text}",
            "{text}\n\nContinue this story for one more paragraph.")
 
+# v4: MT-Bench's first turns are writing and role-play requests, on which run 8 drafted 0.45 below its level on the
+# v3 chat answers; these are written here in that spirit (open-ended writing with a form and an audience, personas
+# answering in character), none of them an MT-Bench question
+WRITE = ("Write a {length} blog post about {experience}, with vivid details and practical tips for readers.",
+         "Draft a {tone} email to {recipient} about {matter}.",
+         "Write a short story that begins with the sentence: \"{opening}\"",
+         "Describe {character} in a vivid paragraph, using strong imagery and creative language.",
+         "Write a descriptive paragraph about {scene}, appealing to sight, sound, smell and touch.",
+         "Write a persuasive letter to {recipient} convincing them to {action}. Address their likely objections.",
+         "Come up with four catchy headlines for an article about {topic}, then say which one works best and why.",
+         "Write a review of {product}: what you liked, what you did not, and who should buy it.",
+         "Write a short speech for {occasion}. Make it warm and a little funny.",
+         "Compose a {form} about {topic}.",
+         "Write a cover letter for a job as {job}, highlighting relevant experience.",
+         "Write the opening scene of a {genre} novel set in {place}.",
+         "Write a {length} article for a school newsletter about {topic}.",
+         "Write a social media post announcing {matter}, and suggest three hashtags.")
+LENGTHS = ("short", "300-word", "detailed", "friendly", "two-paragraph")
+TONES = ("professional", "polite", "friendly", "formal", "apologetic", "enthusiastic")
+RECIPIENTS = ("your manager", "a new neighbor", "your landlord", "a customer", "your city council",
+              "a former teacher", "your team", "a local newspaper", "your best friend", "a hotel manager")
+MATTERS = ("a project deadline that has to move", "a community cleanup this weekend", "a broken heater",
+           "a new product launch", "a change in the meeting schedule", "a charity bake sale",
+           "a lost package", "the results of a customer survey", "a team outing", "a new recycling program")
+OPENINGS = ("The letter arrived twenty years too late.", "Nobody in the village had ever seen the lighthouse dark.",
+            "The robot had one question it was not allowed to ask.", "It started raining upward on a Tuesday.",
+            "My grandmother kept a locked box under her bed.", "The last train of the night stopped in the middle "
+            "of nowhere.", "The map showed an island that was not there yesterday.",
+            "Everyone at the party heard the piano play by itself.")
+CHARACTERS = ("an old fisherman who talks to the sea", "a young inventor with too many ideas",
+              "a street musician in a busy city", "a retired spy who now grows roses",
+              "a shy dragon who loves books", "a bus driver who knows every passenger's story",
+              "a clockmaker who is always late", "a mountain guide with a secret")
+SCENES = ("a night market in a busy city", "a small harbor at dawn", "a train station during a snowstorm",
+          "a crowded football stadium", "a forest after the rain", "a bakery early in the morning",
+          "a desert town at noon", "a library on the last day before summer")
+ACTIONS = ("volunteer at an animal shelter", "start cycling to work", "join a community choir",
+           "read one book a month", "try a week without a smartphone", "plant a tree in their yard",
+           "learn to cook one new dish a week", "visit a local museum")
+PRODUCTS = ("a pair of noise-cancelling headphones", "a budget smartphone", "an electric scooter",
+            "a smart watch for runners", "a coffee grinder", "a robot vacuum cleaner", "an e-book reader",
+            "a camping tent for two")
+OCCASIONS = ("a friend's wedding", "a retirement party", "a school graduation", "the opening of a new library",
+             "a team's end-of-year dinner", "a grandparent's 90th birthday")
+FORMS = ("haiku sequence", "limerick", "sonnet", "free-verse poem", "short ballad", "poem for children")
+JOBS = ("a software developer", "a museum guide", "a nurse", "a park ranger", "a graphic designer", "a chef",
+        "a data analyst", "a primary school teacher")
+GENRES = ("mystery", "science fiction", "fantasy", "historical", "comedy", "thriller")
+ROLE = ("Pretend to be {persona}. {question}", "From now on, act as {persona} and stay in character. {question}",
+        "Embody {persona} and answer in that voice: {question}",
+        "You are {persona}. A visitor asks you: \"{question}\" How do you reply?",
+        "Imagine yourself as {persona}. Describe how you would {scenario}.")
+PERSONAS = ("an astronaut just back from a year in orbit", "Albert Einstein", "a grumpy but kind librarian",
+            "a 19th-century sea captain", "a superhero who is tired of saving the city",
+            "a startup founder pitching to investors", "a nutritionist", "a stand-up comedian",
+            "a park ranger in Yellowstone", "Leonardo da Vinci", "a math teacher who loves puns", "a veterinarian",
+            "a relationship counselor", "a film critic", "a video game character who knows it is in a game",
+            "a lawyer", "a time traveler from the year 3000", "a barista", "a famous chef", "Marie Curie",
+            "a football coach at half-time", "a fortune teller", "an ancient Greek philosopher",
+            "a weather forecaster")
+QUESTIONS = ("What advice would you give to a young person starting out?", "What is the hardest part of your job?",
+             "What do you think about social media?", "How do you handle stress?",
+             "Tell me about a day you will never forget.", "Why should people care about what you do?",
+             "What would you change about the world?", "Can you recommend a good book and say why?",
+             "What is a common misconception about you?", "How do you start your mornings?")
+SCENARIOS = ("spend a rainy Sunday", "settle an argument between two friends", "teach a child to ride a bike",
+             "plan a surprise party", "get through a day when everything goes wrong", "welcome a new neighbor")
+
 GYM_INSTALL = "pip install 'beamtrt[train]' (or reasoning-gym==0.1.25)"
 MIX = (("math", 0.4), ("code", 0.3), ("general", 0.3))
 MIX_V2 = (("gym", 0.2), ("word", 0.15), ("code", 0.1), ("stub", 0.2), ("general", 0.1), ("chat", 0.15),
           ("passage", 0.1))
 MIX_V3 = (("gym3", 0.15), ("word3", 0.25), ("code", 0.05), ("stub", 0.15), ("general", 0.05), ("chat", 0.25),
           ("passage", 0.1))
-MIXES = {"v1": MIX, "v2": MIX_V2, "v3": MIX_V3}
+MIX_V4 = (("write", 0.35), ("role", 0.2), ("chat", 0.1), ("word3", 0.15), ("gym3", 0.05), ("stub", 0.1),
+          ("passage", 0.05))
+MIXES = {"v1": MIX, "v2": MIX_V2, "v3": MIX_V3, "v4": MIX_V4}
 
 
 def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES,
@@ -304,6 +376,18 @@ def _chat_prompts(n: int, rng: random.Random) -> list[str]:
     return out
 
 
+def _write_prompts(n: int, rng: random.Random) -> list[str]:
+    fields = dict(length=LENGTHS, experience=PLACES + ACTIVITIES, tone=TONES, recipient=RECIPIENTS, matter=MATTERS,
+                  opening=OPENINGS, character=CHARACTERS, scene=SCENES, action=ACTIONS, topic=TOPICS,
+                  product=PRODUCTS, occasion=OCCASIONS, form=FORMS, job=JOBS, genre=GENRES, place=PLACES)
+    return [rng.choice(WRITE).format(**{k: rng.choice(v) for k, v in fields.items()}) for _ in range(n)]
+
+
+def _role_prompts(n: int, rng: random.Random) -> list[str]:
+    return [rng.choice(ROLE).format(persona=rng.choice(PERSONAS), question=rng.choice(QUESTIONS),
+                                    scenario=rng.choice(SCENARIOS)) for _ in range(n)]
+
+
 def _passages() -> list[str]:
     """Paragraph runs of 300–700 characters from the public-domain story reasoning-gym ships."""
     text = _package_file("reasoning_gym", "data/in_the_year_2889.txt", GYM_INSTALL).read_text("utf-8")
@@ -323,9 +407,16 @@ def _passage_prompts(n: int, rng: random.Random) -> list[str]:
 
 
 def training_prompts(n: int, seed: int = 0, mix: str = "v2") -> list[str]:
-    """Up to n distinct prompts, deterministic. Mix "v1": 40% math (half reasoning-gym, half word problems), 30%
-    code, 30% general; "v2" (MIX_V2): also stubs, chat, passages, and the evaluation wrappers; "v3" (MIX_V3): more
-    and longer word problems, MATH-like generators, more chat, half of the math with the boxed-answer wrapper."""
+    """Up to n distinct prompts, deterministic (tagged_prompts without the kinds)."""
+    return [prompt for prompt, _ in tagged_prompts(n, seed, mix)]
+
+
+def tagged_prompts(n: int, seed: int = 0, mix: str = "v2") -> list[tuple[str, str]]:
+    """Up to n distinct (prompt, kind) pairs, deterministic; the kinds are the mix's (MIXES). Mix "v1": 40% math
+    (half reasoning-gym, half word problems), 30% code, 30% general; "v2" (MIX_V2): also stubs, chat, passages, and
+    the evaluation wrappers; "v3" (MIX_V3): more and longer word problems, MATH-like generators, more chat, half of
+    the math with the boxed-answer wrapper; "v4" (MIX_V4): over half open-ended writing and role-play requests, the
+    rest v3's kinds."""
     if n < 1:
         raise ValueError(f"number of training prompts must be >= 1, got {n}")
     if mix not in MIXES:
@@ -347,10 +438,12 @@ def training_prompts(n: int, seed: int = 0, mix: str = "v2") -> list[str]:
         "gym3": lambda k: _gym_prompts(k, seed, suffixes_v3, GYM_TASKS_V3),
         "word3": lambda k: _word_problems(k, rng, WORD_PROBLEMS_V2 + WORD_PROBLEMS_V3, NAMES_V2, ITEMS_V2,
                                           suffixes_v3, big=True),
+        "write": lambda k: _write_prompts(k, rng),
+        "role": lambda k: _role_prompts(k, rng),
     }
     prompts = []
     for kind, _ in MIXES[mix]:  # over-draw, then keep distinct prompts (a template mix repeats itself)
         distinct = list(dict.fromkeys(makers[kind](3 * counts[kind])))
-        prompts += distinct[:counts[kind]]
+        prompts += [(prompt, kind) for prompt in distinct[:counts[kind]]]
     rng.shuffle(prompts)
     return prompts

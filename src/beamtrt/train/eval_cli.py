@@ -1,0 +1,125 @@
+"""Command line of scripts/eval_drafter.py: a drafter's decoded τ on feature caches' greedy answers, by prompt kind."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import run_cli
+from beamtrt.errors import BeamtrtError
+
+
+def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int) -> dict[str, dict]:
+    """kinds[i]: the prompt kind of sequence i. Scores the last `per_kind` greedy answers of every kind (and all of
+    them together) with the training eval (trainer.evaluate: the decoder's τ at `block`, on the full LM head)."""
+    from beamtrt.train.trainer import TrainConfig, evaluate
+
+    cfg = TrainConfig(eval_block_size=block, block_size=max(block, TrainConfig().block_size))
+    groups: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if bool(data.greedy[i]):
+            groups.setdefault(kind, []).append(i)
+    rows = {kind: {"scored": min(per_kind, len(groups[kind]))} | evaluate(drafter, data, groups[kind][-per_kind:], cfg)
+            for kind in sorted(groups)}
+    every = [i for kind in sorted(groups) for i in groups[kind][-per_kind:]]
+    rows["all"] = {"scored": len(every)} | evaluate(drafter, data, every, cfg)
+    return rows
+
+
+def cache_kinds(data_dir: Path, tokenizer, data) -> list[str]:
+    """The prompt kind of every sequence of the cache in data_dir (loaded as `data`), found by regenerating its
+    prompts from meta.json's recipe and matching their chat-template ids; "other" where none matches."""
+    from beamtrt.train.features import _chat_ids
+    from beamtrt.train.prompts import MIXES, tagged_prompts
+
+    try:
+        recipe = json.loads((data_dir / "meta.json").read_text())["recipe"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BeamtrtError(f"{data_dir}: no readable meta.json with the cache's recipe") from None
+    mix = recipe.get("mix", "v1")  # caches made before mixes had names used the first one
+    if mix not in MIXES:
+        raise BeamtrtError(f"{data_dir}: made with prompt mix {mix!r}, which this version does not know")
+    kind_of = {tuple(_chat_ids(tokenizer, prompt)): kind
+               for prompt, kind in tagged_prompts(recipe["prompts"], recipe["seed"], mix)}
+    return [kind_of.get(tuple(ids[:prompt_len].tolist()), "other")
+            for ids, _, prompt_len in map(data.sequence, range(len(data)))]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Score a drafter on feature caches made by scripts/train_drafter.py: the acceptance length "
+                    "speculative decoding would reach on their greedy answers (the training eval), by prompt kind. "
+                    "Use caches the drafter was not trained on.")
+    p.add_argument("--data", nargs="+", required=True, metavar="DIR",
+                   help="feature caches (the --data directories of train_drafter.py)")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the committed beam-mini drafter)")
+    p.add_argument("--target", default=None, help="target checkpoint (default: beam-mini, made if missing)")
+    p.add_argument("--per-kind", type=int, default=32, help="greedy answers scored per kind, the last of each "
+                                                           "(default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=8, help="draft block (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def run() -> None:
+        from transformers import AutoTokenizer
+
+        from beamtrt.models.beam import load_beam
+        from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
+        from beamtrt.models.dflash2 import load_drafter
+        from beamtrt.train.features import concat_features, load_features
+
+        if args.per_kind < 1 or args.block_size < 2:
+            raise ValueError("--per-kind must be >= 1 and --block-size >= 2")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        for d in map(Path, args.data):
+            if not d.is_dir():
+                raise BeamtrtError(f"--data {d}: no such directory")
+        target_dir = Path(args.target) if args.target else ensure_beam_mini()
+        drafter_dir = Path(args.drafter) if args.drafter else CHECKPOINTS / f"{target_dir.resolve().name}-dflash2"
+        for what, d in (("target", target_dir), ("drafter", drafter_dir)):
+            if not (d / "config.json").is_file():
+                raise BeamtrtError(f"{what} {d}: not a checkpoint directory (no config.json)")
+        target = load_beam(target_dir, dtype=torch.float32).requires_grad_(False)
+        drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
+        if args.block_size > drafter.cfg.block_size:
+            raise ValueError(f"--block-size {args.block_size} is above the drafter's ({drafter.cfg.block_size})")
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        parts, kinds, answers = [], [], Counter()
+        for d in map(Path, args.data):  # one cache in memory at a time; keep the answers that can be scored
+            part = load_features(d)
+            part_kinds = cache_kinds(d, tokenizer, part)
+            keep = [i for i in range(len(part)) if bool(part.greedy[i])]
+            answers.update(part_kinds[i] for i in keep)
+            keep = [i for i in keep if sum(part_kinds[j] == part_kinds[i] for j in keep if j > i) < args.per_kind]
+            parts.append(part.select(keep))
+            kinds += [part_kinds[i] for i in keep]
+        data = concat_features(parts)
+        if data.taps.shape[-1] != len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size:
+            raise BeamtrtError(f"the caches hold {data.taps.shape[-1]} tap features per token; the drafter reads "
+                               f"{len(drafter.cfg.target_layer_ids)} layers of {target.cfg.hidden_size}")
+        rows = evaluate_by_kind(drafter, data, kinds, args.per_kind, args.block_size)
+        answers["all"] = sum(answers.values())
+        rows = {kind: {"answers": answers[kind]} | r for kind, r in rows.items()}
+        print("| kind | greedy answers | scored | τ decoded | τ top-1 | every-anchor mean | top-16 recall |\n"
+              "|---|---|---|---|---|---|---|")
+        for kind, r in rows.items():
+            print(f"| {kind} | {r['answers']} | {r['scored']} | {r.get('eval_tau', float('nan')):.2f} | "
+                  f"{r.get('eval_tau_top1', float('nan')):.2f} | {r.get('eval_tau_every_anchor', float('nan')):.2f} | "
+                  f"{r.get('eval_recall', float('nan')):.2f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"drafter": str(drafter_dir), "data": args.data,
+                                                   "block_size": args.block_size, "kinds": rows}, indent=2) + "\n")
+        print(f"drafter {drafter_dir} on {len(args.data)} cache(s) at block {args.block_size}", file=sys.stderr)
+
+    return run_cli(run)
