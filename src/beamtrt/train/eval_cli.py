@@ -17,18 +17,30 @@ from beamtrt.errors import BeamtrtError
 def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int) -> dict[str, dict]:
     """kinds[i]: the prompt kind of sequence i. Scores the last `per_kind` greedy answers of every kind (and all of
     them together) with the training eval (trainer.evaluate: the decoder's τ at `block`, on the full LM head)."""
-    from beamtrt.train.trainer import TrainConfig, evaluate
+    from beamtrt.train.trainer import TrainConfig, eval_ratios, eval_sums
 
     cfg = TrainConfig(eval_block_size=block, block_size=max(block, TrainConfig().block_size))
     groups: dict[str, list[int]] = {}
     for i, kind in enumerate(kinds):
         if bool(data.greedy[i]):
             groups.setdefault(kind, []).append(i)
-    rows = {kind: {"scored": min(per_kind, len(groups[kind]))} | evaluate(drafter, data, groups[kind][-per_kind:], cfg)
-            for kind in sorted(groups)}
-    every = [i for kind in sorted(groups) for i in groups[kind][-per_kind:]]
-    rows["all"] = {"scored": len(every)} | evaluate(drafter, data, every, cfg)
-    return rows
+    scored = {kind: min(per_kind, len(groups[kind])) for kind in sorted(groups)}
+    sums = {kind: eval_sums(drafter, data, groups[kind][-per_kind:], cfg) for kind in scored}
+    if sums:  # counts add up: all kinds together without scoring them twice
+        scored["all"] = sum(scored.values())
+        sums["all"] = {key: sum(s[key] for s in sums.values()) for key in next(iter(sums.values()))}
+    return {kind: {"scored": scored[kind]} | eval_ratios(s) for kind, s in sums.items()}
+
+
+def _meta(data_dir: Path) -> dict:
+    """A feature cache's meta.json (its recipe and target layers)."""
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or not {"prompts", "seed"} <= set(meta.get("recipe") or {}):
+        raise BeamtrtError(f"{data_dir}: no readable meta.json with the cache's recipe")
+    return meta
 
 
 def cache_kinds(data_dir: Path, tokenizer, data) -> list[str]:
@@ -37,10 +49,7 @@ def cache_kinds(data_dir: Path, tokenizer, data) -> list[str]:
     from beamtrt.train.features import _chat_ids
     from beamtrt.train.prompts import MIXES, tagged_prompts
 
-    try:
-        recipe = json.loads((data_dir / "meta.json").read_text())["recipe"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise BeamtrtError(f"{data_dir}: no readable meta.json with the cache's recipe") from None
+    recipe = _meta(data_dir)["recipe"]
     mix = recipe.get("mix", "v1")  # caches made before mixes had names used the first one
     if mix not in MIXES:
         raise BeamtrtError(f"{data_dir}: made with prompt mix {mix!r}, which this version does not know")
@@ -76,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
         from beamtrt.models.dflash2 import load_drafter
-        from beamtrt.train.features import concat_features, load_features
+        from beamtrt.train.features import concat_features, load_features, rebuild_features
 
         if args.per_kind < 1 or args.block_size < 2:
             raise ValueError("--per-kind must be >= 1 and --block-size >= 2")
@@ -96,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--block-size {args.block_size} is above the drafter's ({drafter.cfg.block_size})")
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         parts, kinds, answers = [], [], Counter()
+        taps = list(drafter.cfg.target_layer_ids)
         for d in map(Path, args.data):  # one cache in memory at a time; keep the answers that can be scored
+            if _meta(d).get("taps") != taps:
+                raise BeamtrtError(f"{d}: features of target layers {_meta(d).get('taps')}, the drafter reads {taps}")
+            rebuild_features(target, taps, d)  # committed answers files get their taps back (as in training)
             part = load_features(d)
             part_kinds = cache_kinds(d, tokenizer, part)
             keep = [i for i in range(len(part)) if bool(part.greedy[i])]
@@ -104,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             keep = [i for i in keep if sum(part_kinds[j] == part_kinds[i] for j in keep if j > i) < args.per_kind]
             parts.append(part.select(keep))
             kinds += [part_kinds[i] for i in keep]
-        data = concat_features(parts)
-        if data.taps.shape[-1] != len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size:
-            raise BeamtrtError(f"the caches hold {data.taps.shape[-1]} tap features per token; the drafter reads "
-                               f"{len(drafter.cfg.target_layer_ids)} layers of {target.cfg.hidden_size}")
-        rows = evaluate_by_kind(drafter, data, kinds, args.per_kind, args.block_size)
+        rows = evaluate_by_kind(drafter, concat_features(parts), kinds, args.per_kind, args.block_size)
         answers["all"] = sum(answers.values())
         rows = {kind: {"answers": answers[kind]} | r for kind, r in rows.items()}
         print("| kind | greedy answers | scored | τ decoded | τ top-1 | every-anchor mean | top-16 recall |\n"

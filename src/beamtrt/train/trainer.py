@@ -228,6 +228,13 @@ def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: Tr
     walk, eval_tau_top1 for the slots' argmax. eval_tau_every_anchor averages over every position instead; it is
     higher, because the decoder crosses easy stretches in few steps and spends a step on each hard token.
     Always on the full LM head; with a training head slice, also the fraction of drafts outside it."""
+    return eval_ratios(eval_sums(drafter, data, held, cfg, head, chunk), head is not None)
+
+
+@torch.no_grad()
+def eval_sums(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: TrainConfig,
+              head: HeadSlice | None = None, chunk: int = 64) -> dict[str, float]:
+    """evaluate's counts (tokens, steps, ...), which add up over sets of answers."""
     block = cfg.eval_block_size
     sums = dict.fromkeys(("tokens", "steps", "steps_top1", "every", "recall", "count", "outside"), 0.0)
     for i in held:
@@ -255,13 +262,18 @@ def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: Tr
         sums["steps_top1"] += decode_steps(accepted_top1)
         sums["tokens"] += len(accepted)
         sums["every"] += float(accepted.sum())
+    return sums
+
+
+def eval_ratios(sums: dict[str, float], outside: bool = False) -> dict[str, float]:
+    """eval_sums -> evaluate's metrics ({} when nothing was scored); outside: report eval_outside_head."""
     if not sums["steps"]:
         return {}
     return {"eval_tau": round(sums["tokens"] / sums["steps"], 4),
             "eval_tau_top1": round(sums["tokens"] / sums["steps_top1"], 4),
             "eval_tau_every_anchor": round(sums["every"] / sums["tokens"], 4),
             "eval_recall": round(sums["recall"] / max(sums["count"], 1.0), 4)} | (
-        {} if head is None else {"eval_outside_head": round(sums["outside"] / max(sums["count"], 1.0), 5)})
+        {"eval_outside_head": round(sums["outside"] / max(sums["count"], 1.0), 5)} if outside else {})
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
