@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             keep = [i for i in range(len(part)) if bool(part.greedy[i])]
             answers.update(part_kinds[i] for i in keep)
             keep = [i for i in keep if sum(part_kinds[j] == part_kinds[i] for j in keep if j > i) < args.per_kind]
-            parts.append(part.select(keep))
-            kinds += [part_kinds[i] for i in keep]
+            if keep:
+                parts.append(part.select(keep))
+                kinds += [part_kinds[i] for i in keep]
+        if not parts:
+            raise BeamtrtError("the caches hold no greedy answer to score")
         rows = evaluate_by_kind(drafter, concat_features(parts), kinds, args.per_kind, args.block_size)
         answers["all"] = sum(answers.values())
         rows = {kind: {"answers": answers[kind]} | r for kind, r in rows.items()}

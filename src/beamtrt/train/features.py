@@ -63,13 +63,17 @@ class FeatureSet:
         return self.ids[a:b], self.taps[a:b], int(self.prompt_len[i])
 
     def select(self, indices: Sequence[int]) -> "FeatureSet":
-        """A new set of these sequences, in this order."""
-        return concat_features([FeatureSet(*self.sequence(i)[:2], torch.tensor([0, int(self.seq_start[i + 1] -
-                                                                                      self.seq_start[i])]),
-                                           self.prompt_len[i:i + 1], self.greedy[i:i + 1]) for i in indices])
+        """A new set of these sequences (at least one), in this order."""
+        parts = []
+        for i in indices:
+            ids, taps, _ = self.sequence(i)
+            parts.append(FeatureSet(ids, taps, torch.tensor([0, ids.shape[0]]), self.prompt_len[i:i + 1],
+                                    self.greedy[i:i + 1]))
+        return concat_features(parts)
 
 
 def concat_features(parts: Sequence[FeatureSet]) -> FeatureSet:
+    """One set of the sequences of all parts (at least one), in order."""
     starts, total = [], 0
     for part in parts:
         starts.append(part.seq_start[:-1] + total)

@@ -186,9 +186,9 @@ PASSAGE = ("Summarize the following passage in two or three sentences.\n\n{text}
            "Read the text and write three questions a teacher could ask about it.\n\n{text}",
            "{text}\n\nContinue this story for one more paragraph.")
 
-# v4: MT-Bench's first turns are writing and role-play requests, on which run 8 drafted 0.45 below its level on the
-# v3 chat answers; these are written here in that spirit (open-ended writing with a form and an audience, personas
-# answering in character), none of them an MT-Bench question
+# v4: MT-Bench's first turns are writing and role-play requests, on which run 8 drafted 0.3 below its level on the
+# v3 chat answers it never saw (docs/DRAFTER.md, "Run 12"); these are written here in that spirit (open-ended writing
+# with a form and an audience, personas answering in character), none of them an MT-Bench question
 WRITE = ("Write a {length} blog post about {experience}, with vivid details and practical tips for readers.",
          "Draft a {tone} email to {recipient} about {matter}.",
          "Write a short story that begins with the sentence: \"{opening}\"",
