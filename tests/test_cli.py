@@ -180,6 +180,17 @@ def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path / "gone")), "gone", "no such directory")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(tmp_path)),
                           "target", "no config.json")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--block-size", "1"), "--block-size")
+
+
+def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path, run, beam_mini):
+    drafter = str(ROOT / "checkpoints" / "beam-mini-dflash2")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(beam_mini),
+                              "--drafter", drafter, "--block-size", "32"), "--block-size 32", "above the drafter's")
+    (tmp_path / "meta.json").write_text('{"recipe": {"prompts": 4, "seed": 0}, "taps": [0]}')
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(beam_mini),
+                              "--drafter", drafter), "features of target layers [0]")
+    assert not list(tmp_path.glob("features-*"))  # nothing written into the cache
 
 
 def test_train_drafter_bad_values_are_one_line(tmp_path, run):

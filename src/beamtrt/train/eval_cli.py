@@ -14,18 +14,24 @@ from beamtrt.cli_util import run_cli
 from beamtrt.errors import BeamtrtError
 
 
+def last_greedy(kinds: list[str], greedy: torch.Tensor, per_kind: int) -> dict[str, list[int]]:
+    """kind -> indices of its last `per_kind` greedy sequences (kinds[i]: the prompt kind of sequence i)."""
+    groups: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if bool(greedy[i]):
+            groups.setdefault(kind, []).append(i)
+    return {kind: groups[kind][-per_kind:] for kind in sorted(groups)}
+
+
 def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int) -> dict[str, dict]:
     """kinds[i]: the prompt kind of sequence i. Scores the last `per_kind` greedy answers of every kind (and all of
     them together) with the training eval (trainer.evaluate: the decoder's τ at `block`, on the full LM head)."""
     from beamtrt.train.trainer import TrainConfig, eval_ratios, eval_sums
 
     cfg = TrainConfig(eval_block_size=block, block_size=max(block, TrainConfig().block_size))
-    groups: dict[str, list[int]] = {}
-    for i, kind in enumerate(kinds):
-        if bool(data.greedy[i]):
-            groups.setdefault(kind, []).append(i)
-    scored = {kind: min(per_kind, len(groups[kind])) for kind in sorted(groups)}
-    sums = {kind: eval_sums(drafter, data, groups[kind][-per_kind:], cfg) for kind in scored}
+    groups = last_greedy(kinds, data.greedy, per_kind)
+    scored = {kind: len(group) for kind, group in groups.items()}
+    sums = {kind: eval_sums(drafter, data, group, cfg) for kind, group in groups.items()}
     if sums:  # counts add up: all kinds together without scoring them twice
         scored["all"] = sum(scored.values())
         sums["all"] = {key: sum(s[key] for s in sums.values()) for key in next(iter(sums.values()))}
@@ -46,14 +52,14 @@ def _meta(data_dir: Path) -> dict:
 def cache_kinds(data_dir: Path, tokenizer, data) -> list[str]:
     """The prompt kind of every sequence of the cache in data_dir (loaded as `data`), found by regenerating its
     prompts from meta.json's recipe and matching their chat-template ids; "other" where none matches."""
-    from beamtrt.train.features import _chat_ids
+    from beamtrt.train.features import chat_ids
     from beamtrt.train.prompts import MIXES, tagged_prompts
 
     recipe = _meta(data_dir)["recipe"]
     mix = recipe.get("mix", "v1")  # caches made before mixes had names used the first one
     if mix not in MIXES:
         raise BeamtrtError(f"{data_dir}: made with prompt mix {mix!r}, which this version does not know")
-    kind_of = {tuple(_chat_ids(tokenizer, prompt)): kind
+    kind_of = {tuple(chat_ids(tokenizer, prompt)): kind
                for prompt, kind in tagged_prompts(recipe["prompts"], recipe["seed"], mix)}
     return [kind_of.get(tuple(ids[:prompt_len].tolist()), "other")
             for ids, _, prompt_len in map(data.sequence, range(len(data)))]
@@ -107,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         parts, kinds, answers = [], [], Counter()
         taps = list(drafter.cfg.target_layer_ids)
         for d in map(Path, args.data):  # one cache in memory at a time; keep the answers that can be scored
-            if _meta(d).get("taps") != taps:
-                raise BeamtrtError(f"{d}: features of target layers {_meta(d).get('taps')}, the drafter reads {taps}")
+            cache_taps = _meta(d).get("taps")
+            if cache_taps != taps:
+                raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
             rebuild_features(target, taps, d)  # committed answers files get their taps back (as in training)
             part = load_features(d)
             part_kinds = cache_kinds(d, tokenizer, part)
-            keep = [i for i in range(len(part)) if bool(part.greedy[i])]
-            answers.update(part_kinds[i] for i in keep)
-            keep = [i for i in keep if sum(part_kinds[j] == part_kinds[i] for j in keep if j > i) < args.per_kind]
+            answers.update(kind for kind, greedy in zip(part_kinds, part.greedy.tolist()) if greedy)
+            keep = sorted(i for group in last_greedy(part_kinds, part.greedy, args.per_kind).values() for i in group)
             if keep:
                 parts.append(part.select(keep))
                 kinds += [part_kinds[i] for i in keep]

@@ -156,7 +156,8 @@ def answer_with_taps(target: BeamForCausalLM, prompts: Sequence[Sequence[int]], 
                                                                         torch.stack(answer_taps.pop(i))))
 
 
-def _chat_ids(tokenizer, prompt: str) -> list[int]:
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The ids the target answers for one prompt: a user turn in its chat template, ready for the reply."""
     return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
 
 
@@ -176,7 +177,7 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
             raise BeamtrtError(f"{out} holds features made with other settings: remove it or choose another --data")
     else:
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-    encoded = [ids for ids in (_chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
+    encoded = [ids for ids in (chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
     rebuild_features(target, taps, out, quiet=quiet)
