@@ -95,10 +95,10 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
                                   "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix",
-                                  "--head-vocab"]),
+                                  "--head-vocab", "--device"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
-    ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--threads",
-                                 "--json"]),
+    ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--device",
+                                 "--threads", "--json"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
@@ -126,6 +126,17 @@ def test_run_bad_values_are_one_line(tmp_path, run):
                           "cannot be combined")
     (tmp_path / "config.json").write_text('{"hidden_size": 64,')
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path)), "not valid JSON")
+
+
+@pytest.mark.parametrize("script, args", [("runtime/run.py", []), ("scripts/train_drafter.py", []),
+                                          ("scripts/eval_drafter.py", ["--data", "."])])
+def test_bad_devices_are_one_line(script, args, run):
+    """Checked before any model is loaded or made: a name torch does not know, a device type the project does not
+    run on, a GPU this host does not have."""
+    assert_one_line_error(run(script, *args, "--device", "gpu0"), "--device gpu0", "not a torch device")
+    assert_one_line_error(run(script, *args, "--device", "meta"), "--device meta", "only cpu and cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert_one_line_error(run(script, *args, "--device", f"cuda:{count}"), f"--device cuda:{count}")
 
 
 def test_random_beam_bad_values_are_one_line(tmp_path, run):

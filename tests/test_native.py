@@ -87,6 +87,8 @@ def test_gemm_matches_matmul_and_is_row_invariant(dtype):
         assert rel(full, x @ w.float().T) < 1e-6
         for m in (1, 2, 3, 4, 5, 9):  # every blocking of the rows gives the same bits
             assert torch.equal(native.gemm(x[:m], w), full[:m])
+    with pytest.raises(ValueError, match="CPU tensors, got one on meta"):  # never a device address to the host
+        native.gemm(x, w.to("meta"))
 
 
 def test_hooks_shards_and_the_switch_take_the_pytorch_path(monkeypatch):

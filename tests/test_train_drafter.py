@@ -120,6 +120,50 @@ def test_resume_repeats_the_uninterrupted_run(target, tmp_path):
     assert any("eval_tau" in row for row in whole) and sum(losses[-3:]) < sum(losses[:3])
 
 
+def _without_seconds(log: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in log]
+
+
+def test_training_makes_no_tensor_on_the_default_device(target, tmp_path):
+    """What --device cuda rests on, checked without a GPU: answering with taps and a training run (head slice, evals,
+    an interruption and its resume) make every tensor on their inputs' or models' device. Under a default device of
+    "meta", a tensor made without one has no data (reading it fails, the host kernels refuse it), so equal answers
+    and an equal log mean none was made."""
+    prompts = [[5, 9, 2, 7], [11, 3]]
+    plain = _answers(target, prompts, 6, sampled=[False, True])
+    with torch.device("meta"):
+        meta = _answers(target, prompts, 6, sampled=[False, True])
+    assert [ids for ids, _ in meta] == [ids for ids, _ in plain]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(meta, plain))
+    data, cfg = _features(target), dataclasses.replace(TINY_RUN, steps=4, head_vocab="seen")
+    whole = train(make_drafter(target), data, cfg, tmp_path / "a", quiet=True)
+    first, second = make_drafter(target), make_drafter(target, seed=9)  # made outside: their init draws on the host
+    with torch.device("meta"):
+        train(first, data, cfg, tmp_path / "b", quiet=True, stop_after=2)
+        resumed = train(second, data, cfg, tmp_path / "b", quiet=True)
+    assert any("eval_tau" in row for row in whole) and _without_seconds(resumed) == _without_seconds(whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_on_cuda_follows_the_cpu_run(target, tmp_path):
+    """--device cuda: the same anchors (drawn on the host) and the same initial weights give the CPU run's losses and
+    held-out τ up to fp32 rounding, and a state saved on the GPU resumes on the CPU."""
+    data, cfg = _features(target), dataclasses.replace(TINY_RUN, steps=4, head_vocab="seen")
+    cpu = train(make_drafter(target), data, cfg, tmp_path / "cpu", quiet=True)
+    on_gpu = tiny_model().requires_grad_(False).to("cuda")
+    drafter = make_drafter(on_gpu)
+    assert drafter.device.type == "cuda"
+    train(drafter, data, cfg, tmp_path / "cuda", quiet=True, stop_after=2)
+    gpu = train(make_drafter(target, seed=9), data, cfg, tmp_path / "cuda", quiet=True)  # resumed on the host
+    assert len(gpu) == len(cpu)
+    for a, b in zip(cpu, gpu):
+        assert a.keys() == b.keys()
+        for key in ("loss", "base", "selector", "eval_tau_every_anchor"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-3), (a["step"], key)
+
+
 def test_decode_steps_walks_like_the_decoder():
     # anchors 0 (3 tokens) -> 3 (2) -> 5 (1) -> 6 (1) -> 7 (1): 8 tokens in 5 steps
     assert decode_steps(torch.tensor([3, 1, 1, 2, 5, 1, 1, 1])) == 5

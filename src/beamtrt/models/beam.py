@@ -433,7 +433,7 @@ class BeamForCausalLM(nn.Module):
             positions = start[:, None] + torch.arange(T, device=device)
             rows = torch.arange(B, device=device) if slots is None else slots
             logits, captured = native.beam_step(self, cache, input_ids, positions, rows,
-                                                out_index if last_only else torch.arange(B * T), list(taps))
+                                                out_index if last_only else torch.arange(B * T, device=device), list(taps))
             logits = self.logit_transform(logits).view(B, 1 if last_only else T, -1)
             captured = [t.to(self.dtype) for t in captured]
         else:

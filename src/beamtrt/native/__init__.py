@@ -102,6 +102,8 @@ def available() -> bool:
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
+    if t is not None and t.device.type != "cpu":  # the host library would read a device (or meta) address
+        raise ValueError(f"the host kernels take CPU tensors, got one on {t.device}")
     return None if t is None else t.data_ptr()
 
 
@@ -197,9 +199,9 @@ def beam_step(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, ro
     cos, sin = (t.reshape(-1, D).contiguous() for t in model.rotary(positions, torch.float32))
     out_index = out_index.contiguous()
     d = descriptor(model)
-    logits = torch.empty(out_index.shape[0], d.model.vocab)
-    tap_layer = torch.tensor(taps, dtype=torch.int32)
-    tap_out = torch.empty(len(taps), B * T, H)
+    logits = torch.empty(out_index.shape[0], d.model.vocab, device="cpu")
+    tap_layer = torch.tensor(taps, dtype=torch.int32, device="cpu")
+    tap_out = torch.empty(len(taps), B * T, H, device="cpu")
     step = _Step(rows=B * T, out_rows=out_index.shape[0], taps=len(taps), threads=torch.get_num_threads(),
                  k_cache=_ptr(cache.k), v_cache=_ptr(cache.v), slots=cache.batch, max_len=cache.max_len,
                  ids=_ptr(ids), slot=_ptr(slot), pos=_ptr(pos), cos=_ptr(cos), sin=_ptr(sin),
@@ -211,7 +213,7 @@ def beam_step(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, ro
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 · weight [N, K]ᵀ (fp32 or bf16, contiguous) -> fp32 [M, N], with beam_step's GEMM."""
     x = x.float().contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0])
+    y = torch.empty(x.shape[0], weight.shape[0], device="cpu")
     library().beam_gemm(_ptr(x), _ptr(weight), _ptr(y), x.shape[0], weight.shape[0], x.shape[1],
                         DTYPES[weight.dtype], torch.get_num_threads())
     return y

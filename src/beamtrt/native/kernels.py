@@ -59,8 +59,8 @@ class HostKernels:
     def block_selector(logits, projected, anchor_ids, predecessor, successor, temperature, top_p, uniforms,
                        top_k: int):
         N, S, V = logits.shape
-        out = (torch.empty(N, S, dtype=torch.int32), torch.empty(N, S, top_k, dtype=torch.int32),
-               torch.empty(N, S, top_k))
+        out = (torch.empty(N, S, dtype=torch.int32, device="cpu"),
+               torch.empty(N, S, top_k, dtype=torch.int32, device="cpu"), torch.empty(N, S, top_k, device="cpu"))
         keep = [logits.contiguous(), projected.float().contiguous(), anchor_ids.int().contiguous(),
                 predecessor.contiguous(), successor.contiguous(), temperature.float().contiguous(),
                 top_p.float().contiguous(), uniforms.float().contiguous()]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import run_cli, torch_device
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
 from beamtrt.runtime.loader import BACKENDS, DTYPES
@@ -118,6 +118,7 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError("--stop needs a non-empty string")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise ValueError(f"--json {args.json}: the folder does not exist")
+    torch_device(args.device)
     return params
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import run_cli, torch_device
 from beamtrt.errors import BeamtrtError
 
 
@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--layers", type=int, default=2, help="draft layers (default: %(default)s)")
     tr.add_argument("--selector-rank", type=int, default=32, help="selector codebook rank (default: %(default)s)")
     p.add_argument("--data-only", action="store_true", help="stop after phase 1 (generate or complete --data)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of both phases, e.g. cpu or cuda: the feature cache stays in host memory and "
+                        "each step's sequences move to the device (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, train, write_log
 
+        device = torch_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
         for name in ("prompts", "max_new_tokens", "gen_batch", "layers", "selector_rank"):
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
         out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2"
 
-        target = load_beam(target_dir, dtype=torch.float32).requires_grad_(False)
+        target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         log = train(drafter, data, cfg, work, quiet=args.quiet)
         write_log(work / "train_log.jsonl", log)
 
-        save_drafter(drafter.to(torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
+        save_drafter(drafter.to("cpu", torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
         write_log(out / "train_log.jsonl", log)
         final = next((row for row in reversed(log) if "eval_tau" in row), {})
         first = log[0] if log and log[0]["step"] == 0 else {}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import run_cli, torch_device
 from beamtrt.errors import BeamtrtError
 
 
@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-kind", type=int, default=32, help="greedy answers scored per kind, the last of each "
                                                            "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8, help="draft block (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device of the target and drafter, e.g. cpu or cuda "
+                                                   "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
     return p.parse_args(argv)
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.per_kind < 1 or args.block_size < 2:
             raise ValueError("--per-kind must be >= 1 and --block-size >= 2")
+        device = torch_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
         for d in map(Path, args.data):
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for what, d in (("target", target_dir), ("drafter", drafter_dir)):
             if not (d / "config.json").is_file():
                 raise BeamtrtError(f"{what} {d}: not a checkpoint directory (no config.json)")
-        target = load_beam(target_dir, dtype=torch.float32).requires_grad_(False)
+        target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
         if args.block_size > drafter.cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} is above the drafter's ({drafter.cfg.block_size})")

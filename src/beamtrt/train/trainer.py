@@ -79,9 +79,9 @@ class HeadSlice:
     @classmethod
     def of(cls, target, ids: torch.Tensor) -> "HeadSlice":
         weight = target.head_weight
-        ids = ids.unique()
-        index = torch.full((weight.shape[0],), -1, dtype=torch.long)
-        index[ids] = torch.arange(ids.shape[0])
+        ids = ids.to(weight.device).unique()
+        index = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+        index[ids] = torch.arange(ids.shape[0], device=weight.device)
         return cls(ids, weight[ids].detach().contiguous(), index)
 
     def logits(self, target, z: torch.Tensor) -> torch.Tensor:
@@ -97,15 +97,17 @@ def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor
     with a head slice the logits are over its V' tokens only.
 
     The same computation as DFlash2Drafter.draft for N requests whose context is this sequence's prefix: context
-    features are fused and projected once, and block n sees context positions [max(0, p_n − W), p_n).
+    features are fused and projected once, and block n sees context positions [max(0, p_n − W), p_n). The inputs may
+    live on another device than the drafter (a feature cache stays in host memory): they are moved to its device.
     """
-    target, dtype = drafter.target, drafter.dtype
+    target, dtype, dev = drafter.target, drafter.dtype, drafter.device
+    ids, taps, anchors = ids.to(dev), taps.to(dev), anchors.to(dev)
     N, S = anchors.shape[0], int(anchors.max())
     c = drafter.fuse_context(taps[None, :S])  # [1, S, H]
-    ctx_pos = torch.arange(S)
+    ctx_pos = torch.arange(S, device=dev)
     ctx_rope = drafter.rotary(ctx_pos[None], dtype)
-    positions = anchors[:, None] + torch.arange(block)  # [N, B]
-    block_ids = torch.full((N, block), drafter.cfg.mask_token_id, dtype=torch.long)
+    positions = anchors[:, None] + torch.arange(block, device=dev)  # [N, B]
+    block_ids = torch.full((N, block), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, 0] = ids[anchors]
     h = target.embed_ids(block_ids).to(dtype)
     rope = drafter.rotary(positions, dtype)
@@ -121,12 +123,12 @@ def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor
 
 def block_labels(ids: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
     """[N, B−1]: slot k−1 holds x_{p+k}, IGNORE past the sequence's end."""
-    pos = anchors[:, None] + torch.arange(1, block)
+    pos = anchors[:, None] + torch.arange(1, block, device=anchors.device)
     return torch.where(pos < ids.shape[0], ids[pos.clamp(max=ids.shape[0] - 1)], IGNORE)
 
 
-def decay_weights(block: int, gamma: float) -> torch.Tensor:
-    return torch.exp(-torch.arange(block - 1, dtype=torch.float32) / gamma)  # slot k−1 -> exp(−(k−1)/γ)
+def decay_weights(block: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.exp(-torch.arange(block - 1, dtype=torch.float32, device=device) / gamma)  # slot k−1: exp(−(k−1)/γ)
 
 
 def accept_lengths(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -137,12 +139,13 @@ def accept_lengths(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
                  cfg: TrainConfig, head: HeadSlice | None = None) -> dict[str, torch.Tensor]:
     """Weighted sums and weights for one sequence's blocks (summed over sequences, divided once per step).
-    With a head slice, every label must be one of its tokens."""
+    With a head slice, every label must be one of its tokens. Inputs on any device, results on the drafter's."""
+    ids, anchors = ids.to(drafter.device), anchors.to(drafter.device)
     logits, z = block_forward(drafter, ids, taps, anchors, cfg.block_size, head)
     labels = block_labels(ids, anchors, cfg.block_size)  # [N, S] token ids
     valid = labels != IGNORE
     rows = labels if head is None else torch.where(valid, head.index[labels.clamp(min=0)], IGNORE)  # in the logits
-    w = decay_weights(cfg.block_size, cfg.gamma)[None].expand_as(labels) * valid
+    w = decay_weights(cfg.block_size, cfg.gamma, labels.device)[None].expand_as(labels) * valid
     ce = F.cross_entropy(logits.flatten(0, 1), rows.flatten(), ignore_index=IGNORE, reduction="none")
     prev = torch.cat((ids[anchors][:, None], labels[:, :-1].clamp(min=0)), dim=1)  # teacher-forced predecessors
     top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
@@ -160,7 +163,7 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
         "correct": ((top1 == labels) & valid).sum().float(), "count": valid.sum().float(),
         "recalled": recalled.sum().float(),
         "tau": accept_lengths(top1[:, :eval_slots], labels[:, :eval_slots]).sum(),
-        "blocks": torch.tensor(float(len(anchors))),
+        "blocks": torch.tensor(float(len(anchors)), device=labels.device),
     }
 
 
@@ -188,12 +191,13 @@ def _anchor_range(data: FeatureSet, i: int) -> tuple[int, int]:
 
 
 def draw(data: FeatureSet, train: list[int], cfg: TrainConfig, step: int) -> list[tuple[int, torch.Tensor]]:
-    """The step's (sequence, sorted anchors) pairs, a pure function of (seed, step)."""
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    """The step's (sequence, sorted anchors) pairs, a pure function of (seed, step): drawn on the host whatever the
+    training device, so a run draws the same anchors on any device."""
+    gen = torch.Generator("cpu").manual_seed(cfg.seed * 1_000_003 + step)
     picks = []
-    for j in torch.randint(len(train), (cfg.seqs_per_step,), generator=gen).tolist():
+    for j in torch.randint(len(train), (cfg.seqs_per_step,), generator=gen, device="cpu").tolist():
         lo, hi = _anchor_range(data, train[j])
-        perm = torch.randperm(hi - lo, generator=gen)[:cfg.anchors_per_seq]
+        perm = torch.randperm(hi - lo, generator=gen, device="cpu")[:cfg.anchors_per_seq]
         picks.append((train[j], (perm + lo).sort().values))
     return picks
 
@@ -242,9 +246,9 @@ def eval_sums(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: T
         lo, hi = _anchor_range(data, i)
         if hi <= lo:
             continue
-        taps, accepted, accepted_top1 = taps.float(), [], []
+        ids, taps, accepted, accepted_top1 = ids.to(drafter.device), taps.to(drafter.device).float(), [], []
         for start in range(lo, hi, chunk):
-            anchors = torch.arange(start, min(start + chunk, hi))
+            anchors = torch.arange(start, min(start + chunk, hi), device=drafter.device)
             logits, z = block_forward(drafter, ids, taps, anchors, block)
             labels = block_labels(ids, anchors, block)
             top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
@@ -303,7 +307,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
     step, log = 0, []
     if state_path.exists():
         try:
-            state = torch.load(state_path, weights_only=False)
+            state = torch.load(state_path, map_location="cpu", weights_only=False)  # any device's state
         except Exception as e:
             raise BeamtrtError(f"{state_path}: cannot resume, the training state is corrupt ({e.__class__.__name__});"
                                " remove it to start over") from None
