@@ -24,6 +24,7 @@ def test_outputs_follow_the_published_format(result):
     data = json.loads(result.with_suffix(".json").read_text())
     fam = data["families"][0]
     assert fam["family"] == "chat" and fam["prompts"] == 3
+    assert (data["precision"], data["tp"], data["device"], data["backend"]) == ("float32", 1, "cpu", "torch")
     assert set(fam["concurrency"]) == {"1", "2"} and fam["concurrency"]["1"]["requests"] == 2
     for point in fam["concurrency"].values():
         assert point["greedy_identical"] == point["requests"]  # speculative greedy == plain greedy, checked
@@ -41,6 +42,9 @@ def test_outputs_follow_the_published_format(result):
     (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
     (["--concurrency", "0"], "must be >= 1"),
     (["--block-size", "1"], "--block-size must be >= 2"),
+    (["--engine-dir", "/nonexistent-build"], "manifest.json"),
+    (["--engine-dir", "/nonexistent-build", "--model", "m"], "cannot be combined"),
+    (["--device", "gpu0"], "not a torch device"),
 ])
 def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path):
     assert main(args + ["--out", str(tmp_path / "b")]) == 2

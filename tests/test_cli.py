@@ -89,7 +89,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                "--threads", "--json"]),
     ("scripts/benchmark.py", ["--model", "--drafter", "--families", "--prompts", "--num-prompts", "--c1-prompts",
                               "--concurrency", "--max-new-tokens", "--block-size", "--no-block16", "--dtype",
-                              "--threads", "--out"]),
+                              "--threads", "--out", "--engine-dir", "--backend", "--device"]),
     ("scripts/train_drafter.py", ["--target", "--data", "--work", "--out", "--prompts", "--max-new-tokens",
                                   "--gen-batch", "--data-seed", "--steps", "--seqs-per-step", "--anchors",
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",

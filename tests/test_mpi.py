@@ -130,3 +130,26 @@ def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
     assert proc.returncode != 0 and time.perf_counter() - start < 15
     left = subprocess.run(["pgrep", "-f", str(engine)], capture_output=True, text=True).stdout.split()
     assert left == []
+
+
+def test_benchmark_measures_a_build_on_its_ranks(sources, tmp_path_factory, tmp_path):
+    """scripts/benchmark.py --engine-dir under mpirun: rank 0 alone measures and writes the table, speculative greedy
+    equals plain greedy on the TP ranks, and the acceptance lengths equal the same build's run in one process."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
+    results = {}
+    for ranks in (0, 2):
+        out = tmp_path / f"bench-{ranks}"
+        cmd = [sys.executable, str(ROOT / "scripts/benchmark.py"), "--engine-dir", str(engine), "--families", "chat",
+               "--prompts", f"chat={sources / 'prompts.jsonl'}", "--num-prompts", "3", "--c1-prompts", "2",
+               "--concurrency", "1", "3", "--max-new-tokens", "8", "--no-block16", "--out", str(out)]
+        proc = subprocess.run([MPIRUN, "-n", str(ranks), *cmd] if ranks else cmd, capture_output=True, text=True,
+                              timeout=400, cwd=ROOT, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.count("| chat |") == 1  # rank 0 alone prints the table
+        results[ranks] = json.loads(out.with_suffix(".json").read_text())
+    one, two = results[0], results[2]
+    assert (one["tp"], two["tp"], two["build_tp"], two["precision"], two["backend"]) == (1, 2, 2, "bf16", "torch")
+    for data in (one, two):
+        assert all(p["greedy_identical"] == p["requests"] for p in data["families"][0]["concurrency"].values())
+    for key in ("tau_greedy", "per_position_acceptance"):
+        assert two["families"][0][key] == one["families"][0][key]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli
-from beamtrt.runtime.loader import DTYPES
+from beamtrt.cli_util import run_ranks_cli, torch_device
+from beamtrt.runtime.loader import BACKENDS, DTYPES
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
 
@@ -104,7 +104,7 @@ def chart(result: dict, path: Path) -> None:
     ax2.set_ylim(0, result["block_size"])
     handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper right")
-    ax.set_title(f"{Path(result['model']).name} + DFlash2, {result['dtype']}, TP {result['tp']}, "
+    ax.set_title(f"{Path(result['model']).name} + DFlash2, {result['precision']}, TP {result['tp']}, "
                  f"{result['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -117,6 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
+    p.add_argument("--engine-dir", metavar="DIR",
+                   help="a build_engines.py output of any precision, instead of --model / --drafter: its target and "
+                        "drafter; a build for TP N runs under `mpirun -n N` (rank 0 measures, every rank runs its "
+                        "shard) or in one process")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="with --engine-dir: trt runs its engines, torch its checkpoints, auto picks trt where the "
+                        "build has engines and the host can run them (default: %(default)s)")
     p.add_argument("--families", nargs="+", default=list(LOADERS), help="benchmark families (default: all: "
                    f"{' '.join(LOADERS)})")
     p.add_argument("--prompts", action="append", default=[], metavar="FAMILY=FILE",
@@ -130,85 +137,132 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8, help="verification block (default: %(default)s)")
     p.add_argument("--no-block16", action="store_true", help="skip the block-16 acceptance run")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="compute dtype of the torch backend (default: %(default)s)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the torch backend in one process, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
     p.add_argument("--out", default="bench/benchmark", help="writes OUT.json, OUT.md and OUT.png "
                    "(default: %(default)s)")
     return p.parse_args(argv)
 
 
+@dataclass
+class Plan:
+    """Everything checked before any weight is loaded (the same on every rank)."""
+
+    chats: dict[str, list[list[dict]]]  # family -> its prompts as chats
+    engine_dir: Path | None
+    manifest: dict | None
+    backend: str
+
+
+def _setup(args: argparse.Namespace, dist) -> Plan:
+    from beamtrt.bench.prompt_sets import load_chats
+    from beamtrt.runtime.loader import open_build, pick_backend
+
+    files = {}
+    for item in args.prompts:
+        fam, sep, path = item.partition("=")
+        if not sep or not fam or not path:
+            raise ValueError(f"--prompts {item!r}: expected FAMILY=FILE.jsonl")
+        files[fam] = path
+    families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
+    if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--concurrency, --num-prompts, --c1-prompts and --max-new-tokens must be >= 1")
+    if args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+    if args.engine_dir and (args.model or args.drafter):
+        raise ValueError("--engine-dir benchmarks a build's own target and drafter: it cannot be combined with "
+                         "--model / --drafter")
+    torch_device(args.device)
+    engine_dir = Path(args.engine_dir) if args.engine_dir else None
+    manifest = open_build(engine_dir, dist)
+    backend, _ = pick_backend(args.backend, manifest)
+    chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # fail before loading models
+    Path(args.out).resolve().parent.mkdir(parents=True, exist_ok=True)
+    return Plan(chats, engine_dir, manifest, backend)
+
+
+def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
+    """Every rank loads its backends; rank 0 measures, the others replay its calls on their shards."""
+    from transformers import AutoTokenizer
+
+    from beamtrt.runtime import loader, tp
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    loaded = (loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device) if plan.engine_dir is None
+              else loader.load_build(plan.engine_dir, plan.manifest, dist, backend=plan.backend, dtype=dtype,
+                                     device=args.device))
+    if dist.rank != 0:
+        tp.serve(dist, {"target": loaded.target, "drafter": loaded.drafter})
+        return
+    target, drafter = loaded.target, loaded.drafter
+    if dist.size > 1:
+        target, drafter = tp.RankZero("target", target, dist), tp.RankZero("drafter", drafter, dist)
+    device = "cuda" if loaded.backend == "trt" else args.device if dist.size == 1 else "cpu"  # shards run on CPU
+    result = {"model": str(plan.engine_dir or loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir),
+              "precision": plan.manifest["precision"] if plan.manifest else args.dtype, "dtype": args.dtype,
+              "tp": dist.size, "device": device, "backend": loaded.backend, "threads": torch.get_num_threads()}
+    if plan.manifest:
+        result["build_tp"] = plan.manifest["mapping"]["tp_size"]
+    benchmark(args, plan.chats, target, drafter, AutoTokenizer.from_pretrained(loaded.tokenizer_dir), result)
+
+
+def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], target, drafter, tok,
+              result: dict) -> None:
+    """The published table's measurements for every family (rank 0), written to OUT.json, OUT.md and OUT.png."""
+    from beamtrt.spec.decoder import Request
+    from beamtrt.spec.sampling import SamplingParams
+
+    out = Path(args.out)
+    eos = frozenset(target.eos_token_ids)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=SAMPLED[0], top_p=SAMPLED[1])
+    cs = sorted(set(args.concurrency))
+    result |= {"block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
+               "num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts, "concurrency": cs,
+               "sampled": {"temperature": SAMPLED[0], "top_p": SAMPLED[1]}, "families": []}
+    for fam, fam_chats in chats.items():
+        requests = [Request(tuple(tok.apply_chat_template(c, add_generation_prompt=True)), args.max_new_tokens,
+                            eos) for c in fam_chats]
+        row = {"family": fam, "prompts": len(requests), "concurrency": {}}
+        spec_runs = {}
+        for c in cs:
+            reqs = requests[:args.c1_prompts] if c == 1 else requests
+            plain = decode(target, None, 1, reqs, c, greedy)
+            spec = decode(target, drafter, args.block_size, reqs, c, greedy)
+            spec_runs[c] = spec
+            diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
+            point = {"requests": len(reqs), "effective_concurrency": min(c, len(reqs)),
+                     "no_spec_tok_s": round(plain.decode_tokens_per_s, 2),
+                     "spec_tok_s": round(spec.decode_tokens_per_s, 2),
+                     "speedup": round(spec.decode_tokens_per_s / plain.decode_tokens_per_s, 3),
+                     "tau": round(spec.acceptance_length, 3),
+                     "greedy_identical": sum(d is None for d in diverged),
+                     "first_divergence": [d for d in diverged if d is not None][:5]}
+            row["concurrency"][str(c)] = point
+            print(json.dumps({"family": fam, "concurrency": c, **point}), file=sys.stderr, flush=True)
+        widest = spec_runs[cs[-1]] if len(requests) > args.c1_prompts or cs == [1] else spec_runs[cs[0]]
+        row["tau_greedy"] = round(widest.acceptance_length, 3)
+        row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
+        batch = max(cs)
+        samp = decode(target, drafter, args.block_size, requests, batch, sampled)
+        row["tau_sampled"] = round(samp.acceptance_length, 3)
+        row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
+        if not args.no_block16:
+            row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy).acceptance_length, 3)
+        result["families"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "concurrency"}), file=sys.stderr, flush=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    out.with_suffix(".md").write_text(table)
+    chart(result, out.with_suffix(".png"))
+    print(table)
+    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-
-    def run() -> None:
-        from beamtrt.bench.prompt_sets import load_chats
-        from beamtrt.bench.spec import load_torch_models
-        from beamtrt.spec.decoder import Request
-        from beamtrt.spec.sampling import SamplingParams
-
-        files = {}
-        for item in args.prompts:
-            fam, sep, path = item.partition("=")
-            if not sep or not fam or not path:
-                raise ValueError(f"--prompts {item!r}: expected FAMILY=FILE.jsonl")
-            files[fam] = path
-        families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
-        if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1 or args.max_new_tokens < 1:
-            raise ValueError("--concurrency, --num-prompts, --c1-prompts and --max-new-tokens must be >= 1")
-        if args.block_size < 2:
-            raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
-        out = Path(args.out)
-        if not out.resolve().parent.is_dir():
-            out.parent.mkdir(parents=True, exist_ok=True)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # fail before loading models
-        model_dir, tok, target, drafter, drafter_dir = load_torch_models(args.model, args.drafter, args.dtype)
-        eos = frozenset(target.eos_token_ids)
-        greedy, sampled = SamplingParams(), SamplingParams(temperature=SAMPLED[0], top_p=SAMPLED[1])
-        cs = sorted(set(args.concurrency))
-        result = {"model": str(model_dir), "drafter": str(drafter_dir), "dtype": args.dtype, "tp": 1,
-                  "device": "cpu", "backend": "torch", "threads": torch.get_num_threads(),
-                  "block_size": args.block_size, "max_new_tokens": args.max_new_tokens,
-                  "num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts, "concurrency": cs,
-                  "sampled": {"temperature": SAMPLED[0], "top_p": SAMPLED[1]}, "families": []}
-        for fam in families:
-            requests = [Request(tuple(tok.apply_chat_template(c, add_generation_prompt=True)), args.max_new_tokens,
-                                eos) for c in chats[fam]]
-            row = {"family": fam, "prompts": len(requests), "concurrency": {}}
-            spec_runs = {}
-            for c in cs:
-                reqs = requests[:args.c1_prompts] if c == 1 else requests
-                plain = decode(target, None, 1, reqs, c, greedy)
-                spec = decode(target, drafter, args.block_size, reqs, c, greedy)
-                spec_runs[c] = spec
-                diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
-                point = {"requests": len(reqs), "effective_concurrency": min(c, len(reqs)),
-                         "no_spec_tok_s": round(plain.decode_tokens_per_s, 2),
-                         "spec_tok_s": round(spec.decode_tokens_per_s, 2),
-                         "speedup": round(spec.decode_tokens_per_s / plain.decode_tokens_per_s, 3),
-                         "tau": round(spec.acceptance_length, 3),
-                         "greedy_identical": sum(d is None for d in diverged),
-                         "first_divergence": [d for d in diverged if d is not None][:5]}
-                row["concurrency"][str(c)] = point
-                print(json.dumps({"family": fam, "concurrency": c, **point}), file=sys.stderr, flush=True)
-            widest = spec_runs[cs[-1]] if len(requests) > args.c1_prompts or cs == [1] else spec_runs[cs[0]]
-            row["tau_greedy"] = round(widest.acceptance_length, 3)
-            row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
-            batch = max(cs)
-            samp = decode(target, drafter, args.block_size, requests, batch, sampled)
-            row["tau_sampled"] = round(samp.acceptance_length, 3)
-            row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
-            if not args.no_block16:
-                row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy).acceptance_length, 3)
-            result["families"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "concurrency"}), file=sys.stderr, flush=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        table = markdown(result)
-        out.with_suffix(".md").write_text(table)
-        chart(result, out.with_suffix(".png"))
-        print(table)
-        print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}",
-              file=sys.stderr)
-
-    return run_cli(run)
+    return run_ranks_cli(lambda dist: _setup(args, dist), lambda plan, dist: _execute(args, plan, dist))

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli, torch_device
+from beamtrt.cli_util import run_ranks_cli, torch_device
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
-from beamtrt.runtime.loader import BACKENDS, DTYPES
+from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = (
@@ -65,37 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from beamtrt.runtime.dist import Dist
-
-    try:
-        dist = Dist.create()
-    except BeamtrtError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if dist.size == 1:
-        return run_cli(lambda: _execute(args, _setup(args, dist), dist))
-    return _run_ranks(args, dist)
-
-
-def _run_ranks(args: argparse.Namespace, dist) -> int:
-    """Under mpirun. Set-up errors (flags, files, a layout that does not match the world size) are the same on
-    every rank: rank 0 prints the one line and every rank exits 2, before any weight is loaded. Any later failure
-    (a missing rank file, an exception, Ctrl-C) prints that rank's message and aborts every rank."""
-    from beamtrt.runtime import tp
-
-    try:
-        setup = _setup(args, dist)
-    except (BeamtrtError, ValueError) as e:
-        if dist.rank == 0:
-            print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        _execute(args, setup, dist)
-    except (BeamtrtError, ValueError) as e:
-        print(f"error: rank {dist.rank}: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
-        dist.abort(2)
-    tp.stop(dist)
-    return 0
+    return run_ranks_cli(lambda dist: _setup(args, dist), lambda setup, dist: _execute(args, setup, dist))
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:
@@ -148,23 +118,10 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     chats = read_chats(args.prompts) if args.prompts else [
         [{"role": "user", "content": p}] for p in (args.prompt or DEFAULT_PROMPTS)]
     engine_dir = resolve_engine_dir(args)
-    manifest = None
-    if engine_dir is not None:
-        from beamtrt.checkpoint.manifest import read_manifest
-
-        if args.model or args.drafter:
-            raise ValueError("--model / --drafter run a Hugging Face checkpoint; they cannot be combined with an "
-                             "engine directory (pass --engine-dir, or --model alone)")
-        manifest = read_manifest(engine_dir)
-        tp_size = manifest["mapping"]["tp_size"]
-        if dist.size not in (1, tp_size):
-            raise ValueError(f"{engine_dir} was built for tp {tp_size} but {dist.size} ranks are running: start it "
-                             f"with mpirun -n {tp_size} (or without mpirun, as one process)")
-    elif dist.size > 1:
-        raise ValueError("a Hugging Face checkpoint runs in one process; build TensorRT-LLM checkpoints with "
-                         "build/build_engines.py --tp N to run on N ranks")
-    from beamtrt.runtime.loader import pick_backend
-
+    if engine_dir is not None and (args.model or args.drafter):
+        raise ValueError("--model / --drafter run a Hugging Face checkpoint; they cannot be combined with an "
+                         "engine directory (pass --engine-dir, or --model alone)")
+    manifest = open_build(engine_dir, dist)
     backend, why = pick_backend(args.backend, manifest)
     return Setup(params, chats, engine_dir, manifest, backend, why)
 

@@ -20,6 +20,25 @@ class Loaded:
     tokenizer_dir: Path
     backend: str                # "torch" or "trt": what actually runs
     what: str                   # one line for logs: what was loaded
+    drafter_dir: Path | None = None  # the drafter checkpoint it came from (None for plain decoding)
+
+
+def open_build(engine_dir: Path | None, dist) -> dict | None:
+    """The manifest of a build_engines.py output (None for a Hugging Face checkpoint: engine_dir None), checked
+    against the ranks running it: a build for TP N runs on N ranks or in one process, a checkpoint in one process."""
+    if engine_dir is None:
+        if dist.size > 1:
+            raise ValueError("a Hugging Face checkpoint runs in one process; build TensorRT-LLM checkpoints with "
+                             "build/build_engines.py --tp N to run on N ranks")
+        return None
+    from beamtrt.checkpoint.manifest import read_manifest
+
+    manifest = read_manifest(engine_dir)
+    tp_size = manifest["mapping"]["tp_size"]
+    if dist.size not in (1, tp_size):
+        raise ValueError(f"{engine_dir} was built for tp {tp_size} but {dist.size} ranks are running: start it "
+                         f"with mpirun -n {tp_size} (or without mpirun, as one process)")
+    return manifest
 
 
 def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
@@ -59,7 +78,7 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
         from beamtrt.runtime.trt_backend import load_engines
 
         target, drafter = load_engines(root, manifest, dist, spec=spec)
-        return Loaded(target, drafter, tokenizer_dir, "trt", what)
+        return Loaded(target, drafter, tokenizer_dir, "trt", what, drafter_dir if spec else None)
     from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 
     if dist.size == 1:  # one process: every rank file, un-sharded
@@ -72,7 +91,7 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
 
         model = tp.load_target_shard(target_dir, dist, dtype=dtype)
         drafter = TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist)) if spec else None
-    return Loaded(TorchTarget(model), drafter, tokenizer_dir, "torch", what)
+    return Loaded(TorchTarget(model), drafter, tokenizer_dir, "torch", what, drafter_dir if spec else None)
 
 
 def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: torch.dtype = torch.float32,
@@ -85,7 +104,7 @@ def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: to
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
     model = load_beam(model_dir, dtype=dtype, device=device)
     drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device) if spec else (None, None))
-    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}")
+    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)
 
 
 def load_drafter_backend(drafter_dir: str | Path | None, target, dtype: torch.dtype, device: str):
