@@ -227,7 +227,7 @@ def _write_shard(path: Path, prompts: list[list[int]], answers: dict[int, tuple[
     lengths = torch.tensor([len(ids) for ids, _, _ in seqs])
     tensors = {
         "ids": torch.tensor([t for ids, _, _ in seqs for t in ids], dtype=torch.long),
-        "taps": torch.cat([f for _, f, _ in seqs]).to(torch.bfloat16).contiguous(),
+        "taps": torch.cat([f for _, f, _ in seqs]).to("cpu", torch.bfloat16).contiguous(),
         "seq_start": torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
         "prompt_len": torch.tensor([len(p) for p in prompts], dtype=torch.long),
         "greedy": torch.tensor([greedy for _, _, greedy in seqs], dtype=torch.bool),
