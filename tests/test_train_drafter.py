@@ -467,3 +467,18 @@ def test_init_grows_a_drafter_by_identity_layers(target, tmp_path):
     assert not new.any()
     train(grown, data, dataclasses.replace(TINY_RUN, steps=1), tmp_path / "w", quiet=True)
     assert new.any()
+
+
+def test_continuing_with_the_same_seed_on_the_same_data_is_flagged(tmp_path):
+    """Anchors of step s come from (seed, s): a run from --init on its drafter's data and seed would replay its
+    batches, which train_drafter.py warns about (run 13 did, docs/DRAFTER.md)."""
+    import json
+
+    from beamtrt.train.cli import replays_init_batches
+
+    (tmp_path / "training.json").write_text(json.dumps({"train": {"seed": 0}, "data_sequences": 10,
+                                                        "data_tokens": 500}))
+    assert replays_init_batches(tmp_path, 0, 10, 500)
+    assert not replays_init_batches(tmp_path, 1, 10, 500) and not replays_init_batches(tmp_path, 0, 11, 500)
+    (tmp_path / "training.json").write_text("{")
+    assert not replays_init_batches(tmp_path, 0, 10, 500) and not replays_init_batches(tmp_path / "none", 0, 10, 500)

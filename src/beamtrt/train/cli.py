@@ -50,6 +50,16 @@ def start_from(path: Path, cfg, target, seed: int = 0):
     return grown.requires_grad_(True)
 
 
+def replays_init_batches(init: Path, seed: int, sequences: int, tokens: int) -> bool:
+    """Whether the --init drafter was trained with this --seed on data of this size (its training.json): every
+    random draw of step s comes from (seed, s), so its first steps would be trained again on the same blocks."""
+    try:
+        done = json.loads((init / "training.json").read_text())
+        return (done["train"]["seed"], done["data_sequences"], done["data_tokens"]) == (seed, sequences, tokens)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from beamtrt.train.features import DataRecipe
     from beamtrt.train.prompts import MIXES
@@ -179,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
               file=sys.stderr)
 
+        if args.init and replays_init_batches(Path(args.init), cfg.seed, len(data), int(data.ids.shape[0])):
+            print(f"warning: --init {args.init} was trained on this data with --seed {cfg.seed}: its steps would "
+                  "draw the same blocks again; pass another --seed for new ones", file=sys.stderr)
         drafter = (start_from(Path(args.init), dcfg, target, cfg.seed) if args.init
                    else init_drafter(dcfg, target, cfg.seed))
         log = train(drafter, data, cfg, work, quiet=args.quiet)
