@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """Everything checked before any weight is loaded (the same on every rank)."""
 
