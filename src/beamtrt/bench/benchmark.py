@@ -196,19 +196,16 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
     loaded = (loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device) if plan.engine_dir is None
               else loader.load_build(plan.engine_dir, plan.manifest, dist, backend=plan.backend, dtype=dtype,
                                      device=args.device))
-    if dist.rank != 0:
-        tp.serve(dist, {"target": loaded.target, "drafter": loaded.drafter})
+    driven = tp.drive(dist, loaded.target, loaded.drafter)
+    if driven is None:  # a rank > 0: it replayed rank 0's calls
         return
-    target, drafter = loaded.target, loaded.drafter
-    if dist.size > 1:
-        target, drafter = tp.RankZero("target", target, dist), tp.RankZero("drafter", drafter, dist)
     device = "cuda" if loaded.backend == "trt" else args.device if dist.size == 1 else "cpu"  # shards run on CPU
     result = {"model": str(plan.engine_dir or loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir),
               "precision": plan.manifest["precision"] if plan.manifest else args.dtype, "dtype": args.dtype,
               "tp": dist.size, "device": device, "backend": loaded.backend, "threads": torch.get_num_threads()}
     if plan.manifest:
         result["build_tp"] = plan.manifest["mapping"]["tp_size"]
-    benchmark(args, plan.chats, target, drafter, AutoTokenizer.from_pretrained(loaded.tokenizer_dir), result)
+    benchmark(args, plan.chats, *driven, AutoTokenizer.from_pretrained(loaded.tokenizer_dir), result)
 
 
 def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], target, drafter, tok,

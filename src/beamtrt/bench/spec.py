@@ -41,22 +41,6 @@ def profile(decoder_factory, requests) -> dict:
     }
 
 
-def load_torch_models(model: str | None, drafter: str | None, dtype: str):
-    """(model dir, tokenizer, TorchTarget, TorchDrafter, drafter dir) on CPU; defaults: beam-mini and the drafter
-    runtime/run.py would pick."""
-    from transformers import AutoTokenizer
-
-    from beamtrt.models.beam import load_beam
-    from beamtrt.models.beam_mini import ensure_beam_mini
-    from beamtrt.runtime.loader import load_drafter_backend
-    from beamtrt.runtime.torch_backend import TorchTarget
-
-    model_dir = Path(model) if model else ensure_beam_mini()
-    target = load_beam(model_dir, dtype=DTYPES[dtype])
-    drafter_backend, drafter_dir = load_drafter_backend(drafter, target, DTYPES[dtype], "cpu")
-    return model_dir, AutoTokenizer.from_pretrained(model_dir), TorchTarget(target), drafter_backend, drafter_dir
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
@@ -70,15 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> None:
+        from transformers import AutoTokenizer
+
+        from beamtrt.runtime.loader import load_hf
         from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS) or args.block_size < 2:
             raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}] and --block-size >= 2")
         if args.threads:
             torch.set_num_threads(args.threads)
-        model_dir, tok, target, drafter, drafter_dir = load_torch_models(args.model, args.drafter, args.dtype)
+        loaded = load_hf(args.model, args.drafter, dtype=DTYPES[args.dtype])
+        target, drafter, tok = loaded.target, loaded.drafter, AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
         eos = frozenset(target.eos_token_ids)
-        result = {"model": str(model_dir), "drafter": str(drafter_dir), "dtype": args.dtype,
+        result = {"model": str(loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir), "dtype": args.dtype,
                   "block_size": args.block_size, "threads": torch.get_num_threads(), "results": []}
         for batch in args.batches:
             requests = [Request(tuple(tok.apply_chat_template([{"role": "user", "content": q}],

@@ -143,13 +143,9 @@ def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = _load(args, setup, dist)
-    target, drafter = loaded.target, loaded.drafter
-    if dist.rank != 0:
-        tp.serve(dist, {"target": target, "drafter": drafter})
-        return
-    if dist.size > 1:
-        target, drafter = tp.RankZero("target", target, dist), drafter and tp.RankZero("drafter", drafter, dist)
-    _decode(args, setup, target, drafter, loaded.tokenizer_dir, loaded.what, dist)
+    driven = tp.drive(dist, loaded.target, loaded.drafter)
+    if driven is not None:  # rank 0
+        _decode(args, setup, *driven, loaded.tokenizer_dir, loaded.what, dist)
 
 
 def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str, dist) -> None:

@@ -239,6 +239,17 @@ def serve(dist: Dist, backends: dict) -> None:
         getattr(backends[name], method)(*args, **kwargs)
 
 
+def drive(dist: Dist, target, drafter) -> tuple | None:
+    """After every rank loaded its backends: on rank 0, (target, drafter) whose calls every other rank replays (as
+    they are in one process); on the other ranks, replay rank 0's calls until it stops, then None."""
+    if dist.rank != 0:
+        serve(dist, {"target": target, "drafter": drafter})
+        return None
+    if dist.size == 1:
+        return target, drafter
+    return RankZero("target", target, dist), drafter and RankZero("drafter", drafter, dist)
+
+
 def stop(dist: Dist) -> None:
     if dist.rank == 0:
         dist.bcast(("stop", "", (), {}))
