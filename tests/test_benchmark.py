@@ -45,6 +45,7 @@ def test_outputs_follow_the_published_format(result):
     (["--engine-dir", "/nonexistent-build"], "manifest.json"),
     (["--engine-dir", "/nonexistent-build", "--model", "m"], "cannot be combined"),
     (["--device", "gpu0"], "not a torch device"),
+    (["--backend", "trt"], "pass --engine-dir"),
 ])
 def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path):
     assert main(args + ["--out", str(tmp_path / "b")]) == 2
