@@ -59,7 +59,6 @@ def step_path(request, monkeypatch):
             pytest.skip("the host kernels cannot be built here")
         monkeypatch.setenv("BEAMTRT_NATIVE", "1")
         monkeypatch.setattr(native, "MAX_ROWS", 1 << 30)
-        monkeypatch.setattr(native, "MAX_DECODE_ROWS", 1 << 30)
     return request.param
 
 

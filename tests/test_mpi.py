@@ -153,3 +153,22 @@ def test_benchmark_measures_a_build_on_its_ranks(sources, tmp_path_factory, tmp_
         assert all(p["greedy_identical"] == p["requests"] for p in data["families"][0]["concurrency"].values())
     for key in ("tau_greedy", "per_position_acceptance"):
         assert two["families"][0][key] == one["families"][0][key]
+
+
+def test_speculative_greedy_is_plain_greedy_on_an_nvfp4_build(sources, tmp_path_factory, tmp_path):
+    """Emulated NVFP4 (FP4 activations amplify last-bit differences into other tokens): a verify pass must compute
+    each row as a single-token step would, on the TP ranks and in one process."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "nvfp4-tp2", 2, "--precision", "nvfp4",
+                   "--calib-samples", "3")
+    for ranks in (0, 2):
+        out = tmp_path / f"bench-{ranks}"
+        cmd = [sys.executable, str(ROOT / "scripts/benchmark.py"), "--engine-dir", str(engine), "--families", "chat",
+               "--prompts", f"chat={sources / 'prompts.jsonl'}", "--num-prompts", "8", "--c1-prompts", "2",
+               "--concurrency", "1", "4", "--max-new-tokens", "24", "--no-block16", "--out", str(out)]
+        proc = subprocess.run([MPIRUN, "-n", str(ranks), *cmd] if ranks else cmd, capture_output=True, text=True,
+                              timeout=400, cwd=ROOT, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        data = json.loads(out.with_suffix(".json").read_text())
+        assert data["precision"] == "nvfp4" and data["tp"] == max(ranks, 1)
+        points = data["families"][0]["concurrency"].values()
+        assert [p["greedy_identical"] for p in points] == [p["requests"] for p in points] == [2, 8]

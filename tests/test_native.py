@@ -94,10 +94,8 @@ def test_gemm_matches_matmul_and_is_row_invariant(dtype):
 def test_hooks_shards_and_the_switch_take_the_pytorch_path(monkeypatch):
     model = tiny_model()
     cache = model.new_cache(1, 8)
-    assert native.usable(model, cache, 1)
+    assert native.usable(model, cache, 1) and native.usable(model, cache, native.MAX_ROWS)  # decode, verify
     assert not native.usable(model, cache, native.MAX_ROWS + 1)  # prefill-sized inputs stay with PyTorch
-    assert native.usable(model, cache, native.MAX_DECODE_ROWS, 1)  # ... but wide decode batches do not
-    assert not native.usable(model, cache, native.MAX_DECODE_ROWS + 1, 1)
     monkeypatch.setenv("BEAMTRT_NATIVE", "0")
     assert not native.usable(model, cache, 1)
     monkeypatch.delenv("BEAMTRT_NATIVE")

@@ -134,7 +134,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @dataclass
 class StepLayout:
-    """Where one forward's tokens go in the KV cache (shared by every layer)."""
+    """Where one forward's tokens go in the KV cache (shared by every layer), and how rows are computed.
+
+    `invariant`: every row gets the same bits whatever the number of rows and tokens in the forward — GEMMs through
+    the host kernel's row-invariant GEMM (else one product per row), attention one query at a time over exactly
+    its keys, a token's experts summed in id order. The fused host kernel has this property by construction; the
+    eager path needs it where the host kernel cannot run (quantization hooks, tensor-parallel shards): there a
+    verify pass of 8 rows and 8 single-token steps otherwise round differently, and FP4-quantized activations turn
+    last-bit differences into different tokens.
+    """
 
     positions: torch.Tensor               # [B, T] absolute positions
     rows: torch.Tensor                    # [B, 1] cache slot of each input row
@@ -143,29 +151,52 @@ class StepLayout:
     mask: torch.Tensor | None             # [B, 1, T, kv_len] key visibility; None for one row and one query
     kv_len: int                           # keys to attend over: max(start + T)
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [B, T, D]
+    invariant: bool = False               # each row computed as it would be alone (decode / verify shapes, below)
 
 
 ActHook = Callable[[torch.Tensor], torch.Tensor]
 SMALL_M = 16  # LM-head inputs of at most this many rows take the W·xᵀ path on CPU (see lm_logits)
 
 
-def _host_gemm(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    """Whether x [rows, K] · weightᵀ takes the host kernel's GEMM: on CPU, a few rows, outside autograd (it keeps no
-    graph, so a product that needs gradients stays with PyTorch)."""
-    return (bool(rows) and x.device.type == "cpu" and native.gemm_usable(weight, rows)
+def _host_gemm(x: torch.Tensor, weight: torch.Tensor, rows: int, any_rows: bool = False) -> bool:
+    """Whether x [rows, K] · weightᵀ takes the host kernel's GEMM: on CPU, a few rows (any number with `any_rows`),
+    outside autograd (it keeps no graph, so a product that needs gradients stays with PyTorch)."""
+    return (bool(rows) and x.device.type == "cpu" and native.gemm_usable(weight, rows, any_rows)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] · weight [N, K]ᵀ in `dtype` (x's by default). On CPU, for a few rows outside autograd, through the host
-    kernel's GEMM: CPU BLAS runs x·Wᵀ with a few rows far below the weight stream's speed (the drafter's 8-row block:
-    ~5x slower)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None,
+           bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+    """x [..., K] · weight [N, K]ᵀ (+ bias) in `dtype` (x's by default).
+
+    On CPU, for a few rows outside autograd, through the host kernel's GEMM: CPU BLAS runs x·Wᵀ with a few rows far
+    below the weight stream's speed (the drafter's 8-row block: ~5x slower). `invariant`: every row's result is the
+    same bits whatever the number of rows (the host GEMM for any row count, else one product per row), which PyTorch's
+    GEMMs do not promise (see StepLayout.invariant)."""
     rows = x.numel() // x.shape[-1]
-    if _host_gemm(x, weight, rows):
+    if _host_gemm(x, weight, rows, invariant):
         y = native.gemm(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
+        y = y if bias is None else y + bias.float()
+    elif invariant:
+        flat = x.reshape(rows, -1)
+        y = torch.cat([F.linear(flat[i:i + 1], weight, bias) for i in range(rows)]).view(*x.shape[:-1], -1)
     else:
-        y = F.linear(x, weight)
+        y = F.linear(x, weight, bias)
     return y.to(dtype or x.dtype)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
+    """The target's own GEMMs: row-invariant when asked (see StepLayout), else PyTorch's."""
+    return linear(x, weight, bias=bias, invariant=True) if invariant else F.linear(x, weight, bias)
+
+
+def _act(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """An elementwise op with exp or tanh inside (silu, sigmoid, soft-capping) on x [..., n]; `invariant`: one row at
+    a time. PyTorch's CPU kernels run such ops as vector code in a loop's body and scalar code in its tail (and
+    split big tensors between threads), so an element's bits depend on where it falls in the whole tensor."""
+    if not invariant:
+        return fn(x)
+    return torch.stack([fn(row) for row in x.reshape(-1, x.shape[-1])]).view(x.shape)
 
 
 def _hook(fn: ActHook | None, x: torch.Tensor) -> torch.Tensor:
@@ -215,14 +246,17 @@ class Attention(nn.Module):
         # x: [B, T, H]; k_cache, v_cache: [slots, KV, max_len, D]
         B, T, _ = x.shape
         rope = step.rope
-        heads = self.qkv(_hook(self.qkv_in, x)).view(B, T, -1, self.head_dim)  # [B, T, n_heads + 2 * n_kv, D]
+        heads = _gemm(_hook(self.qkv_in, x), self.qkv.weight, self.qkv.bias, step.invariant)
+        heads = heads.view(B, T, -1, self.head_dim)  # [B, T, n_heads + 2 * n_kv, D]
         qk, v = heads[:, :, :self.n_heads + self.n_kv], heads[:, :, self.n_heads + self.n_kv:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :self.n_heads]), self.k_norm(qk[:, :, self.n_heads:])), dim=2)
         qk = _rotate(qk, rope[0].unsqueeze(2), rope[1].unsqueeze(2))  # q and k rotated together
         q, k = qk[:, :, :self.n_heads].transpose(1, 2), _hook(self.k_out, qk[:, :, self.n_heads:])
         v = _hook(self.v_out, v)
-        if step.mask is None:  # one row, one query: every key is visible
+        if step.invariant:  # each query alone over exactly the keys it sees: the same call for 1 row or many
+            out = self.attend_rows(q, k, v, step, k_cache, v_cache)
+        elif step.mask is None:  # one row, one query: every key is visible
             keys, values = k_cache[step.slot, :, :step.kv_len], v_cache[step.slot, :, :step.kv_len]  # [KV, S, D]
             keys[:, -1], values[:, -1] = k[0, 0], v[0, 0]
             # the G query heads sharing a KV head act as G queries of one head (no mask: all keys are visible)
@@ -237,7 +271,24 @@ class Attention(nn.Module):
                 keys, values = k_cache[step.slots, :, :step.kv_len], v_cache[step.slots, :, :step.kv_len]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
                                                  enable_gqa=self.n_heads != self.n_kv)
-        return _hook(self.reduce, self.o_proj(_hook(self.o_in, out.transpose(1, 2).reshape(B, T, -1))))
+        out = _gemm(_hook(self.o_in, out.transpose(1, 2).reshape(B, T, -1)), self.o_proj.weight, self.o_proj.bias,
+                    step.invariant)
+        return _hook(self.reduce, out)
+
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepLayout,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Write k, v [B, T, KV, D] into the cache and attend each query q [B, n_heads, T, D] over its slot's keys
+        up to its own position, one call per query: [B, n_heads, T, D]. The batched, masked call gives a row other
+        bits than the one-row call (different blocking of the keys), which a greedy argmax can notice."""
+        k_cache[step.rows, :, step.positions] = k
+        v_cache[step.rows, :, step.positions] = v
+        out = torch.empty_like(q)
+        for b, (slot, positions) in enumerate(zip(step.rows[:, 0].tolist(), step.positions.tolist())):
+            for t, position in enumerate(positions):
+                keys, values = k_cache[slot, :, :position + 1], v_cache[slot, :, :position + 1]  # [KV, S, D]
+                query = q[b, :, t].reshape(1, self.n_kv, -1, self.head_dim)  # [1, KV, G, D]: G heads share a KV head
+                out[b, :, t] = F.scaled_dot_product_attention(query, keys[None], values[None]).view(-1, self.head_dim)
+        return out
 
 
 class MLP(nn.Module):
@@ -252,9 +303,10 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(_hook(self.fc_in, x), self.gate_up.weight).chunk(2, dim=-1)
-        return _hook(self.reduce, linear(_hook(self.proj_in, F.silu(gate) * up), self.down.weight))
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        gate, up = linear(_hook(self.fc_in, x), self.gate_up.weight, invariant=invariant).chunk(2, dim=-1)
+        act = _act(F.silu, gate, invariant) * up
+        return _hook(self.reduce, linear(_hook(self.proj_in, act), self.down.weight, invariant=invariant))
 
 
 class MoE(nn.Module):
@@ -280,41 +332,46 @@ class MoE(nn.Module):
         self.shared = MLP(H, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
         self.shared_gate = nn.Linear(H, 1, bias=False) if self.shared is not None else None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, H] -> weights [N, k] (x.dtype), expert ids [N, k]
-        logits = self.router(x)
+        logits = _gemm(x, self.router.weight, None, invariant)
         if self.norm_topk_prob:  # softmax over the top-k logits == renormalized top-k of the full softmax
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return F.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), ids
         weights, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), ids
 
-    def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, e: int, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Expert e's SwiGLU activation (the down projection's input). x: [N, H] -> [N, I]"""
-        gate, up = F.linear(x, self.w_gate_up[e - self.expert_start]).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        gate, up = _gemm(x, self.w_gate_up[e - self.expert_start], None, invariant).chunk(2, dim=-1)
+        return _act(F.silu, gate, invariant) * up
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_hook(self.proj_in, self.swiglu(e, x)), self.w_down[e - self.expert_start])
+    def expert(self, e: int, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        return _gemm(_hook(self.proj_in, self.swiglu(e, x, invariant)), self.w_down[e - self.expert_start], None,
+                     invariant)
 
     def holds(self, e: int) -> bool:
         return self.expert_start <= e < self.expert_start + self.num_local
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """x [..., H]; invariant: see StepLayout (a token's experts are added in expert-id order either way)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.route(x)  # the router (and the shared expert) see the input before the experts' hook
+        weights, ids = self.route(x, invariant)  # the router (and the shared expert) see the input before the hook
         xe = _hook(self.fc_in, x)
         if x.shape[0] == 1:  # decode at batch 1: no gather/scatter
-            out = sum((self.expert(e, xe) * w for e, w in zip(ids[0].tolist(), weights[0].tolist())
-                       if self.holds(e)), torch.zeros_like(x))
+            out = torch.zeros_like(x)
+            for e, w in sorted(zip(ids[0].tolist(), weights[0])):
+                if self.holds(e):
+                    out = out + self.expert(e, xe, invariant) * w
         else:
             out = torch.zeros_like(x)
             for e in filter(self.holds, torch.unique(ids).tolist()):
                 token, slot = torch.where(ids == e)
-                out.index_add_(0, token, self.expert(e, xe[token]) * weights[token, slot, None])
-        if self.shared is not None:
-            out = out + self.shared(x) * torch.sigmoid(self.shared_gate(x))  # shared's own partial sums
+                out.index_add_(0, token, self.expert(e, xe[token], invariant) * weights[token, slot, None])
+        if self.shared is not None:  # the shared expert's own partial sums
+            gate = _gemm(x, self.shared_gate.weight, None, invariant)
+            out = out + self.shared(x, invariant) * _act(torch.sigmoid, gate, invariant)
         return _hook(self.reduce, out).view(shape)
 
 
@@ -331,9 +388,9 @@ class DecoderLayer(nn.Module):
             if getattr(self.mlp, "shared", None) is not None:
                 self.mlp.shared.reduce = None  # summed with the routed experts' partials, by MoE.reduce
 
-    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:  # attn_args: step, k_cache, v_cache
-        x = x + self.attn(self.input_norm(x), *attn_args)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x: torch.Tensor, step: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), step, k_cache, v_cache)
+        return x + self.mlp(self.post_attn_norm(x), step.invariant)
 
 
 class BeamForCausalLM(nn.Module):
@@ -363,20 +420,23 @@ class BeamForCausalLM(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.cfg, batch, max_len, self.dtype, self.device)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Final norm -> LM head -> logit transform. h: [..., H] -> fp32 logits [..., V]."""
-        return self.lm_logits(self.norm(h))
+        return self.lm_logits(self.norm(h), invariant)
 
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head's [V, H] weight: the embedding's when tied."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def lm_logits(self, z: torch.Tensor) -> torch.Tensor:
-        """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it)."""
+    def lm_logits(self, z: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """LM head + logit transform of an already-normed hidden z: [..., H] -> fp32 [..., V] (the drafter reuses it).
+        invariant: see StepLayout."""
         weight = self.head_weight
         rows = z.numel() // z.shape[-1]
-        if (1 < rows <= SMALL_M and z.dtype == torch.float32 and z.device.type == "cpu"
+        if invariant:
+            logits = linear(z, weight, torch.float32, invariant=True)
+        elif (1 < rows <= SMALL_M and z.dtype == torch.float32 and z.device.type == "cpu"
                 and not _host_gemm(z, weight, rows)):
             # a verify block or a draft without the host kernel: x·Wᵀ with a few rows leaves cores idle in CPU BLAS;
             # W·xᵀ does not (2x faster for 8 rows of beam-mini's 49,152 x 576 head on the 2-core dev machine)
@@ -385,28 +445,33 @@ class BeamForCausalLM(nn.Module):
             logits = linear(z, weight, torch.float32)
         if self.shard is not None:  # vocab-parallel head: every rank gets the whole row, padding cut off
             logits = self.shard.allgather(logits)[..., :self.shard.vocab_size]
-        return self.logit_transform(logits)
+        return self.logit_transform(logits, invariant)
 
-    def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
-        """The config's final logit multiplier and soft-capping, applied to the LM head's fp32 output."""
+    def logit_transform(self, logits: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """The config's final logit multiplier and soft-capping, applied to the LM head's fp32 output (invariant: see
+        StepLayout)."""
         if self.cfg.logit_scale != 1.0:
             logits = logits * self.cfg.logit_scale
         if self.cfg.final_logit_softcapping is not None:
             cap = self.cfg.final_logit_softcapping
-            logits = cap * torch.tanh(logits / cap)
+            logits = cap * _act(torch.tanh, logits / cap, invariant)
         return logits
 
     def step_layout(self, start: torch.Tensor, T: int, slots: torch.Tensor | None = None) -> StepLayout:
-        """Where T new tokens per row go: start [B] is each row's current length; slots as in forward()."""
+        """Where T new tokens per row go: start [B] is each row's current length; slots as in forward().
+
+        Decode and verify shapes (T <= native.MAX_ROWS) on CPU run row-invariant (see StepLayout.invariant):
+        speculative greedy decoding is lossless only if a verified row gets the bits a single-token step would."""
         B, device = start.shape[0], start.device
         positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
         kv_len = int(positions[:, -1].max()) + 1
         rows = (torch.arange(B, device=device) if slots is None else slots)[:, None]
+        invariant = T <= native.MAX_ROWS and device.type == "cpu"
         mask = None
-        if B > 1 or T > 1:  # key j is visible to query t of row b iff j <= start[b] + t
+        if (B > 1 or T > 1) and not invariant:  # key j is visible to query t of row b iff j <= start[b] + t
             mask = (torch.arange(kv_len, device=device) <= positions[..., None])[:, None]  # [B, 1, T, kv]
         return StepLayout(positions, rows, slots, int(rows[0, 0]) if B == 1 else -1, mask, kv_len,
-                          self.rotary(positions, self.dtype))
+                          self.rotary(positions, self.dtype), invariant)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, num_tokens: torch.Tensor | None = None,
@@ -429,12 +494,12 @@ class BeamForCausalLM(nn.Module):
             raise ValueError(f"sequence length {kv_len} exceeds the KV cache capacity {cache.max_len}")
         if last_only:
             out_index = torch.arange(B, device=device) * T + num_tokens - 1  # [B] flat rows whose logits are wanted
-        if native.usable(self, cache, B * T, T):  # CPU decode / verify: one fused call (see beamtrt.native)
+        if native.usable(self, cache, T):  # CPU decode / verify: one fused call (see beamtrt.native)
             positions = start[:, None] + torch.arange(T, device=device)
             rows = torch.arange(B, device=device) if slots is None else slots
             logits, captured = native.beam_step(self, cache, input_ids, positions, rows,
                                                 out_index if last_only else torch.arange(B * T, device=device), list(taps))
-            logits = self.logit_transform(logits).view(B, 1 if last_only else T, -1)
+            logits = self.logit_transform(logits, invariant=True).view(B, 1 if last_only else T, -1)
             captured = [t.to(self.dtype) for t in captured]
         else:
             step = self.step_layout(start, T, slots)
@@ -447,7 +512,7 @@ class BeamForCausalLM(nn.Module):
                     captured[want[i]] = h
             if last_only:
                 h = h.reshape(B * T, -1)[out_index][:, None]  # [B, 1, H]
-            logits = self.head(h)
+            logits = self.head(h, step.invariant)
         if slots is None:
             cache.lengths = start + num_tokens
         else:

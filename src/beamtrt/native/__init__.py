@@ -1,10 +1,11 @@
-"""Host kernels: the fused Beam forward for a few token rows on CPU (beam_step.cpp), built on first use with g++.
+"""Host kernels: the fused Beam forward for decode and verify steps on CPU (beam_step.cpp), built on first use with g++.
 
-The torch backend's CPU decode and verify steps (at most `MAX_ROWS` token rows, or `MAX_DECODE_ROWS` rows of one
-token) run here instead of in eager PyTorch: one call per step instead of ~45 small ops per layer, and a
-weight-streaming GEMM whose per-row result does not depend on the number of rows. It covers the reference model
-without tensor parallelism, quantization hooks or a shared expert; everything else, and any machine without a C++
-compiler, takes the PyTorch path. `BEAMTRT_NATIVE=0` turns it off (A/B measurements, tests of the PyTorch path).
+The torch backend's CPU decode and verify steps (at most `MAX_ROWS` tokens per sequence, any number of sequences)
+run here instead of in eager PyTorch: one call per step instead of ~45 small ops per layer, and a weight-streaming
+GEMM whose per-row result does not depend on the number of rows, so that a verified row gets the bits of a
+single-token step. It covers the reference model without tensor parallelism, quantization hooks or a shared expert;
+everything else, and any machine without a C++ compiler, takes the PyTorch path (row-invariant there too, see
+models/beam.py StepLayout). `BEAMTRT_NATIVE=0` turns it off (A/B measurements, tests of the PyTorch path).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("beam_step.cpp")
-MAX_ROWS = 16          # token rows per call: decode batches and verify blocks; longer inputs (prefill) use PyTorch
-MAX_DECODE_ROWS = 64   # ... except one token per row: decode batches up to this size (measured on the 2-core dev
-#                        machine, beam-mini fp32, per step: 32 rows 386 ms here against 636 ms in PyTorch, 64 rows
-#                        745 against 946), while prefill-shaped inputs are faster in PyTorch's GEMMs
+MAX_ROWS = 16          # tokens per sequence in a decode or verify step; longer inputs (prefill) use PyTorch's GEMMs,
+#                        faster for many rows. Decode and verify take this path at any batch size, so that a row's bits
+#                        never depend on the batch (beam-mini fp32, 2-core dev machine: 16 rows x 1 token 0.22 s here
+#                        against 0.52 s in plain PyTorch; 16 x 9 1.43 s against 1.14 s)
 MAX_HEAD_DIM = 1024    # the RoPE scratch in beam_step.cpp
 ABI = 1                # beam_step_abi() of a library this module can drive
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -145,10 +146,10 @@ class _Descriptor:
         self.contiguous = all(p.is_contiguous() for p in self.tensors)
 
 
-def usable(model, cache, rows: int, tokens_per_row: int = 0) -> bool:
-    """Whether beam_step can run this forward of `rows` token rows (`tokens_per_row` each, when known) exactly as
-    the PyTorch path would (up to fp32 rounding)."""
-    if rows > (MAX_DECODE_ROWS if tokens_per_row == 1 else MAX_ROWS):
+def usable(model, cache, tokens_per_row: int) -> bool:
+    """Whether beam_step can run this forward (`tokens_per_row` tokens for each sequence) exactly as the PyTorch path
+    would (up to fp32 rounding)."""
+    if tokens_per_row > MAX_ROWS:
         return False
     if os.environ.get("BEAMTRT_NATIVE", "1") == "0" or model.shard is not None:
         return False
@@ -168,9 +169,10 @@ _descriptors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -
 # (ctypes pointers cannot be deep-copied)
 
 
-def gemm_usable(weight: torch.Tensor, rows: int) -> bool:
-    """Whether `gemm` can take a [rows, K] x weightᵀ product (the drafter's LM head on its block rows)."""
-    return (rows <= MAX_ROWS and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.is_contiguous()
+def gemm_usable(weight: torch.Tensor, rows: int, any_rows: bool = False) -> bool:
+    """Whether `gemm` can take a [rows, K] x weightᵀ product: at most MAX_ROWS rows (the drafter's LM head on its
+    block rows; PyTorch's GEMMs are faster for more), or any number with `any_rows`."""
+    return ((any_rows or rows <= MAX_ROWS) and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.is_contiguous()
             and os.environ.get("BEAMTRT_NATIVE", "1") != "0" and available())
 
 
