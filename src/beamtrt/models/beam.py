@@ -177,7 +177,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = No
     if _host_gemm(x, weight, rows, invariant):
         y = native.gemm(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
         y = y if bias is None else y + bias.float()
-    elif invariant:
+    elif invariant and rows:
         flat = x.reshape(rows, -1)
         y = torch.cat([F.linear(flat[i:i + 1], weight, bias) for i in range(rows)]).view(*x.shape[:-1], -1)
     else:
@@ -194,7 +194,7 @@ def _act(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, invariant:
     """An elementwise op with exp or tanh inside (silu, sigmoid, soft-capping) on x [..., n]; `invariant`: one row at
     a time. PyTorch's CPU kernels run such ops as vector code in a loop's body and scalar code in its tail (and
     split big tensors between threads), so an element's bits depend on where it falls in the whole tensor."""
-    if not invariant:
+    if not invariant or not x.numel():
         return fn(x)
     return torch.stack([fn(row) for row in x.reshape(-1, x.shape[-1])]).view(x.shape)
 
@@ -359,13 +359,12 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x, invariant)  # the router (and the shared expert) see the input before the hook
         xe = _hook(self.fc_in, x)
+        out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode at batch 1: no gather/scatter
-            out = torch.zeros_like(x)
-            for e, w in sorted(zip(ids[0].tolist(), weights[0])):
+            for e, w in sorted(zip(ids[0].tolist(), weights[0]), key=lambda pair: pair[0]):
                 if self.holds(e):
                     out = out + self.expert(e, xe, invariant) * w
         else:
-            out = torch.zeros_like(x)
             for e in filter(self.holds, torch.unique(ids).tolist()):
                 token, slot = torch.where(ids == e)
                 out.index_add_(0, token, self.expert(e, xe[token], invariant) * weights[token, slot, None])
