@@ -172,8 +172,8 @@ _descriptors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -
 def gemm_usable(weight: torch.Tensor, rows: int, any_rows: bool = False) -> bool:
     """Whether `gemm` can take a [rows, K] x weightᵀ product: at most MAX_ROWS rows (the drafter's LM head on its
     block rows; PyTorch's GEMMs are faster for more), or any number with `any_rows`."""
-    return ((any_rows or rows <= MAX_ROWS) and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.is_contiguous()
-            and os.environ.get("BEAMTRT_NATIVE", "1") != "0" and available())
+    return ((any_rows or rows <= MAX_ROWS) and weight.device.type == "cpu" and weight.dtype in DTYPES
+            and weight.is_contiguous() and os.environ.get("BEAMTRT_NATIVE", "1") != "0" and available())
 
 
 def descriptor(model) -> _Descriptor:
