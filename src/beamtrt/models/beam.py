@@ -139,16 +139,17 @@ class StepLayout:
     `invariant`: every row gets the same bits whatever the number of rows and tokens in the forward — GEMMs through
     the host kernel's row-invariant GEMM (else one product per row), attention one query at a time over exactly
     its keys, a token's experts summed in id order. The fused host kernel has this property by construction; the
-    eager path needs it where the host kernel cannot run (quantization hooks, tensor-parallel shards): there a
-    verify pass of 8 rows and 8 single-token steps otherwise round differently, and FP4-quantized activations turn
-    last-bit differences into different tokens.
+    eager path needs it where that kernel cannot run (quantization hooks, tensor-parallel shards, a shared expert, no
+    compiler): there a verify pass of 8 rows and 8 single-token steps otherwise round differently, and FP4-quantized
+    activations turn last-bit differences into different tokens.
     """
 
     positions: torch.Tensor               # [B, T] absolute positions
     rows: torch.Tensor                    # [B, 1] cache slot of each input row
     slots: torch.Tensor | None            # [B] cache slots, or None when the input covers every slot in order
     slot: int                             # the one slot, when B == 1
-    mask: torch.Tensor | None             # [B, 1, T, kv_len] key visibility; None for one row and one query
+    mask: torch.Tensor | None             # [B, 1, T, kv_len] key visibility; None for one row and one query, and
+    #                                       when invariant (each query then sees exactly its keys)
     kv_len: int                           # keys to attend over: max(start + T)
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [B, T, D]
     invariant: bool = False               # each row computed as it would be alone (decode / verify shapes, below)
