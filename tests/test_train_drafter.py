@@ -14,7 +14,7 @@ from beamtrt.train.features import FeatureSet, answer_with_taps, load_features
 from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 from beamtrt.spec.decoder import Request, SpeculativeDecoder
 from beamtrt.train.trainer import (HeadSlice, TrainConfig, block_forward, block_labels, block_losses, decode_steps,
-                                   evaluate, split, train)
+                                   evaluate, split, teacher_logits, train)
 from conftest import tiny_model
 from test_dflash2 import TAPS, make_drafter
 
@@ -236,6 +236,37 @@ def test_head_slice_losses(target, tmp_path):
     log = train(make_drafter(target), data, dataclasses.replace(TINY_RUN, head_vocab="seen", steps=3), tmp_path,
                 quiet=True)
     assert 0.0 <= log[-1]["eval_outside_head"] <= 1.0 and "eval_tau" in log[-1]
+
+
+def test_distillation_teacher_is_the_target_and_its_term_trains(target, tmp_path):
+    """The teacher rebuilt from the last tap equals the target's own logits at every position (and their head-slice
+    columns); --distill adds its weighted KL divergence to the loss and logs it."""
+    data = _features(target)
+    ids, _, _ = data.sequence(0)
+    cache = target.new_cache(1, len(ids))
+    out = target(ids[None], cache, taps=TAPS)
+    taps = torch.cat(out.taps, dim=-1)[0]  # fp32, as captured
+    drafter = make_drafter(target)
+    everywhere = torch.arange(len(ids))
+    torch.testing.assert_close(teacher_logits(drafter, taps, everywhere), out.logits[0], rtol=1e-5, atol=1e-5)
+    seen = HeadSlice.of(target, ids)
+    pos = torch.tensor([[2, 0], [1, 3]])
+    torch.testing.assert_close(teacher_logits(drafter, taps, pos, seen), out.logits[0][pos][..., seen.ids],
+                               rtol=1e-5, atol=1e-5)
+
+    cfg = dataclasses.replace(TINY_RUN, distill=0.5)
+    train_ids, _ = split(data, cfg)
+    seq, feats, prompt = data.sequence(train_ids[0])
+    anchors = torch.arange(prompt, seq.shape[0] - 1)[:4]
+    parts = block_losses(drafter, seq, feats.float(), anchors, cfg)
+    assert float(parts["kd"].detach()) > 0 and "kd" not in block_losses(drafter, seq, feats.float(), anchors, TINY_RUN)
+    log = train(make_drafter(target), data, dataclasses.replace(cfg, steps=3), tmp_path / "kd", quiet=True)
+    for row in log:
+        assert row["kd"] > 0
+        assert row["loss"] == pytest.approx(row["base"] + row["selector"] + 0.5 * row["kd"], abs=1e-4)
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="distill weight"):
+            dataclasses.replace(TINY_RUN, distill=bad)
 
 
 def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):

@@ -5,6 +5,7 @@ next token is also answer text). Block n is [x_p, MASK × (B−1)] at positions 
 drafter's own layers (`DraftLayer`, the serving code) against the context K/V of the positions before p, inside
 the window, and its own block bidirectionally. Slot k (k = 1..B−1) predicts x_{p+k} through the target's frozen
 LM head with weight exp(−(k−1)/γ); the selector scores the slot's top-K with the true predecessor x_{p+k−1}.
+With `distill` > 0 a slot also learns the target's whole distribution there (soft labels, same weights).
 Every random draw comes from a generator seeded by (seed, step), so a resumed run repeats an uninterrupted one.
 """
 
@@ -49,6 +50,7 @@ class TrainConfig:
     eval_sequences: int = 32        # the last greedy sequences of the data: held out, never trained on
     init_from: str = ""             # a drafter checkpoint to start from ("" = the recipe's initialization)
     head_vocab: str = "full"        # LM head rows the loss scores: "full", or "seen" = the training data's tokens
+    distill: float = 0.0            # weight of KL(target ‖ drafter) per slot, beside the CE on its token (0 = recipe)
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "eval_every", "checkpoint_every"):
@@ -58,6 +60,8 @@ class TrainConfig:
             raise ValueError(f"eval block size {self.eval_block_size} must be within [2, {self.block_size}]")
         if not self.lr > 0 or not self.gamma > 0:
             raise ValueError("lr and gamma must be positive")
+        if not self.distill >= 0:
+            raise ValueError(f"distill weight must be >= 0, got {self.distill}")
         if self.head_vocab not in HEAD_VOCABS:
             raise ValueError(f"head vocabulary {self.head_vocab!r} is not one of {', '.join(HEAD_VOCABS)}")
 
@@ -121,6 +125,24 @@ def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor
     return (target.lm_logits(z) if head is None else head.logits(target, z)), z
 
 
+@torch.no_grad()
+def teacher_logits(drafter: DFlash2Drafter, taps: torch.Tensor, positions: torch.Tensor,
+                   head: HeadSlice | None = None) -> torch.Tensor:
+    """taps [T, F] of one sequence, positions [...] -> the target's fp32 logits there, [..., V] (or [..., V'] over a
+    head slice): the stored residual stream of the last tapped layer through the target's remaining layers (causal,
+    over the whole sequence), final norm and head. From bf16 taps, beam-mini's argmax is its own greedy token at
+    99.9% of answer positions."""
+    target = drafter.target
+    last, hidden = drafter.cfg.target_layer_ids[-1], target.cfg.hidden_size
+    h = taps[:, -hidden:].to(drafter.device, target.dtype)[None]  # [1, T, H]: the taps are in target_layer_ids order
+    cache = target.new_cache(1, h.shape[1])
+    step = target.step_layout(cache.lengths, h.shape[1])
+    for i in range(last + 1, target.cfg.num_hidden_layers):
+        h = target.layers[i](h, step, cache.k[i], cache.v[i])
+    z = target.norm(h[0, positions.to(drafter.device)])
+    return target.lm_logits(z) if head is None else head.logits(target, z)
+
+
 def block_labels(ids: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
     """[N, B−1]: slot k−1 holds x_{p+k}, IGNORE past the sequence's end."""
     pos = anchors[:, None] + torch.arange(1, block, device=anchors.device)
@@ -157,7 +179,13 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
     sel_w = w * recalled
     top1 = logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]
     eval_slots = cfg.eval_block_size - 1
-    return {
+    soft = {}
+    if cfg.distill > 0:  # slot k's teacher is the target's distribution at p+k−1, the position that predicts x_{p+k}
+        pos = (anchors[:, None] + torch.arange(cfg.block_size - 1, device=anchors.device)).clamp(max=ids.shape[0] - 1)
+        p_t = teacher_logits(drafter, taps, pos, head).log_softmax(-1)  # [N, S, V]
+        kl = (p_t.exp() * (p_t - logits.log_softmax(-1))).sum(-1)  # [N, S]
+        soft = {"kd": (kl * w).sum()}
+    return soft | {
         "base": (ce.view_as(w) * w).sum(), "base_w": w.sum(),
         "sel": (sel_ce.view_as(w) * sel_w).sum(), "sel_w": sel_w.sum(),
         "correct": ((top1 == labels) & valid).sum().float(), "count": valid.sum().float(),
@@ -340,14 +368,16 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         total = {k: sum(p[k] for p in parts) for k in parts[0]}
         base = total["base"] / total["base_w"].clamp(min=1e-9)
         sel = total["sel"] / total["sel_w"].clamp(min=1e-9)
-        loss = base + cfg.selector_weight * sel
+        kd = total["kd"] / total["base_w"].clamp(min=1e-9) if cfg.distill > 0 else None
+        loss = base + cfg.selector_weight * sel + (cfg.distill * kd if kd is not None else 0.0)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         opt.step()
         step += 1
         loss, base, sel = loss.detach(), base.detach(), sel.detach()
         row = {"step": step, "loss": round(float(loss), 5), "base": round(float(base), 5),
-               "selector": round(float(sel), 5), "acc": round(float(total["correct"] / total["count"]), 4),
+               "selector": round(float(sel), 5)} | ({"kd": round(float(kd), 5)} if kd is not None else {}) | {
+               "acc": round(float(total["correct"] / total["count"]), 4),
                "recall": round(float(total["recalled"] / total["count"]), 4),
                "tau_proxy": round(float(total["tau"] / total["blocks"]), 4), "grad_norm": round(grad_norm, 4),
                "lr": lr_at(cfg, step - 1), "seconds": round(time.perf_counter() - t0, 3)}
