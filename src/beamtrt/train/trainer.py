@@ -375,6 +375,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         opt.step()
         step += 1
         loss, base, sel = loss.detach(), base.detach(), sel.detach()
+        kd = kd.detach() if kd is not None else None
         row = {"step": step, "loss": round(float(loss), 5), "base": round(float(base), 5),
                "selector": round(float(sel), 5)} | ({"kd": round(float(kd), 5)} if kd is not None else {}) | {
                "acc": round(float(total["correct"] / total["count"]), 4),
