@@ -95,8 +95,7 @@ static inline float hsum(v8f a) {  // a fixed order: lanes (0+4, 1+5, 2+6, 3+7),
 
 // ---- y[M, N] = x[M, K] · w[N, K]ᵀ (+ b) -------------------------------------------------------------------------
 
-constexpr int NB = 2;  // weight rows per block (M > 1): converted to fp32 once, then reused by every input row
-constexpr int MB = 4;  // input rows per register block
+constexpr int MB = 4;  // input rows per register tile; the last M % MB rows take one tile of M % MB rows
 constexpr int PF = 1;  // blocks of weight rows prefetched ahead (M > 1; 1 measured best of 1, 2, 4)
 
 template <typename W>
@@ -106,23 +105,39 @@ static inline float finish(v8f acc, const float *x, const W *w, int64_t K8, int6
   return s;
 }
 
-// Each (m, n) is one 8-lane accumulator over k in order, then hsum, then the scalar tail: the same arithmetic
-// whatever M is and however rows are blocked. Weights are read as one sequential stream per thread (narrow rows read
-// as several interleaved streams defeat the hardware prefetcher on the dev machine: 7 GB/s instead of 15).
-template <typename W>
-static void gemm_t(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+// Keeps v in a register: left alone, GCC folds each use of a loaded vector into its FMA as a memory operand, so a tile
+// of R x NB accumulators loads 2 R NB vectors per k instead of R + NB and runs at the load ports' pace, not the FMAs'.
+static inline void pin(v8f &v) { asm("" : "+v"(v)); }
+
+// Rows m..m+R of y against one block of NB weight rows (wf: their fp32 or converted copies); `ahead`, when not 0, is
+// the next block's address: each k prefetches there the NB x 8 weights it consumes here.
+template <int R, int NB, bool PIN, typename W>
+static inline void tile(const float *x, const float *const *wf, const W *wr, float *y, int64_t m, int64_t n0, int nb,
+                        int64_t N, int64_t K8, int64_t K, uintptr_t ahead) {
+  v8f acc[R][NB] = {};
+  for (int64_t k = 0; k < K8; k += 8) {
+    if (ahead)
+      for (uintptr_t b = 0; b < NB * 8 * sizeof(W); b += 64)
+        __builtin_prefetch(reinterpret_cast<const void *>(ahead + uintptr_t(k * NB) * sizeof(W) + b));
+    v8f xv[R], wv[NB];
+    for (int i = 0; i < R; i++) xv[i] = load8(x + (m + i) * K + k);
+    for (int j = 0; j < NB; j++) wv[j] = load8(wf[j] + k);
+    if constexpr (PIN) {
+      for (int i = 0; i < R; i++) pin(xv[i]);
+      for (int j = 0; j < NB; j++) pin(wv[j]);
+    }
+    for (int j = 0; j < NB; j++)
+      for (int i = 0; i < R; i++) acc[i][j] = fma8(xv[i], wv[j], acc[i][j]);
+  }
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < nb; j++) y[(m + i) * N + n0 + j] = finish(acc[i][j], x + (m + i) * K, wr + j * K, K8, K);
+}
+
+// M > 1 rows against blocks of NB weight rows, converted to fp32 once (bf16) and then reused by every row.
+template <int NB, bool PIN, typename W>
+static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t K8 = K & ~int64_t(7);
   constexpr bool wide = std::is_same<W, float>::value;  // fp32 weights need no conversion
-  if (M == 1) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-      const W *wr = w + n * K;
-      v8f acc = {};
-      for (int64_t k = 0; k < K8; k += 8) acc = fma8(load8(x + k), load8(wr + k), acc);
-      y[n] = finish(acc, x, wr, K8, K);
-    }
-    return;
-  }
   #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scratch(wide ? 0 : NB * K8);
@@ -142,36 +157,44 @@ static void gemm_t(const float *x, const W *w, float *y, int64_t M, int64_t N, i
       if constexpr (!wide)
         for (int j = 0; j < nb; j++)
           for (int64_t k = 0; k < K8; k += 8) { v8f v = load8(wr + j * K + k); std::memcpy(&scratch[j * K8 + k], &v, 32); }
-      // The first pass over this block's weights prefetches the block PF ahead, one cache line per 8 k: left to the
-      // hardware prefetcher, the weight stream stalls while the rows compute and memory time adds to compute time
-      // (the fp32 expert GEMM of a verified block, 4 rows, was 1.6x a 1-row one; with this, 1.1x).
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(wr) + uintptr_t(PF * NB * K) * sizeof(W);
+      // The first pass over this block's weights prefetches the block PF ahead: left to the hardware prefetcher, the
+      // weight stream stalls while the rows compute and memory time adds to compute time (the fp32 expert GEMM of a
+      // verified block, 4 rows, was 1.6x a 1-row one; with this, 1.1x).
+      uintptr_t ahead = reinterpret_cast<uintptr_t>(wr) + uintptr_t(PF * NB * K) * sizeof(W);
       int64_t m = 0;
-      for (; m + MB <= M; m += MB) {
-        v8f acc[MB][NB] = {};
-        for (int64_t k = 0; k < K8; k += 8) {
-          if (m == 0) __builtin_prefetch(reinterpret_cast<const void *>(ahead + uintptr_t(k * NB) * sizeof(W)));
-          v8f xv[MB];
-          for (int i = 0; i < MB; i++) xv[i] = load8(x + (m + i) * K + k);
-          for (int j = 0; j < NB; j++) {
-            const v8f wv = load8(wf[j] + k);
-            for (int i = 0; i < MB; i++) acc[i][j] = fma8(xv[i], wv, acc[i][j]);
-          }
-        }
-        for (int i = 0; i < MB; i++)
-          for (int j = 0; j < nb; j++) y[(m + i) * N + n0 + j] = finish(acc[i][j], x + (m + i) * K, wr + j * K, K8, K);
-      }
-      for (; m < M; m++) {
-        v8f acc[NB] = {};
-        for (int64_t k = 0; k < K8; k += 8) {
-          if (m == 0) __builtin_prefetch(reinterpret_cast<const void *>(ahead + uintptr_t(k * NB) * sizeof(W)));
-          const v8f xv = load8(x + m * K + k);
-          for (int j = 0; j < NB; j++) acc[j] = fma8(xv, load8(wf[j] + k), acc[j]);
-        }
-        for (int j = 0; j < nb; j++) y[m * N + n0 + j] = finish(acc[j], x + m * K, wr + j * K, K8, K);
+      for (; m + MB <= M; m += MB, ahead = 0) tile<MB, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead);
+      switch (M - m) {
+        case 3: tile<3, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead); break;
+        case 2: tile<2, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead); break;
+        case 1: tile<1, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead); break;
       }
     }
   }
+}
+
+// Each (m, n) is one 8-lane accumulator over k in order, then hsum, then the scalar tail: the same arithmetic
+// whatever M is and however rows and weights are blocked, so the blocking is free to follow speed. Weights are read
+// as one sequential stream per thread (narrow rows read as several interleaved streams defeat the hardware prefetcher
+// on the dev machine: 7 GB/s instead of 15). Measured (interleaved A/B, beam-mini shapes): with 32 vector registers
+// (AVX-512VL) a pinned 4 x 4 tile is 1.15-1.5x faster than a 4 x 2 one from 8 rows in fp32 and from 4 in bf16, but
+// 0.85-0.9x at 4-5 fp32 rows, where the weight stream bounds it; with 16, pinning the 4 x 2 tile was 0.64-0.86x.
+template <typename W>
+static void gemm_t(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+  if (M == 1) {
+    const int64_t K8 = K & ~int64_t(7);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const W *wr = w + n * K;
+      v8f acc = {};
+      for (int64_t k = 0; k < K8; k += 8) acc = fma8(load8(x + k), load8(wr + k), acc);
+      y[n] = finish(acc, x, wr, K8, K);
+    }
+    return;
+  }
+#ifdef __AVX512VL__
+  if (M >= (std::is_same<W, float>::value ? 8 : 4)) return gemm_blocks<4, true>(x, w, y, M, N, K, threads);
+#endif
+  gemm_blocks<2, false>(x, w, y, M, N, K, threads);
 }
 
 static void gemm(const float *x, const void *w, const void *b, float *y, int64_t M, int64_t N, int64_t K, int dt,
@@ -200,33 +223,75 @@ static void rope(float *x, const float *cos, const float *sin, int d) {  // x * 
 
 static inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// Attention of every row's heads over its slot's keys 0..pos (the step's own K/V are already in the cache).
-static void attention(const Model &m, const void *k_cache, const void *v_cache, const Step &s, const float *q,
-                      float *out) {
-  const int D = m.head_dim, G = m.heads / m.kv_heads, dt = m.dtype;
+// Attention of every row's heads over its slot's keys 0..pos (the step's own K/V are already in the cache). Each
+// (row, head) is one task whose arithmetic does not depend on the other rows: a key's score is one 8-lane
+// accumulator over d in order, then hsum, then the scalar tail; each output lane accumulates p_j v_j over j in order.
+template <typename C>
+static void attention_t(const Model &m, const C *k_cache, const C *v_cache, const Step &s, const float *q,
+                        float *out) {
+  constexpr int dc = std::is_same<C, float>::value ? F32 : BF16;
+  const int64_t D = m.head_dim, D8 = D & ~int64_t(7), G = m.heads / m.kv_heads;
   const float scale = 1.f / std::sqrt(float(D));
   const int64_t tasks = int64_t(s.rows) * m.heads;
-  #pragma omp parallel for num_threads(s.threads) schedule(static)
-  for (int64_t task = 0; task < tasks; task++) {
-    const int64_t r = task / m.heads, h = task % m.heads, len = s.pos[r] + 1;
-    const int64_t base = (s.slot[r] * m.kv_heads + h / G) * s.max_len * D;
-    const float *qh = q + (r * m.heads + h) * D;
-    std::vector<float> p(len);
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < len; j++) {
-      float dot = 0.f;
-      for (int i = 0; i < D; i++) dot += qh[i] * load1(k_cache, base + j * D + i, dt);
-      p[j] = dot * scale;
-      mx = p[j] > mx ? p[j] : mx;
+  #pragma omp parallel num_threads(s.threads)
+  {
+    std::vector<float> p;
+    #pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; task++) {
+      const int64_t r = task / m.heads, h = task % m.heads, len = s.pos[r] + 1;
+      const int64_t base = (s.slot[r] * m.kv_heads + h / G) * s.max_len * D;
+      const C *kb = k_cache + base, *vb = v_cache + base;
+      const float *qh = q + (r * m.heads + h) * D;
+      p.resize(len);
+      auto score = [&](v8f acc, int64_t j) {
+        float dot = hsum(acc);
+        for (int64_t i = D8; i < D; i++) dot += qh[i] * load1(kb, j * D + i, dc);
+        return dot * scale;
+      };
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) {  // four keys at a time: independent accumulators, the same per-key arithmetic
+        v8f acc[4] = {};
+        for (int64_t i = 0; i < D8; i += 8) {
+          const v8f qv = load8(qh + i);
+          for (int t = 0; t < 4; t++) acc[t] = fma8(qv, load8(kb + (j + t) * D + i), acc[t]);
+        }
+        for (int t = 0; t < 4; t++) p[j + t] = score(acc[t], j + t);
+      }
+      for (; j < len; j++) {
+        v8f acc = {};
+        for (int64_t i = 0; i < D8; i += 8) acc = fma8(load8(qh + i), load8(kb + j * D + i), acc);
+        p[j] = score(acc, j);
+      }
+      float mx = -INFINITY;
+      for (j = 0; j < len; j++) mx = p[j] > mx ? p[j] : mx;
+      float z = 0.f;
+      for (j = 0; j < len; j++) { p[j] = std::exp(p[j] - mx); z += p[j]; }
+      float *o = out + (r * m.heads + h) * D;
+      for (int64_t i0 = 0; i0 < D8; i0 += 32) {  // up to 4 lanes groups of the output in registers, over every key
+        const int n = int((D8 - i0) / 8 < 4 ? (D8 - i0) / 8 : 4);
+        v8f acc[4] = {};
+        for (j = 0; j < len; j++) {
+          const v8f pj = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+          for (int c = 0; c < n; c++) acc[c] = fma8(pj, load8(vb + j * D + i0 + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < n; c++) std::memcpy(o + i0 + 8 * c, &acc[c], 32);
+      }
+      for (int64_t i = D8; i < D; i++) {
+        float acc = 0.f;
+        for (j = 0; j < len; j++) acc += p[j] * load1(vb, j * D + i, dc);
+        o[i] = acc;
+      }
+      for (int64_t i = 0; i < D; i++) o[i] /= z;
     }
-    float z = 0.f;
-    for (int64_t j = 0; j < len; j++) { p[j] = std::exp(p[j] - mx); z += p[j]; }
-    float *o = out + (r * m.heads + h) * D;
-    for (int i = 0; i < D; i++) o[i] = 0.f;
-    for (int64_t j = 0; j < len; j++)
-      for (int i = 0; i < D; i++) o[i] += p[j] * load1(v_cache, base + j * D + i, dt);
-    for (int i = 0; i < D; i++) o[i] /= z;
   }
+}
+
+static void attention(const Model &m, const void *k_cache, const void *v_cache, const Step &s, const float *q,
+                      float *out) {
+  if (m.dtype == F32)
+    attention_t(m, static_cast<const float *>(k_cache), static_cast<const float *>(v_cache), s, q, out);
+  else
+    attention_t(m, static_cast<const uint16_t *>(k_cache), static_cast<const uint16_t *>(v_cache), s, q, out);
 }
 
 static void attention_block(const Model &m, int l, const Step &s, const float *xn, float *out) {
