@@ -107,7 +107,13 @@ static inline float finish(v8f acc, const float *x, const W *w, int64_t K8, int6
 
 // Keeps v in a register: left alone, GCC folds each use of a loaded vector into its FMA as a memory operand, so a tile
 // of R x NB accumulators loads 2 R NB vectors per k instead of R + NB and runs at the load ports' pace, not the FMAs'.
-static inline void pin(v8f &v) { asm("" : "+v"(v)); }
+static inline void pin(v8f &v) {
+#ifdef __AVX512VL__  // the only builds that pin (gemm_t); "v" names any x86 vector register
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
 
 // Rows m..m+R of y against one block of NB weight rows (wf: their fp32 or converted copies); `ahead`, when not 0, is
 // the next block's address: each k prefetches there the NB x 8 weights it consumes here.
