@@ -182,8 +182,9 @@ static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t
 // whatever M is and however rows and weights are blocked, so the blocking is free to follow speed. Weights are read
 // as one sequential stream per thread (narrow rows read as several interleaved streams defeat the hardware prefetcher
 // on the dev machine: 7 GB/s instead of 15). Measured (interleaved A/B, beam-mini shapes): with 32 vector registers
-// (AVX-512VL) a pinned 4 x 4 tile is 1.15-1.5x faster than a 4 x 2 one from 8 rows in fp32 and from 4 in bf16, but
-// 0.85-0.9x at 4-5 fp32 rows, where the weight stream bounds it; with 16, pinning the 4 x 2 tile was 0.64-0.86x.
+// (AVX-512VL) a pinned 4 x 4 tile is 1.1-1.2x faster than a 4 x 2 one from 8 rows in fp32 and 1.05-1.55x from 4 in
+// bf16, but 0.85-0.9x at 4-5 fp32 rows, where the weight stream bounds it; with 16, pinning the 4 x 2 tile was
+// 0.64-0.86x.
 template <typename W>
 static void gemm_t(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
   if (M == 1) {
