@@ -274,7 +274,7 @@ static void attention_t(const Model &m, const C *k_cache, const C *v_cache, cons
       float z = 0.f;
       for (j = 0; j < len; j++) { p[j] = std::exp(p[j] - mx); z += p[j]; }
       float *o = out + (r * m.heads + h) * D;
-      for (int64_t i0 = 0; i0 < D8; i0 += 32) {  // up to 4 lanes groups of the output in registers, over every key
+      for (int64_t i0 = 0; i0 < D8; i0 += 32) {  // up to four 8-lane groups of the output in registers, over every key
         const int n = int((D8 - i0) / 8 < 4 ? (D8 - i0) / 8 : 4);
         v8f acc[4] = {};
         for (j = 0; j < len; j++) {
