@@ -250,11 +250,6 @@ static void attention_t(const Model &m, const C *k_cache, const C *v_cache, cons
       const C *kb = k_cache + base, *vb = v_cache + base;
       const float *qh = q + (r * m.heads + h) * D;
       p.resize(len);
-      auto score = [&](v8f acc, int64_t j) {
-        float dot = hsum(acc);
-        for (int64_t i = D8; i < D; i++) dot += qh[i] * load1(kb, j * D + i, dc);
-        return dot * scale;
-      };
       int64_t j = 0;
       for (; j + 4 <= len; j += 4) {  // four keys at a time: independent accumulators, the same per-key arithmetic
         v8f acc[4] = {};
@@ -262,12 +257,12 @@ static void attention_t(const Model &m, const C *k_cache, const C *v_cache, cons
           const v8f qv = load8(qh + i);
           for (int t = 0; t < 4; t++) acc[t] = fma8(qv, load8(kb + (j + t) * D + i), acc[t]);
         }
-        for (int t = 0; t < 4; t++) p[j + t] = score(acc[t], j + t);
+        for (int t = 0; t < 4; t++) p[j + t] = finish(acc[t], qh, kb + (j + t) * D, D8, D) * scale;
       }
       for (; j < len; j++) {
         v8f acc = {};
         for (int64_t i = 0; i < D8; i += 8) acc = fma8(load8(qh + i), load8(kb + j * D + i), acc);
-        p[j] = score(acc, j);
+        p[j] = finish(acc, qh, kb + j * D, D8, D) * scale;
       }
       float mx = -INFINITY;
       for (j = 0; j < len; j++) mx = p[j] > mx ? p[j] : mx;
