@@ -95,7 +95,6 @@ static inline float hsum(v8f a) {  // a fixed order: lanes (0+4, 1+5, 2+6, 3+7),
 
 // ---- y[M, N] = x[M, K] · w[N, K]ᵀ (+ b) -------------------------------------------------------------------------
 
-constexpr int MB = 4;  // input rows per register tile; the last M % MB rows take one tile of M % MB rows
 constexpr int PF = 1;  // blocks of weight rows prefetched ahead (M > 1; 1 measured best of 1, 2, 4)
 
 template <typename W>
@@ -105,45 +104,68 @@ static inline float finish(v8f acc, const float *x, const W *w, int64_t K8, int6
   return s;
 }
 
-// Keeps v in a register: left alone, GCC folds each use of a loaded vector into its FMA as a memory operand, so a tile
-// of R x NB accumulators loads 2 R NB vectors per k instead of R + NB and runs at the load ports' pace, not the FMAs'.
-static inline void pin(v8f &v) {
-#ifdef __AVX512VL__  // the only builds that pin (gemm_t); "v" names any x86 vector register
-  asm("" : "+v"(v));
-#else
-  (void)v;
+// A register of Lanes<LR> holds the 8-lane accumulators of LR rows side by side. LR = 1: 8 lanes, one row. LR = 2
+// (AVX-512): one 16-lane FMA does the work of two 8-lane ones, the weights' 8 lanes broadcast to both halves.
+template <int LR> struct Lanes;
+template <> struct Lanes<1> {
+  typedef v8f V;
+  static V w(const float *p) { return load8(p); }
+  static V fma(V a, V b, V acc) { return fma8(a, b, acc); }
+  static void pin(V &) {}  // with 16 vector registers, pinning the 4 x 2 tile measured 0.64-0.86x
+};
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define BEAM_PAIRS 1
+template <> struct Lanes<2> {
+  typedef float V __attribute__((vector_size(64)));
+  static V w(const float *p) {  // maskz: the unmasked intrinsic's undefined operand trips GCC 12's warnings
+    return (V)_mm512_maskz_broadcast_f32x8(0xffff, _mm256_loadu_ps(p));
+  }
+  static V fma(V a, V b, V acc) { return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
+  // Keeps v in a register: left alone, GCC folds each use of a loaded vector into its FMA as a memory operand, so a
+  // tile of R x NB accumulators loads 2 R NB vectors per k instead of R + NB and runs at the load ports' pace.
+  static void pin(V &v) { asm("" : "+v"(v)); }
+};
 #endif
-}
 
-// Rows m..m+R of y against one block of NB weight rows (wf: their fp32 or converted copies); `ahead`, when not 0, is
-// the next block's address: each k prefetches there the NB x 8 weights it consumes here.
-template <int R, int NB, bool PIN, typename W>
-static inline void tile(const float *x, const float *const *wf, const W *wr, float *y, int64_t m, int64_t n0, int nb,
-                        int64_t N, int64_t K8, int64_t K, uintptr_t ahead) {
-  v8f acc[R][NB] = {};
+// Row groups g..g+R of xp (the rows packed LR to a group, [groups, K8 / 8, 8 LR]: a group's lanes at k are one load)
+// against one block of NB weight rows (wf: their fp32 or converted copies); `ahead`, when not 0, is the next block's
+// address: each k prefetches there the NB x 8 weights it consumes here.
+template <int LR, int R, int NB, typename W>
+static inline void tile(const float *xp, const float *x, const float *const *wf, const W *wr, float *y, int64_t g,
+                        int64_t M, int64_t n0, int nb, int64_t N, int64_t K8, int64_t K, uintptr_t ahead) {
+  typedef Lanes<LR> L;
+  typename L::V acc[R][NB] = {};
   for (int64_t k = 0; k < K8; k += 8) {
     if (ahead)
       for (uintptr_t b = 0; b < NB * 8 * sizeof(W); b += 64)
-        __builtin_prefetch(reinterpret_cast<const void *>(ahead + uintptr_t(k * NB) * sizeof(W) + b));
-    v8f xv[R], wv[NB];
-    for (int i = 0; i < R; i++) xv[i] = load8(x + (m + i) * K + k);
-    for (int j = 0; j < NB; j++) wv[j] = load8(wf[j] + k);
-    if constexpr (PIN) {
-      for (int i = 0; i < R; i++) pin(xv[i]);
-      for (int j = 0; j < NB; j++) pin(wv[j]);
-    }
+        __builtin_prefetch(reinterpret_cast<const void *>(ahead + uintptr_t(k * NB) * sizeof(W) + b), 0, 2);
+    typename L::V xv[R], wv[NB];
+    for (int i = 0; i < R; i++) { std::memcpy(&xv[i], xp + ((g + i) * K8 + k) * LR, sizeof xv[i]); L::pin(xv[i]); }
+    for (int j = 0; j < NB; j++) { wv[j] = L::w(wf[j] + k); L::pin(wv[j]); }
     for (int j = 0; j < NB; j++)
-      for (int i = 0; i < R; i++) acc[i][j] = fma8(xv[i], wv[j], acc[i][j]);
+      for (int i = 0; i < R; i++) acc[i][j] = L::fma(xv[i], wv[j], acc[i][j]);
   }
   for (int i = 0; i < R; i++)
-    for (int j = 0; j < nb; j++) y[(m + i) * N + n0 + j] = finish(acc[i][j], x + (m + i) * K, wr + j * K, K8, K);
+    for (int h = 0; h < LR; h++) {
+      const int64_t m = (g + i) * LR + h;
+      if (m >= M) break;
+      for (int j = 0; j < nb; j++) {
+        v8f a;
+        std::memcpy(&a, reinterpret_cast<const float *>(&acc[i][j]) + 8 * h, 32);
+        y[m * N + n0 + j] = finish(a, x + m * K, wr + j * K, K8, K);
+      }
+    }
 }
 
-// M > 1 rows against blocks of NB weight rows, converted to fp32 once (bf16) and then reused by every row.
-template <int NB, bool PIN, typename W>
+// M > 1 rows against blocks of NB weight rows, converted to fp32 once (bf16) and then reused by every row group, RB
+// groups to a tile; the last (groups mod RB) take one tile.
+template <int LR, int RB, int NB, typename W>
 static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-  const int64_t K8 = K & ~int64_t(7);
+  const int64_t K8 = K & ~int64_t(7), G = (M + LR - 1) / LR;
   constexpr bool wide = std::is_same<W, float>::value;  // fp32 weights need no conversion
+  std::vector<float> xp(G * K8 * LR, 0.f);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K8; k += 8) std::memcpy(&xp[((m / LR) * K8 + k) * LR + 8 * (m % LR)], x + m * K + k, 32);
   #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scratch(wide ? 0 : NB * K8);
@@ -165,26 +187,26 @@ static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t
           for (int64_t k = 0; k < K8; k += 8) { v8f v = load8(wr + j * K + k); std::memcpy(&scratch[j * K8 + k], &v, 32); }
       // The first pass over this block's weights prefetches the block PF ahead: left to the hardware prefetcher, the
       // weight stream stalls while the rows compute and memory time adds to compute time (the fp32 expert GEMM of a
-      // verified block, 4 rows, was 1.6x a 1-row one; with this, 1.1x).
+      // verified block, 4 rows, was 1.6x a 1-row one; with this, 1.1x). Into L2, not L1: there the next block and
+      // this one evicted the packed rows (8 rows of K = 576 are 18 KB of a 32 KB L1), and from 4 rows a GEMM streamed
+      // its weights at 20 GB/s instead of 30.
       uintptr_t ahead = reinterpret_cast<uintptr_t>(wr) + uintptr_t(PF * NB * K) * sizeof(W);
-      int64_t m = 0;
-      for (; m + MB <= M; m += MB, ahead = 0) tile<MB, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead);
-      switch (M - m) {
-        case 3: tile<3, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead); break;
-        case 2: tile<2, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead); break;
-        case 1: tile<1, NB, PIN>(x, wf, wr, y, m, n0, nb, N, K8, K, ahead); break;
+      const float *xq = xp.data();
+      int64_t g = 0;
+      for (; g + RB <= G; g += RB, ahead = 0) tile<LR, RB, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead);
+      switch (G - g) {
+        case 3: if constexpr (RB > 3) tile<LR, 3, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
+        case 2: if constexpr (RB > 2) tile<LR, 2, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
+        case 1: if constexpr (RB > 1) tile<LR, 1, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
       }
     }
   }
 }
 
 // Each (m, n) is one 8-lane accumulator over k in order, then hsum, then the scalar tail: the same arithmetic
-// whatever M is and however rows and weights are blocked, so the blocking is free to follow speed. Weights are read
-// as one sequential stream per thread (narrow rows read as several interleaved streams defeat the hardware prefetcher
-// on the dev machine: 7 GB/s instead of 15). Measured (interleaved A/B, beam-mini shapes): with 32 vector registers
-// (AVX-512VL) a pinned 4 x 4 tile is 1.1-1.2x faster than a 4 x 2 one from 8 rows in fp32 and 1.05-1.55x from 4 in
-// bf16, but 0.85-0.9x at 4-5 fp32 rows, where the weight stream bounds it; with 16, pinning the 4 x 2 tile was
-// 0.64-0.86x.
+// whatever M is and however rows and weights are blocked or share a register, so the blocking is free to follow
+// speed. Weights are read as one sequential stream per thread (narrow rows read as several interleaved streams defeat
+// the hardware prefetcher on the dev machine: 7 GB/s instead of 15).
 template <typename W>
 static void gemm_t(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
   if (M == 1) {
@@ -198,10 +220,11 @@ static void gemm_t(const float *x, const W *w, float *y, int64_t M, int64_t N, i
     }
     return;
   }
-#ifdef __AVX512VL__
-  if (M >= (std::is_same<W, float>::value ? 8 : 4)) return gemm_blocks<4, true>(x, w, y, M, N, K, threads);
+#ifdef BEAM_PAIRS
+  gemm_blocks<2, 4, 5>(x, w, y, M, N, K, threads);  // 4 pairs x 5 weight rows: 20 + 4 + 5 of the 32 registers
+#else
+  gemm_blocks<1, 4, 2>(x, w, y, M, N, K, threads);
 #endif
-  gemm_blocks<2, false>(x, w, y, M, N, K, threads);
 }
 
 static void gemm(const float *x, const void *w, const void *b, float *y, int64_t M, int64_t N, int64_t K, int dt,
