@@ -110,6 +110,7 @@ template <int LR> struct Lanes;
 template <> struct Lanes<1> {
   typedef v8f V;
   static V w(const float *p) { return load8(p); }
+  static V w(const uint16_t *p) { return load8(p); }
   static V fma(V a, V b, V acc) { return fma8(a, b, acc); }
   static void pin(V &) {}  // with 16 vector registers, pinning the 4 x 2 tile measured 0.64-0.86x
 };
@@ -120,6 +121,12 @@ template <> struct Lanes<2> {
   static V w(const float *p) {  // maskz: the unmasked intrinsic's undefined operand trips GCC 12's warnings
     return (V)_mm512_maskz_broadcast_f32x8(0xffff, _mm256_loadu_ps(p));
   }
+  static V w(const uint16_t *p) {  // 8 bf16 to both halves, then widened to fp32 (the bits shifted up)
+    typedef uint16_t U16 __attribute__((vector_size(32)));
+    typedef uint32_t U32 __attribute__((vector_size(64)));
+    const U16 h = (U16)_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+    return (V)(__builtin_convertvector(h, U32) << 16);
+  }
   static V fma(V a, V b, V acc) { return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
   // Keeps v in a register: left alone, GCC folds each use of a loaded vector into its FMA as a memory operand, so a
   // tile of R x NB accumulators loads 2 R NB vectors per k instead of R + NB and runs at the load ports' pace.
@@ -128,10 +135,10 @@ template <> struct Lanes<2> {
 #endif
 
 // Row groups g..g+R of xp (the rows packed LR to a group, [groups, K8 / 8, 8 LR]: a group's lanes at k are one load)
-// against one block of NB weight rows (wf: their fp32 or converted copies); `ahead`, when not 0, is the next block's
-// address: each k prefetches there the NB x 8 weights it consumes here.
-template <int LR, int R, int NB, typename W>
-static inline void tile(const float *xp, const float *x, const float *const *wf, const W *wr, float *y, int64_t g,
+// against one block of NB weight rows (wf: the rows themselves, or their fp32 copies); `ahead`, when not 0, is the next
+// block's address: each k prefetches there the NB x 8 weights it consumes here.
+template <int LR, int R, int NB, typename S, typename W>
+static inline void tile(const float *xp, const float *x, const S *const *wf, const W *wr, float *y, int64_t g,
                         int64_t M, int64_t n0, int nb, int64_t N, int64_t K8, int64_t K, uintptr_t ahead) {
   typedef Lanes<LR> L;
   typename L::V acc[R][NB] = {};
@@ -157,32 +164,43 @@ static inline void tile(const float *xp, const float *x, const float *const *wf,
     }
 }
 
-// M > 1 rows against blocks of NB weight rows, converted to fp32 once (bf16) and then reused by every row group, RB
-// groups to a tile; the last (groups mod RB) take one tile.
+// The row groups against one block of NB weight rows (wf: their addresses in the tiles' source type S), RB groups to
+// a tile; the last (groups mod RB) take one tile.
+template <int LR, int RB, int NB, typename S, typename W>
+static inline void tiles(const float *xp, const float *x, const S *const *wf, const W *wr, float *y, int64_t G,
+                         int64_t M, int64_t n0, int nb, int64_t N, int64_t K8, int64_t K, uintptr_t ahead) {
+  int64_t g = 0;
+  for (; g + RB <= G; g += RB, ahead = 0) tile<LR, RB, NB>(xp, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead);
+  switch (G - g) {
+    case 3: if constexpr (RB > 3) tile<LR, 3, NB>(xp, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
+    case 2: if constexpr (RB > 2) tile<LR, 2, NB>(xp, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
+    case 1: if constexpr (RB > 1) tile<LR, 1, NB>(xp, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
+  }
+}
+
+// M > 1 rows against blocks of NB weight rows. bf16 weights are widened to fp32 as they are loaded when one tile
+// takes every row (the verify of one sequence), else converted once per block into fp32 copies that every tile reuses.
 template <int LR, int RB, int NB, typename W>
 static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t K8 = K & ~int64_t(7), G = (M + LR - 1) / LR;
-  constexpr bool wide = std::is_same<W, float>::value;  // fp32 weights need no conversion
-  std::vector<float> xp(G * K8 * LR, 0.f);
+  const bool copy = !std::is_same<W, float>::value && G > RB;
+  std::vector<float> xp(G * K8 * LR, 0.f);  // the rows packed LR to a group
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K8; k += 8) std::memcpy(&xp[((m / LR) * K8 + k) * LR + 8 * (m % LR)], x + m * K + k, 32);
   #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scratch(wide ? 0 : NB * K8);
+    std::vector<float> scratch(copy ? NB * K8 : 0);
     #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NB) {
       const int nb = int(N - n0 < NB ? N - n0 : NB);
-      const W *wr = w + n0 * K;
+      const W *wr = w + n0 * K, *wd[NB];
       const float *wf[NB];
       for (int j = 0; j < NB; j++) {
         const int jj = j < nb ? j : 0;
-        if constexpr (wide) {
-          wf[j] = wr + jj * K;
-        } else {
-          wf[j] = &scratch[jj * K8];
-        }
+        wd[j] = wr + jj * K;
+        wf[j] = scratch.data() + (copy ? jj * K8 : 0);
       }
-      if constexpr (!wide)
+      if (copy)
         for (int j = 0; j < nb; j++)
           for (int64_t k = 0; k < K8; k += 8) { v8f v = load8(wr + j * K + k); std::memcpy(&scratch[j * K8 + k], &v, 32); }
       // The first pass over this block's weights prefetches the block PF ahead: left to the hardware prefetcher, the
@@ -190,15 +208,9 @@ static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t
       // verified block, 4 rows, was 1.6x a 1-row one; with this, 1.1x). Into L2, not L1: there the next block and
       // this one evicted the packed rows (8 rows of K = 576 are 18 KB of a 32 KB L1), and from 4 rows a GEMM streamed
       // its weights at 20 GB/s instead of 30.
-      uintptr_t ahead = reinterpret_cast<uintptr_t>(wr) + uintptr_t(PF * NB * K) * sizeof(W);
-      const float *xq = xp.data();
-      int64_t g = 0;
-      for (; g + RB <= G; g += RB, ahead = 0) tile<LR, RB, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead);
-      switch (G - g) {
-        case 3: if constexpr (RB > 3) tile<LR, 3, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
-        case 2: if constexpr (RB > 2) tile<LR, 2, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
-        case 1: if constexpr (RB > 1) tile<LR, 1, NB>(xq, x, wf, wr, y, g, M, n0, nb, N, K8, K, ahead); break;
-      }
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(wr) + uintptr_t(PF * NB * K) * sizeof(W);
+      if (copy) tiles<LR, RB, NB>(xp.data(), x, wf, wr, y, G, M, n0, nb, N, K8, K, ahead);
+      else tiles<LR, RB, NB>(xp.data(), x, wd, wr, y, G, M, n0, nb, N, K8, K, ahead);
     }
   }
 }
