@@ -26,6 +26,7 @@ def test_outputs_follow_the_published_format(result):
     assert fam["family"] == "chat" and fam["prompts"] == 3
     assert (data["precision"], data["tp"], data["device"], data["backend"]) == ("float32", 1, "cpu", "torch")
     assert set(fam["concurrency"]) == {"1", "2"} and fam["concurrency"]["1"]["requests"] == 2
+    assert [fam["concurrency"][c]["first"] for c in ("1", "2")] == ["plain", "speculative"]  # alternating order
     for point in fam["concurrency"].values():
         assert point["greedy_identical"] == point["requests"]  # speculative greedy == plain greedy, checked
         assert point["speedup"] == pytest.approx(point["spec_tok_s"] / point["no_spec_tok_s"], rel=1e-2)
