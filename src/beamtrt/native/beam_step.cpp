@@ -109,8 +109,7 @@ static inline float finish(v8f acc, const float *x, const W *w, int64_t K8, int6
 template <int LR> struct Lanes;
 template <> struct Lanes<1> {
   typedef v8f V;
-  static V w(const float *p) { return load8(p); }
-  static V w(const uint16_t *p) { return load8(p); }
+  template <typename S> static V w(const S *p) { return load8(p); }  // fp32, or bf16 widened
   static V fma(V a, V b, V acc) { return fma8(a, b, acc); }
   static void pin(V &) {}  // with 16 vector registers, pinning the 4 x 2 tile measured 0.64-0.86x
 };
@@ -193,24 +192,24 @@ static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t
     #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NB) {
       const int nb = int(N - n0 < NB ? N - n0 : NB);
-      const W *wr = w + n0 * K, *wd[NB];
-      const float *wf[NB];
-      for (int j = 0; j < NB; j++) {
-        const int jj = j < nb ? j : 0;
-        wd[j] = wr + jj * K;
-        wf[j] = scratch.data() + (copy ? jj * K8 : 0);
-      }
-      if (copy)
-        for (int j = 0; j < nb; j++)
-          for (int64_t k = 0; k < K8; k += 8) { v8f v = load8(wr + j * K + k); std::memcpy(&scratch[j * K8 + k], &v, 32); }
+      const W *wr = w + n0 * K;
       // The first pass over this block's weights prefetches the block PF ahead: left to the hardware prefetcher, the
       // weight stream stalls while the rows compute and memory time adds to compute time (the fp32 expert GEMM of a
       // verified block, 4 rows, was 1.6x a 1-row one; with this, 1.1x). Into L2, not L1: there the next block and
       // this one evicted the packed rows (8 rows of K = 576 are 18 KB of a 32 KB L1), and from 4 rows a GEMM streamed
       // its weights at 20 GB/s instead of 30.
       const uintptr_t ahead = reinterpret_cast<uintptr_t>(wr) + uintptr_t(PF * NB * K) * sizeof(W);
-      if (copy) tiles<LR, RB, NB>(xp.data(), x, wf, wr, y, G, M, n0, nb, N, K8, K, ahead);
-      else tiles<LR, RB, NB>(xp.data(), x, wd, wr, y, G, M, n0, nb, N, K8, K, ahead);
+      if (!copy) {
+        const W *wd[NB];
+        for (int j = 0; j < NB; j++) wd[j] = wr + (j < nb ? j : 0) * K;
+        tiles<LR, RB, NB>(xp.data(), x, wd, wr, y, G, M, n0, nb, N, K8, K, ahead);
+        continue;
+      }
+      const float *wf[NB];
+      for (int j = 0; j < NB; j++) wf[j] = &scratch[(j < nb ? j : 0) * K8];
+      for (int j = 0; j < nb; j++)
+        for (int64_t k = 0; k < K8; k += 8) { v8f v = load8(wr + j * K + k); std::memcpy(&scratch[j * K8 + k], &v, 32); }
+      tiles<LR, RB, NB>(xp.data(), x, wf, wr, y, G, M, n0, nb, N, K8, K, ahead);
     }
   }
 }
