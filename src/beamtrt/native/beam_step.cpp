@@ -192,8 +192,10 @@ static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t
   const bool copy = !std::is_same<W, float>::value && LR > 1 && G > RB;
   const bool packed = LR > 1 || K8 != K;  // one row to a group, K a multiple of 8: x is already that layout
   std::vector<float> pack(packed ? G * K8 * LR : 0, 0.f);  // the rows packed LR to a group
-  for (int64_t m = 0; packed && m < M; m++)
-    for (int64_t k = 0; k < K8; k += 8) std::memcpy(&pack[((m / LR) * K8 + k) * LR + 8 * (m % LR)], x + m * K + k, 32);
+  if (packed)
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K8; k += 8)
+        std::memcpy(&pack[((m / LR) * K8 + k) * LR + 8 * (m % LR)], x + m * K + k, 32);
   const float *xp = packed ? pack.data() : x;
   #pragma omp parallel num_threads(threads)
   {
