@@ -247,6 +247,8 @@ def test_taps_match_hf_hidden_states(family: str, name: str, taps: tuple[int, ..
     assert rel_err(out.logits, c.ref_logits) < TOL  # taps do not disturb the logits
     # different layers really differ, so the order check above is meaningful
     assert rel_err(c.ref_hidden[1], c.ref_hidden[3]) > 0.1
+    only = prefill(c.model, c.ids, taps=taps, taps_only=True)  # stops after the last tap layer: same taps, no logits
+    assert only.logits is None and all(torch.equal(a, b) for a, b in zip(only.taps, out.taps))
 
 
 def test_taps_in_decode() -> None:

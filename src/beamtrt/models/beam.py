@@ -70,8 +70,8 @@ class KVCache(SlotCache):
 
 @dataclass
 class BeamOutput:
-    logits: torch.Tensor        # [B, T, V] fp32 (T = 1 with last_only)
-    taps: list[torch.Tensor]    # per requested layer: [B, T, H], the residual stream after that layer
+    logits: torch.Tensor | None  # [B, T, V] fp32 (T = 1 with last_only; None with taps_only)
+    taps: list[torch.Tensor]     # per requested layer: [B, T, H], the residual stream after that layer
 
 
 class RMSNorm(nn.Module):
@@ -475,12 +475,15 @@ class BeamForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, num_tokens: torch.Tensor | None = None,
-                taps: Sequence[int] = (), last_only: bool = False, slots: torch.Tensor | None = None) -> BeamOutput:
+                taps: Sequence[int] = (), last_only: bool = False, slots: torch.Tensor | None = None,
+                taps_only: bool = False) -> BeamOutput:
         """Append T tokens to cache slots and return their logits (and the requested taps).
 
         input_ids: [B, T], right-padded; num_tokens: [B] valid tokens per row (default T); slots: [B] the cache
         slot of each row (default: row b -> slot b, and B must equal the cache's batch). Row b's tokens sit at
         positions lengths[slot] + t; the slot's length then grows by num_tokens[b], so padded tokens are dead.
+        taps_only: return the taps and no logits; the PyTorch path stops after the last tap layer, which leaves the
+        cache without the later layers' K/V (for one-shot feature extraction, not for decoding on).
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -500,19 +503,21 @@ class BeamForCausalLM(nn.Module):
             logits, captured = native.beam_step(self, cache, input_ids, positions, rows,
                                                 out_index if last_only else torch.arange(B * T, device=device), list(taps))
             logits = self.logit_transform(logits, invariant=True).view(B, 1 if last_only else T, -1)
+            logits = None if taps_only else logits
             captured = [t.to(self.dtype) for t in captured]
         else:
             step = self.step_layout(start, T, slots)
             want = {layer: i for i, layer in enumerate(taps)}
             captured = [None] * len(want)
             h = self.embed_ids(input_ids)
-            for i, layer in enumerate(self.layers):
+            depth = max(taps) + 1 if taps_only and taps else len(self.layers)
+            for i, layer in enumerate(self.layers[:depth]):
                 h = layer(h, step, cache.k[i], cache.v[i])
                 if i in want:
                     captured[want[i]] = h
             if last_only:
                 h = h.reshape(B * T, -1)[out_index][:, None]  # [B, 1, H]
-            logits = self.head(h, step.invariant)
+            logits = None if taps_only else self.head(h, step.invariant)
         if slots is None:
             cache.lengths = start + num_tokens
         else:

@@ -273,7 +273,7 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
             group = order[g:g + rows]
             ids, num = right_padded([seqs[k].tolist() for k in group], target.device)
             cache = target.new_cache(len(group), ids.shape[1])
-            out = torch.cat(target(ids, cache, num_tokens=num, taps=taps).taps, dim=-1)  # [rows, T, F]
+            out = torch.cat(target(ids, cache, num_tokens=num, taps=taps, taps_only=True).taps, dim=-1)  # [rows, T, F]
             for j, k in enumerate(group):
                 feats[k] = out[j, :len(seqs[k])].to(torch.bfloat16)
             bar.update(len(group))
