@@ -35,6 +35,14 @@ def test_outputs_follow_the_published_format(result):
     table = result.with_suffix(".md").read_text()
     assert "| chat |" in table and "→" in table and "×)" in table and "5/5 |" in table
     assert result.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| τ greedy / sampled (block 8) |" in table.splitlines()[0]
+
+
+def test_table_names_the_verified_block(result):
+    from beamtrt.bench.benchmark import markdown
+
+    data = json.loads(result.with_suffix(".json").read_text()) | {"block_size": 4}
+    assert "| τ greedy / sampled (block 4) |" in markdown(data).splitlines()[0]
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -61,7 +61,7 @@ def markdown(result: dict) -> str:
     from beamtrt.bench.prompt_sets import FAMILY_NAMES
 
     cs = result["concurrency"]
-    head = ("| benchmark | τ greedy / sampled (block 8) | τ block 16 | " +
+    head = (f"| benchmark | τ greedy / sampled (block {result['block_size']}) | τ block 16 | " +
             " | ".join(f"decode tok/s c={c}" for c in cs) + " | greedy == plain |")
     lines = [head, "|" + "---|" * (len(cs) + 4)]
     for fam in result["families"]:
