@@ -45,12 +45,21 @@ def test_table_names_the_verified_block(result):
     assert "| τ greedy / sampled (block 4) |" in markdown(data).splitlines()[0]
 
 
+def test_out_names_three_files_whatever_its_suffix():
+    from beamtrt.bench.benchmark import parse_args
+
+    assert parse_args(["--out", "runs/run.v2"]).out == "runs/run.v2"  # OUT.json: run.v2.json, not run.json
+    assert parse_args(["--out", "runs/run.json"]).out == "runs/run"
+    assert parse_args([]).out == "bench/benchmark"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--families", "nosuch"], "unknown benchmark family 'nosuch'"),
     (["--prompts", "gsm8k"], "expected FAMILY=FILE.jsonl"),
     (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
     (["--concurrency", "0"], "must be >= 1"),
-    (["--block-size", "1"], "--block-size must be >= 2"),
+    (["--block-size", "1"], "--block-size must be in [2, 32]"),
+    (["--threads", "-1"], "--threads must be >= 0"),
     (["--engine-dir", "/nonexistent-build"], "manifest.json"),
     (["--engine-dir", "/nonexistent-build", "--model", "m"], "cannot be combined"),
     (["--device", "gpu0"], "not a torch device"),

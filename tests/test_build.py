@@ -217,6 +217,44 @@ def test_existing_foreign_directory_needs_force(sources, tmp_path):
     assert not (out / "notes.txt").exists()
 
 
+def test_out_that_holds_a_source_or_sits_under_a_file_is_refused(sources, tmp_path):
+    """--force replaces --out: an --out that is, or contains, the model or the drafter would delete it."""
+    src = _corrupt_copy(sources, tmp_path, lambda d: None)
+    for out, flag in ((src / "target", "--model"), (src, "--model"), (src / "drafter", "--drafter")):
+        one_line_error(build(src, out, "--force"), f"--out {out} holds the {flag} input")
+    assert (src / "target" / "config.json").is_file() and (src / "drafter" / "config.json").is_file()
+    (tmp_path / "afile").write_text("")
+    one_line_error(build(src, tmp_path / "afile" / "out"), "afile is a file, not a directory")
+
+
+def test_a_build_loads_only_tensors_it_could_have_written(sources, tmp_path):
+    """run.py's loaders read rank files without hashing them: each tensor is checked against the name table (shape,
+    dtype), for NaN / Inf and for positive scales as it is read; a manifest lacking what the loaders read is named."""
+    from beamtrt.checkpoint.trtllm_files import load_target
+    from beamtrt.errors import CheckpointError
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0, "build"
+    rank0 = out / "target" / "rank0.safetensors"
+    good = load_file(rank0)
+    name = next(n for n in good if n.endswith("attention.qkv.weight"))
+    for edit, needle in ((lambda t: t[name].view(-1).__setitem__(3, float("nan")), "has NaN or Inf values"),
+                         (lambda t: t.__setitem__(name, t[name][1:].contiguous()), "expected")):
+        tensors = dict(good)
+        tensors[name] = good[name].clone()
+        edit(tensors)
+        save_file(tensors, rank0, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=needle) as info:
+            load_target(out / "target")
+        assert name in str(info.value) and "rank0.safetensors" in str(info.value)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["mapping"]["tp_size"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="lacks 'mapping.tp_size'"):
+        read_manifest(out)
+
+
 def test_build_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
     """A failure inside a stage (here: the drafter writer) removes the temporary directory; no output appears."""
     from beamtrt.build import pipeline

@@ -105,6 +105,8 @@ def test_help_lists_every_flag(script, flags, run):
     assert proc.returncode == 0
     for flag in flags:
         assert flag in proc.stdout
+    description = " ".join(proc.stdout.split("\n\n")[1].split())  # the paragraph after usage: whole sentences
+    assert description.endswith("."), description
 
 
 def test_run_bad_values_are_one_line(tmp_path, run):
@@ -113,7 +115,11 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
     assert_one_line_error(run("runtime/run.py", "--block-size", "1"), "--block-size")
     assert_one_line_error(run("runtime/run.py", "--stop", ""), "--stop")
-    assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "no" / "x.json")), "--json")
+    (tmp_path / "afile").write_text("")
+    assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "afile" / "x.json")), "--json",
+                          "is a file, not a directory")
+    assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path)), "--json", "is a directory")
+    assert_one_line_error(run("runtime/run.py", "--block-size", "33"), "--block-size", "[2, 32]")
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "bad.jsonl")), "bad.jsonl:2")
@@ -139,6 +145,42 @@ def test_bad_devices_are_one_line(script, args, run):
     assert_one_line_error(run(script, *args, "--device", f"cuda:{count}"), f"--device cuda:{count}")
 
 
+@pytest.mark.parametrize("script, args", [
+    ("runtime/run.py", []), ("scripts/benchmark.py", []), ("scripts/train_drafter.py", []),
+    ("scripts/eval_drafter.py", ["--data", "."]), ("scripts/bench_decode.py", []), ("scripts/bench_spec.py", [])])
+def test_negative_threads_are_one_line(script, args, run):
+    assert_one_line_error(run(script, *args, "--threads", "-2"), "--threads must be >= 0")
+
+
+def test_outputs_that_cannot_be_written_fail_before_the_work(tmp_path, run):
+    """An output under a file, or a directory where a file goes, is refused before any model is loaded or made (it
+    used to surface as a traceback after the whole decode, benchmark or training)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    under = str(afile / "x")
+    for script, args in (("scripts/benchmark.py", ["--out", under]),
+                         ("build/build_engines.py", ["--precision", "bf16", "--out", under]),
+                         ("scripts/make_beam_mini.py", ["--out", under]),
+                         ("scripts/train_drafter.py", ["--target", str(tmp_path), "--out", under]),
+                         ("scripts/eval_drafter.py", ["--data", str(tmp_path), "--json", under]),
+                         ("scripts/bench_decode.py", ["--model", str(tmp_path), "--json", under]),
+                         ("scripts/bench_spec.py", ["--json", under]), ("scripts/bench_tp.py", ["--json", under])):
+        (tmp_path / "config.json").write_text("{}")
+        assert_one_line_error(run(script, *args), "afile is a file, not a directory")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--json", str(tmp_path)),
+                          "--json", "is a directory")
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", under), "afile is a file, not a directory")
+
+
+def test_an_os_error_is_one_line(capsys):
+    from beamtrt.cli_util import run_cli
+
+    def body():
+        raise FileExistsError(17, "File exists", "/some/where")
+    assert run_cli(body) == 2
+    assert capsys.readouterr().err == "error: /some/where: File exists\n"
+
+
 def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--top-k", "9"),
                           "num_experts_per_tok=9")
@@ -151,6 +193,8 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--top-k", "5"), "--top-k")
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", "-1"),
                           "--perturbation")
+    assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--num-experts", "0"),
+                          "--num-experts must be >= 1")
     assert not (tmp_path / "m").exists()
 
 
@@ -185,6 +229,8 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
     assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
+    assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path), "--size-gb", "0"), "--size-gb")
+    assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--tp", "0"), "--tp")
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
@@ -208,8 +254,8 @@ def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path,
 
 
 def test_train_drafter_bad_values_are_one_line(tmp_path, run):
-    assert_one_line_error(run("scripts/train_drafter.py", "--steps", "0"), "steps must be >= 1")
-    assert_one_line_error(run("scripts/train_drafter.py", "--eval-block-size", "20"), "eval block size 20")
+    assert_one_line_error(run("scripts/train_drafter.py", "--steps", "0"), "--steps must be >= 1")
+    assert_one_line_error(run("scripts/train_drafter.py", "--eval-block-size", "20"), "--eval-block-size 20")
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "nope")), "nope", "config.json")
     assert_one_line_error(run("scripts/train_drafter.py", "--prompts", "0"), "--prompts must be >= 1")
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -265,7 +266,7 @@ def test_distillation_teacher_is_the_target_and_its_term_trains(target, tmp_path
         assert row["kd"] > 0
         assert row["loss"] == pytest.approx(row["base"] + row["selector"] + 0.5 * row["kd"], abs=1e-4)
     for bad in (-0.1, float("nan")):
-        with pytest.raises(ValueError, match="distill weight"):
+        with pytest.raises(ValueError, match="--distill must be >= 0"):
             dataclasses.replace(TINY_RUN, distill=bad)
 
 
@@ -302,6 +303,9 @@ def test_feature_shards_round_trip_and_corruption(target, tmp_path):
     (tmp_path / "meta.json").write_text('{"taps": [1, 2]}')
     (other / "meta.json").write_text('{"taps": [0, 2]}')
     with pytest.raises(BeamtrtError, match="target layers"):
+        load_features(tmp_path, other)
+    (other / "meta.json").write_text('{"taps": [1, 2], "hidden_size": 32}')
+    with pytest.raises(BeamtrtError, match="a target hidden size of 32, the first cache has None"):
         load_features(tmp_path, other)
     (tmp_path / "features-00001.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(BeamtrtError, match="corrupt feature shard"):
@@ -427,6 +431,11 @@ def test_feature_cache_resumes_with_the_same_shards(target, tmp_path):
     (tmp_path / "features-00000.safetensors").unlink()
     with pytest.raises(BeamtrtError, match="answers made for target layers"):
         rebuild_features(target, TAPS[:-1], tmp_path)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "hidden_size": 2 * target.cfg.hidden_size}))
+    with pytest.raises(BeamtrtError, match=f"hidden size {2 * target.cfg.hidden_size}, this target's is"):
+        rebuild_features(target, TAPS, tmp_path)  # checked before anything is read or written
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
     (tmp_path / "answers-00000.safetensors").write_bytes(b"garbage")
     with pytest.raises(BeamtrtError, match="answers-00000.safetensors: corrupt answers file"):
         rebuild_features(target, TAPS, tmp_path)

@@ -497,13 +497,18 @@ def test_export_refuses_a_bad_build_with_one_line(builds, tmp_path, capsys, brea
 
 
 def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
-    for args, needle in ((["--block-size", "1"], "block_size must be >= 2, got 1"),
+    for args, needle in ((["--block-size", "1"], "block_size must be in [2, 32], got 1"),
+                         (["--block-size", "100"], "block_size must be in [2, 32], got 100"),
                          (["--max-slots", "0"], "max_slots must be >= 1"),
+                         (["--device", "foo"], "device must be auto, cpu, cuda or cuda:N, got 'foo'"),
+                         (["--backend", "trt"], "--backend trt: the build has no engines"),
                          (["--out", str(builds[1] / "repo")], "inside the engine directory"),
+                         (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
                          (["--engine-dir", str(tmp_path / "none")], "no such engine directory")):
         argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
         rc, _, stderr = run_export(capsys, *argv)
         assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
+    assert (builds[1] / "manifest.json").is_file()
     rc, stdout, _ = run_export(capsys, "--help")
     for flag in ("--engine-dir", "--out", "--copy-engines", "--force", "--backend", "--block-size", "--dtype",
                  "--device", "--max-slots", "--max-seq-len", "--seed", "--raw-prompts"):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from beamtrt.errors import BeamtrtError
@@ -29,12 +31,51 @@ def torch_device(name: str, flag: str = "--device"):
     return device
 
 
+def description(doc: str) -> str:
+    """A module docstring's first paragraph as one line: the --help description of the command it documents."""
+    return doc.split("\n\n")[0].replace("\n", " ")
+
+
+def set_threads(n: int, flag: str = "--threads") -> None:
+    """--threads N: torch's CPU threads; 0 keeps torch's default."""
+    import torch
+
+    if n < 0:
+        raise BeamtrtError(f"{flag} must be >= 0 (0 = torch's default), got {n}")
+    if n:
+        torch.set_num_threads(n)
+
+
+def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path:
+    """Checks an output path before the work that fills it: it must not be a directory where a file goes (or the
+    reverse), and its nearest existing ancestor must be a writable directory (missing folders are made at write)."""
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        raise BeamtrtError(f"{flag} {p}: is a {'file' if directory else 'directory'}; "
+                           f"expected a {'directory' if directory else 'file'} path")
+    ancestor = p.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BeamtrtError(f"{flag} {p}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise BeamtrtError(f"{flag} {p}: cannot write in {ancestor}")
+    return p
+
+
+def _message(e: BaseException) -> str:
+    """One line for a user error; an OSError names its path (a folder that is a file, no space, no permission)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[0]
+
+
 def run_cli(body: Callable[[], None]) -> int:
     try:
         body()
-    except (BeamtrtError, ValueError) as e:
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        print(f"error: {lines[0]}", file=sys.stderr)
+    except (BeamtrtError, ValueError, OSError) as e:
+        print(f"error: {_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -61,14 +102,14 @@ def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], N
         return run_cli(lambda: execute(setup(dist), dist))
     try:
         state = setup(dist)
-    except (BeamtrtError, ValueError) as e:
+    except (BeamtrtError, ValueError, OSError) as e:
         if dist.rank == 0:
-            print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+            print(f"error: {_message(e)}", file=sys.stderr, flush=True)
         return 2
     try:
         execute(state, dist)
-    except (BeamtrtError, ValueError) as e:
-        print(f"error: rank {dist.rank}: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+    except (BeamtrtError, ValueError, OSError) as e:
+        print(f"error: rank {dist.rank}: {_message(e)}", file=sys.stderr, flush=True)
         dist.abort(2)
     tp.stop(dist)
     return 0

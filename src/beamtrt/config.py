@@ -450,6 +450,16 @@ class DrafterConfig(_HFConfig):
         return out
 
 
+MAX_BLOCK_SIZE = 32  # the selector plugin walks at most 31 drafts
+
+
+def check_block_size(block_size: int, flag: str = "--block-size") -> None:
+    """A verification block: the anchor and 1 to MAX_BLOCK_SIZE - 1 drafts."""
+    if not 2 <= block_size <= MAX_BLOCK_SIZE:
+        _fail(f"{flag} must be in [2, {MAX_BLOCK_SIZE}] (1 anchor + 1 to {MAX_BLOCK_SIZE - 1} drafts; the selector "
+              f"plugin walks at most {MAX_BLOCK_SIZE - 1}), got {block_size}")
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """Engine limits (build_engines.py --max-batch-size ...). The defaults size 4x B300 at concurrency up to 64."""
@@ -464,9 +474,7 @@ class EngineSettings:
         for name in ("max_batch_size", "max_seq_len", "max_num_tokens"):
             if getattr(self, name) < 1:
                 _fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not 2 <= self.block_size <= 32:
-            _fail(f"--block-size must be in [2, 32] (the selector plugin walks at most 31 drafts), got "
-                  f"{self.block_size}")
+        check_block_size(self.block_size)
         if self.max_num_tokens < self.max_batch_size * self.block_size:
             _fail(f"--max-num-tokens {self.max_num_tokens} cannot hold one verify step of --max-batch-size "
                   f"{self.max_batch_size} x --block-size {self.block_size} tokens")
@@ -502,6 +510,11 @@ class BuildConfig:
             _fail(f"unknown drafter precision {self.drafter_precision!r} (choose bf16 or fp8)")
         if self.calib_samples < 1:
             _fail(f"--calib-samples must be at least 1, got {self.calib_samples}")
+        out = self.out.resolve()
+        sources = (("--model", self.model), ("--drafter", self.drafter), ("--calib-prompts", self.calib_prompts))
+        for flag, src in sources:
+            if src is not None and (src.resolve() == out or out in src.resolve().parents):
+                _fail(f"--out {self.out} holds the {flag} input {src}: a build replaces its --out, so choose another")
 
     @property
     def needs_calibration(self) -> bool:

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_ranks_cli, torch_device
+from beamtrt.cli_util import description, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.config import check_block_size
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
+OUT_EXTS = (".json", ".md", ".png")  # what --out OUT writes
 
 
 @dataclass
@@ -115,7 +117,7 @@ def chart(result: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from beamtrt.bench.prompt_sets import LOADERS
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
     p.add_argument("--engine-dir", metavar="DIR",
@@ -143,9 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu",
                    help="torch device of the torch backend in one process, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
-    p.add_argument("--out", default="bench/benchmark", help="writes OUT.json, OUT.md and OUT.png "
-                   "(default: %(default)s)")
-    return p.parse_args(argv)
+    p.add_argument("--out", default="bench/benchmark", help="writes OUT.json, OUT.md and OUT.png; a trailing .json, "
+                   ".md or .png is dropped first (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.out = next((args.out[:-len(ext)] for ext in OUT_EXTS if args.out.endswith(ext)), args.out)
+    return args
 
 
 @dataclass(frozen=True)
@@ -171,17 +175,20 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
     if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--concurrency, --num-prompts, --c1-prompts and --max-new-tokens must be >= 1")
-    if args.block_size < 2:
-        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+    check_block_size(args.block_size)
     if args.engine_dir and (args.model or args.drafter):
         raise ValueError("--engine-dir benchmarks a build's own target and drafter: it cannot be combined with "
                          "--model / --drafter")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    for ext in OUT_EXTS:
+        output_path(args.out + ext, "--out")
     torch_device(args.device)
     engine_dir = Path(args.engine_dir) if args.engine_dir else None
     manifest = open_build(engine_dir, dist)
     backend, _ = pick_backend(args.backend, manifest)
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # fail before loading models
-    Path(args.out).resolve().parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
     return Plan(chats, engine_dir, manifest, backend)
 
 
@@ -191,8 +198,7 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
 
     from beamtrt.runtime import loader, tp
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     dtype = DTYPES[args.dtype]
     loaded = (loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device) if plan.engine_dir is None
               else loader.load_build(plan.engine_dir, plan.manifest, dist, backend=plan.backend, dtype=dtype,
@@ -215,7 +221,7 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
     from beamtrt.spec.decoder import Request
     from beamtrt.spec.sampling import SamplingParams
 
-    out = Path(args.out)
+    out = {ext: Path(args.out + ext) for ext in OUT_EXTS}
     eos = frozenset(target.eos_token_ids)
     greedy, sampled = SamplingParams(), SamplingParams(temperature=SAMPLED[0], top_p=SAMPLED[1])
     cs = sorted(set(args.concurrency))
@@ -258,12 +264,12 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
             row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy).acceptance_length, 3)
         result["families"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "concurrency"}), file=sys.stderr, flush=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out[".json"].write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
-    out.with_suffix(".md").write_text(table)
-    chart(result, out.with_suffix(".png"))
+    out[".md"].write_text(table)
+    chart(result, out[".png"])
     print(table)
-    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}", file=sys.stderr)
+    print(f"wrote {', '.join(map(str, out.values()))}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,12 @@ def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
 
     target, drafter = work / "target", work / "drafter"
     cfg = source_config(size_gb)
+    made = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else None
+    if made is not None and made.get("num_hidden_layers") != cfg.num_hidden_layers:  # made for another --size-gb
+        print(f"{work}: replacing the {made.get('num_hidden_layers')}-layer sources with {cfg.num_hidden_layers} "
+              "layers", flush=True)
+        shutil.rmtree(target)
+        shutil.rmtree(drafter, ignore_errors=True)
     if not (target / "config.json").is_file():
         write_random_beam(target, cfg, progress=True)
     if not (drafter / "config.json").is_file():
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> None:
+        if not args.size_gb > 0 or args.tp < 1:
+            raise BeamtrtError(f"--size-gb must be > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
         target, drafter = make_sources(args.work, args.size_gb)
         weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
         results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from beamtrt import native
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import description, output_path, run_cli, set_threads
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
@@ -118,7 +118,7 @@ def measure(model: BeamForCausalLM, probe: GemvProbe, batch: int, context: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help="Beam-layout checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES), help="compute dtypes")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--batches, --steps and --context must be >= 1")
         if "native" in args.paths and not native.available():
             raise DeviceError("--paths native: the host kernels could not be built here (see the line above)")
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args.threads)
+        if args.json:
+            output_path(args.json, "--json")
         model_dir = Path(args.model) if args.model else ensure_beam_mini()
         result = {"model": str(model_dir), "threads": torch.get_num_threads(), "context": args.context,
                   "device": "cpu", "results": []}
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps(result, indent=2)
         print(text)
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(text + "\n")
 
     return run_cli(run)

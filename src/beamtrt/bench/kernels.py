@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import description, run_cli
 from beamtrt.errors import DeviceError
 
 
@@ -72,7 +72,7 @@ def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, re
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--repeats", type=int, default=50, help="timed runs per point (default: %(default)s)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import description, output_path, run_cli, set_threads
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
 BENCH_PROMPTS = DEFAULT_PROMPTS[::-1] + (  # the longest answer first: batch 1 runs it
@@ -42,7 +42,7 @@ def profile(decoder_factory, requests) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS) or args.block_size < 2:
             raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}] and --block-size >= 2")
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args.threads)
+        if args.json:
+            output_path(args.json, "--json")
         loaded = load_hf(args.model, args.drafter, dtype=DTYPES[args.dtype])
         target, drafter, tok = loaded.target, loaded.drafter, AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
         eos = frozenset(target.eos_token_ids)

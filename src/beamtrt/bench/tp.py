@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -19,10 +19,11 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
 
 
-def build(precision: str, tp: int, work: Path, model: str | None) -> Path:
+def build(precision: str, tp: int, work: Path, model: str | None, drafter: str | None) -> Path:
     out = work / f"{precision}-tp{tp}"
     cmd = [sys.executable, str(ROOT / "build" / "build_engines.py"), "--precision", precision, "--tp", str(tp),
-           "--out", str(out), "--quiet"] + (["--model", model] if model else [])
+           "--out", str(out), "--quiet"]
+    cmd += [f"--{flag}={path}" for flag, path in (("model", model), ("drafter", drafter)) if path]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise BeamtrtError(f"build failed: {proc.stderr.strip().splitlines()[-1].removeprefix('error: ')}")
@@ -50,7 +51,9 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Decode tokens/s with and without speculation at TP 1/2/4 and several "
                                             "concurrencies (each TP a separate build of the same model; JSON).")
-    p.add_argument("--model", help="Hugging Face target (default: beam-mini and its drafter)")
+    p.add_argument("--model", help="Hugging Face target (default: beam-mini)")
+    p.add_argument("--drafter", help="its DFlash2 drafter (default: as build_engines.py picks it: beam-mini's, for "
+                                     "beam-mini)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "nvfp4"),
                    help="build precision (default: %(default)s)")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="rank counts (default: %(default)s)")
@@ -64,14 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         from beamtrt.quant.calibrate import default_prompts_path
 
+        if min(args.tp) < 1 or min(args.concurrency) < 1 or args.max_new_tokens < 1:
+            raise BeamtrtError("--tp, --concurrency and --max-new-tokens must be >= 1")
+        if args.json:
+            output_path(args.json, "--json")
         args.work.mkdir(parents=True, exist_ok=True)
         results = {"precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
         for tp in args.tp:
-            engine = build(args.precision, tp, args.work, args.model)
+            engine = build(args.precision, tp, args.work, args.model, args.drafter)
             for c in args.concurrency:
                 prompts = args.work / f"prompts-{c}.jsonl"
                 lines = default_prompts_path().read_text().splitlines()
-                prompts.write_text("\n".join((lines * (c // len(lines) + 1))[:max(c, 1)]) + "\n")
+                prompts.write_text("\n".join((lines * (c // len(lines) + 1))[:c]) + "\n")
                 row = {"tp": tp, "concurrency": c}
                 for spec in (False, True):
                     row["spec" if spec else "plain"] = decode(engine, tp, prompts, c, spec, args.max_new_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import output_path, run_cli
 
 ENGINES = Path(__file__).resolve().parents[3] / "engines"
 LAST_BUILD = ENGINES / ".last-build"  # the last successful build into engines/ (runtime/run.py's default)
@@ -71,6 +71,8 @@ def _run(args: argparse.Namespace) -> None:
     from beamtrt.checkpoint.manifest import read_manifest
     from beamtrt.config import BuildConfig, EngineSettings
 
+    out = Path(args.out) if args.out else ENGINES / f"{args.precision}-tp{args.tp}"
+    output_path(out, "--out", directory=True)  # before beam-mini or calibration, not after
     model = args.model
     if model is None:
         from beamtrt.models.beam_mini import ensure_beam_mini
@@ -80,8 +82,7 @@ def _run(args: argparse.Namespace) -> None:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import default_drafter
         drafter = default_drafter(lambda: load_beam(model))
-    out = args.out or ENGINES / f"{args.precision}-tp{args.tp}"
-    bc = BuildConfig(model=Path(model), drafter=Path(drafter), out=Path(out), precision=args.precision, tp=args.tp,
+    bc = BuildConfig(model=Path(model), drafter=Path(drafter), out=out, precision=args.precision, tp=args.tp,
                      moe_ep=args.moe_ep, kv_cache=args.kv_cache, calib_prompts=args.calib_prompts,
                      calib_samples=args.calib_samples, drafter_precision=args.drafter_precision, force=args.force,
                      engine=EngineSettings(args.max_batch_size, args.max_seq_len, args.max_num_tokens, args.block_size,

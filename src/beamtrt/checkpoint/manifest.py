@@ -40,11 +40,27 @@ def file_hashes(root: Path, files: list[Path]) -> dict[str, str]:
     return {str(f.relative_to(root)): sha256_file(f) for f in files}
 
 
+REQUIRED = {  # what the loaders, the validator and the Triton export read from a manifest
+    "mapping": ("tp_size", "moe_tp_size", "moe_ep_size"),
+    "target": ("dir", "architecture", "source"),
+    "drafter": ("dir", "block_size"),
+    "stages": (),
+    "files": (),
+}
+REQUIRED_VALUES = ("precision", "drafter_precision", "kv_cache")
+
+
 def read_manifest(root: Path) -> dict:
     manifest = read_json(Path(root) / MANIFEST, "build manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{Path(root) / MANIFEST}: format_version {manifest.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}; rebuild with this version of build_engines.py")
+    lacking = [key for key in REQUIRED_VALUES if key not in manifest]
+    for section, keys in REQUIRED.items():
+        value = manifest.get(section)
+        lacking += [f"{section}.{k}" for k in keys if k not in value] if isinstance(value, dict) else [section]
+    if lacking:
+        raise CheckpointError(f"{Path(root) / MANIFEST} lacks {lacking[0]!r}: rebuild with build/build_engines.py")
     return manifest
 
 

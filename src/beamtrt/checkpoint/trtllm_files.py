@@ -16,6 +16,20 @@ from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.quant import fp8, nvfp4
 
 
+_SCALES = ("scaling_factor", "scaling_factor_2")
+
+
+def check_values(file: Path, name: str, t: torch.Tensor) -> None:
+    """Rank-file values a build never writes: NaN or Inf anywhere, a scale that is zero or negative."""
+    if not t.is_floating_point():
+        return
+    wide = t.to(torch.float32)
+    if not bool(torch.isfinite(wide).all()):
+        raise CheckpointError(f"{file}: tensor {name!r} has NaN or Inf values")
+    if name.endswith(_SCALES) and not bool((wide > 0).all()):
+        raise CheckpointError(f"{file}: scale tensor {name!r} has zero or negative entries")
+
+
 def rank_file(path: Path, rank: int) -> Path:
     return Path(path) / f"rank{rank}.safetensors"
 
@@ -57,6 +71,7 @@ class TrtllmCheckpoint:
         self.kv_cache = "fp8" if (self.config.get("quantization") or {}).get("kv_cache_quant_algo") == "FP8" else "auto"
         self.dtype = trtllm.tensor_dtype(source, self.config.get("dtype", ""))
         self._files: dict[int, SafetensorsFile] = {}
+        self._specs: dict[str, trtllm.Spec] | None = None
 
     def open(self, rank: int):
         if rank not in self._files:
@@ -70,14 +85,23 @@ class TrtllmCheckpoint:
         return self._files[rank]
 
     def get(self, rank: int, name: str) -> torch.Tensor:
-        handle = self.open(rank)
+        """One rank's tensor, checked against the name table: shape, dtype, finite values, positive scales."""
+        handle, file = self.open(rank), rank_file(self.path, rank)
         if name not in handle.keys():
-            raise CheckpointError(f"{rank_file(self.path, rank)}: missing tensor {name!r}")
+            raise CheckpointError(f"{file}: missing tensor {name!r}")
         try:
-            return handle.get_tensor(name)
+            t = handle.get_tensor(name)
         except (SafetensorsError, OSError) as err:
-            raise CheckpointError(f"{rank_file(self.path, rank)}: cannot read {name!r}: {' '.join(str(err).split())}"
-                                  ) from None
+            raise CheckpointError(f"{file}: cannot read {name!r}: {' '.join(str(err).split())}") from None
+        if self._specs is None:
+            self._specs = self.specs()
+        if name in self._specs:
+            shape, dtype = self._specs[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise CheckpointError(f"{file}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, expected "
+                                      f"{tuple(shape)} {dtype}")
+        check_values(file, name, t)
+        return t
 
     def is_drafter(self) -> bool:
         return self.config.get("architecture") == trtllm.DRAFTER_ARCHITECTURE

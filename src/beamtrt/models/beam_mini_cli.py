@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import output_path, run_cli
 from beamtrt.models.beam_mini import DEFAULT_DIR, MiniRecipe, build_beam_mini
 
 
@@ -28,10 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
-        if args.num_experts < 1 or not 1 <= args.top_k <= args.num_experts:
+        if args.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {args.num_experts}")
+        if not 1 <= args.top_k <= args.num_experts:
             raise ValueError(f"--top-k {args.top_k} must be in [1, --num-experts {args.num_experts}]")
         if args.perturbation < 0:
             raise ValueError(f"--perturbation must be >= 0, got {args.perturbation}")
+        output_path(args.out, "--out", directory=True)  # before the GGUF is read, not after
         recipe = MiniRecipe(num_experts=args.num_experts, top_k=args.top_k, perturbation=args.perturbation,
                             dtype=args.dtype, seed=args.seed)
         out = build_beam_mini(args.out, recipe, force=args.force)

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import output_path, run_cli
 from beamtrt.config import BeamConfig
 from beamtrt.models.random_beam import write_random_beam
 
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         sizes = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in SIZE_FLAGS.items()}
         cfg = BeamConfig(**sizes, mlp_only_layers=tuple(args.dense_layers), use_qk_norm=not args.no_qk_norm)
+        output_path(args.out, "--out", directory=True)
         out = write_random_beam(args.out, cfg, args.seed, getattr(torch, args.dtype),
                                 int(args.max_shard_gb * 1024**3), progress=True)
         print(f"random Beam checkpoint: {out}")

@@ -9,9 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from beamtrt.cli_util import run_ranks_cli, torch_device
+from beamtrt.cli_util import output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.config import check_block_size
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
@@ -81,14 +80,16 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--concurrency must be >= 0, got {args.concurrency}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.no_spec and args.block_size < 2:
-        raise ValueError(f"--block-size must be >= 2 (1 anchor + at least 1 draft), got {args.block_size}")
+    if not args.no_spec:
+        check_block_size(args.block_size)
     if args.prompt and args.prompts:
         raise ValueError("give --prompt or --prompts, not both")
     if any(not s for s in args.stop):
         raise ValueError("--stop needs a non-empty string")
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise ValueError(f"--json {args.json}: the folder does not exist")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    if args.json:
+        output_path(args.json, "--json")
     torch_device(args.device)
     return params
 
@@ -141,8 +142,7 @@ def _load(args: argparse.Namespace, setup: Setup, dist):
 def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
     from beamtrt.runtime import tp
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     loaded = _load(args, setup, dist)
     driven = tp.drive(dist, loaded.target, loaded.drafter)
     if driven is not None:  # rank 0
@@ -207,6 +207,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                         "concurrency": args.concurrency or len(requests),
                         **_time_split(decoder, target, drafter, dist)},
         }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
 

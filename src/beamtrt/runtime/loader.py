@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.errors import ConfigError
+from beamtrt.errors import CheckpointError, ConfigError
 
 BACKENDS = ("auto", "torch", "trt")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # compute dtypes of the torch backend
@@ -38,7 +38,17 @@ def open_build(engine_dir: Path | None, dist) -> dict | None:
     if dist.size not in (1, tp_size):
         raise ValueError(f"{engine_dir} was built for tp {tp_size} but {dist.size} ranks are running: start it "
                          f"with mpirun -n {tp_size} (or without mpirun, as one process)")
+    tokenizer = build_tokenizer_dir(engine_dir, manifest)
+    if not tokenizer.is_dir():
+        raise CheckpointError(f"{engine_dir}: the build's tokenizer folder {tokenizer} is missing; rebuild with "
+                              "build/build_engines.py")
     return manifest
+
+
+def build_tokenizer_dir(root: Path, manifest: dict) -> Path:
+    """Where a build's tokenizer is: its own tokenizer/ copy, or (older builds) the source checkpoint's."""
+    tokenizer = manifest["target"].get("tokenizer")
+    return root / tokenizer if tokenizer else Path(manifest["target"]["source"])
 
 
 def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
@@ -71,8 +81,7 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
                device: str = "cpu", spec: bool = True) -> Loaded:
     """This rank's backends for a build_engines.py output (`backend` already picked by `pick_backend`)."""
     target_dir, drafter_dir = root / manifest["target"]["dir"], root / manifest["drafter"]["dir"]
-    tokenizer = manifest["target"].get("tokenizer")
-    tokenizer_dir = root / tokenizer if tokenizer else Path(manifest["target"]["source"])
+    tokenizer_dir = build_tokenizer_dir(root, manifest)
     what = f"{root} ({manifest['precision']}, tp {manifest['mapping']['tp_size']}, {dist.size} rank(s))"
     if backend == "trt":
         from beamtrt.runtime.trt_backend import load_engines
@@ -114,4 +123,11 @@ def load_drafter_backend(drafter_dir: str | Path | None, target, dtype: torch.dt
     from beamtrt.runtime.torch_backend import TorchDrafter
 
     path = Path(drafter_dir) if drafter_dir else default_drafter(target)
-    return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
+    try:
+        return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
+    except ConfigError as err:
+        if drafter_dir:
+            raise
+        raise ConfigError(f"the default drafter {path} is beam-mini's and does not fit this target ({err}); pass "
+                          "--drafter DIR with a drafter trained for it (scripts/train_drafter.py --target), or "
+                          "--no-spec") from None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli, torch_device
+from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
 
@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.train.trainer import TrainConfig, train, write_log
 
         device = torch_device(args.device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args.threads)
         for name in ("prompts", "max_new_tokens", "gen_batch", "layers", "selector_rank"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -176,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
         out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2"
+        for flag, d in (("--data", data_dir), ("--work", work), ("--out", out)):  # before hours of work
+            output_path(d, flag, directory=True)
 
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)

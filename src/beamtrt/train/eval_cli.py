@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli, torch_device
+from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
 
@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.per_kind < 1 or args.block_size < 2:
             raise ValueError("--per-kind must be >= 1 and --block-size >= 2")
         device = torch_device(args.device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args.threads)
+        if args.json:
+            output_path(args.json, "--json")
         for d in map(Path, args.data):
             if not d.is_dir():
                 raise BeamtrtError(f"--data {d}: no such directory")
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.get('eval_tau_top1', float('nan')):.2f} | {r.get('eval_tau_every_anchor', float('nan')):.2f} | "
                   f"{r.get('eval_recall', float('nan')):.2f} |")
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"drafter": str(drafter_dir), "data": args.data,
                                                    "block_size": args.block_size, "kinds": rows}, indent=2) + "\n")
         print(f"drafter {drafter_dir} on {len(args.data)} cache(s) at block {args.block_size}", file=sys.stderr)

@@ -244,12 +244,23 @@ def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def _meta(data: Path) -> dict:
+    """A cache's meta.json (recipe, taps, hidden size); {} for a cache made before it existed."""
+    return json.loads((data / "meta.json").read_text()) if (data / "meta.json").is_file() else {}
+
+
 def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
                      rows: int = 8) -> None:
     """Give every answers file in `data` without a feature shard its taps (one teacher-forced forward per sequence,
     `rows` sequences at a time), and every feature shard without an answers file its answers file."""
     from tqdm import tqdm
 
+    meta = _meta(data)
+    if meta.get("taps", list(taps)) != list(taps):
+        raise BeamtrtError(f"{data}: answers made for target layers {meta.get('taps')}, the drafter taps {list(taps)}")
+    if meta.get("hidden_size", target.cfg.hidden_size) != target.cfg.hidden_size:
+        raise BeamtrtError(f"{data}: a cache of a target with hidden size {meta['hidden_size']}, this target's is "
+                           f"{target.cfg.hidden_size}")
     for features in sorted(data.glob("features-*.safetensors")):
         if not _answers_path(features).exists():
             _save_answers(_read(features, "feature shard"), features)
@@ -258,9 +269,6 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     missing = [(a, f) for a, f in missing if not f.exists()]
     if not missing:
         return
-    meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").is_file() else {}
-    if meta.get("taps", list(taps)) != list(taps):
-        raise BeamtrtError(f"{data}: answers made for target layers {meta.get('taps')}, the drafter taps {list(taps)}")
     shards = [(features, _read(answers, "answers file")) for answers, features in missing]
     bar = tqdm(total=sum(len(s["prompt_len"]) for _, s in shards), desc=f"taps from answers ({data.name})",
                unit="seq", disable=quiet, dynamic_ncols=True)
@@ -285,15 +293,16 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
 
 def load_features(*dirs: Path) -> FeatureSet:
     """Read every shard of one or more feature caches (in the order given) into one FeatureSet."""
-    parts, taps = [], None
+    parts, first = [], None
     for data in dirs:
         paths = sorted(data.glob("features-*.safetensors"))
         if not paths:
             raise BeamtrtError(f"{data}: no feature shards (features-*.safetensors)")
-        meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").is_file() else {}
-        if taps is not None and meta.get("taps") != taps:
-            raise BeamtrtError(f"{data}: features of target layers {meta.get('taps')}, the first cache has {taps}")
-        taps = meta.get("taps")
+        meta = _meta(data)
+        for key, what in (("taps", "features of target layers"), ("hidden_size", "a target hidden size of")):
+            if first is not None and meta.get(key) != first.get(key):
+                raise BeamtrtError(f"{data}: {what} {meta.get(key)}, the first cache has {first.get(key)}")
+        first = first or meta
         parts += [FeatureSet(**{k: v for k, v in _read(p, "feature shard").items()
                                 if k in ("ids", "taps", "seq_start", "prompt_len", "greedy")}) for p in paths]
     return concat_features(parts)

@@ -53,15 +53,17 @@ class TrainConfig:
     distill: float = 0.0            # weight of KL(target ‖ drafter) per slot, beside the CE on its token (0 = recipe)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seqs_per_step", "anchors_per_seq", "eval_every", "checkpoint_every"):
+        for name, flag in (("steps", "--steps"), ("seqs_per_step", "--seqs-per-step"), ("anchors_per_seq", "--anchors"),
+                           ("eval_every", "--eval-every"), ("checkpoint_every", "--checkpoint-every")):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if not 2 <= self.eval_block_size <= self.block_size:
-            raise ValueError(f"eval block size {self.eval_block_size} must be within [2, {self.block_size}]")
+            raise ValueError(f"--eval-block-size {self.eval_block_size} must be within [2, --block-size "
+                             f"{self.block_size}]")
         if not self.lr > 0 or not self.gamma > 0:
-            raise ValueError("lr and gamma must be positive")
+            raise ValueError(f"--lr and --gamma must be positive, got {self.lr} and {self.gamma}")
         if not self.distill >= 0:
-            raise ValueError(f"distill weight must be >= 0, got {self.distill}")
+            raise ValueError(f"--distill must be >= 0, got {self.distill}")
         if self.head_vocab not in HEAD_VOCABS:
             raise ValueError(f"head vocabulary {self.head_vocab!r} is not one of {', '.join(HEAD_VOCABS)}")
 

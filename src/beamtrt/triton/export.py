@@ -186,11 +186,20 @@ def export(cfg: ExportConfig) -> list[str]:
     root, out = cfg.engine_dir.resolve(), cfg.out.resolve()
     if out == root or root in out.parents:
         raise ExportError(f"--out {out} is inside the engine directory; choose another place")
+    if out in root.parents:
+        raise ExportError(f"--out {out} holds the engine directory {root}: an export replaces its --out, so choose "
+                          "another place")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:
         raise ExportError(f"{out} already exists and is not empty: pass --force to replace it")
     manifest = check_build(root)
     engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
     block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
+    engines = manifest.get("stages", {}).get("engines", {})
+    built_block = manifest.get("engines", {}).get("settings", {}).get("block_size")
+    if cfg.backend == "trt" and engines.get("status") not in ("ran", "reused"):
+        raise ExportError(f"--backend trt: the build has no engines ({engines.get('reason', 'engine stage not run')})")
+    if cfg.backend == "trt" and built_block is not None and block != built_block:
+        raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
     settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
                              cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template)
     out.parent.mkdir(parents=True, exist_ok=True)

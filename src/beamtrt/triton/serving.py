@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import re
 import sys
 import threading
 import typing
@@ -23,6 +24,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.errors import ConfigError
 from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
@@ -53,7 +55,10 @@ class ServeSettings:
         checks = [(self.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"),
                   (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
                   (self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"),
-                  (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}"),
+                  (2 <= self.block_size <= MAX_BLOCK_SIZE,
+                   f"block_size must be in [2, {MAX_BLOCK_SIZE}], got {self.block_size}"),
+                  (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+                   f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
                   (self.max_slots >= 1, f"max_slots must be >= 1, got {self.max_slots}"),
                   (self.max_seq_len >= self.block_size + 2,
                    f"max_seq_len must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}")]
