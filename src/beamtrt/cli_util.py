@@ -36,12 +36,17 @@ def description(doc: str) -> str:
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
+def check_threads(n: int, flag: str = "--threads") -> None:
+    """A --threads value: 0 (torch's default) or a thread count."""
+    if n < 0:
+        raise BeamtrtError(f"{flag} must be >= 0 (0 = torch's default), got {n}")
+
+
 def set_threads(n: int, flag: str = "--threads") -> None:
     """--threads N: torch's CPU threads; 0 keeps torch's default."""
     import torch
 
-    if n < 0:
-        raise BeamtrtError(f"{flag} must be >= 0 (0 = torch's default), got {n}")
+    check_threads(n, flag)
     if n:
         torch.set_num_threads(n)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import description, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import check_threads, description, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
@@ -179,8 +179,7 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     if args.engine_dir and (args.model or args.drafter):
         raise ValueError("--engine-dir benchmarks a build's own target and drafter: it cannot be combined with "
                          "--model / --drafter")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    check_threads(args.threads)
     for ext in OUT_EXTS:
         output_path(args.out + ext, "--out")
     torch_device(args.device)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from beamtrt.cli_util import output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import check_threads, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
@@ -86,8 +86,7 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError("give --prompt or --prompts, not both")
     if any(not s for s in args.stop):
         raise ValueError("--stop needs a non-empty string")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    check_threads(args.threads)
     if args.json:
         output_path(args.json, "--json")
     torch_device(args.device)

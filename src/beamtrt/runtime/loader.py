@@ -51,12 +51,17 @@ def build_tokenizer_dir(root: Path, manifest: dict) -> Path:
     return root / tokenizer if tokenizer else Path(manifest["target"]["source"])
 
 
+def missing_engines(manifest: dict | None) -> str | None:
+    """Why a build has no engines to run (None when its engine stage ran or was reused)."""
+    engines = (manifest or {}).get("stages", {}).get("engines", {})
+    return None if engines.get("status") in ("ran", "reused") else engines.get("reason", "engine stage not run")
+
+
 def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
     """(backend, why) for `--backend` and a build manifest (None for a Hugging Face checkpoint)."""
     if requested not in BACKENDS:
         raise ConfigError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
-    engines = (manifest or {}).get("stages", {}).get("engines", {})
-    built = engines.get("status") in ("ran", "reused")
+    no_engines = missing_engines(manifest)
     if requested == "torch":
         return "torch", "requested"
     from beamtrt.build.engine import engine_support
@@ -65,16 +70,16 @@ def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
     if requested == "trt":
         if manifest is None:
             raise ConfigError("--backend trt runs engines from a build output: pass --engine-dir")
-        if not built:
-            raise ConfigError(f"--backend trt: the build has no engines ({engines.get('reason', 'engine stage not run')})")
+        if no_engines:
+            raise ConfigError(f"--backend trt: the build has no engines ({no_engines})")
         if missing:
             raise ConfigError(f"--backend trt: {missing}")
         return "trt", "requested"
-    if built and not missing:
+    if not no_engines and not missing:
         return "trt", "engines and TensorRT-LLM present"
     if manifest is None:
         return "torch", "a Hugging Face checkpoint runs on torch"
-    return "torch", (missing if built else f"no engines in the build ({engines.get('reason', 'not run')})")
+    return "torch", (f"no engines in the build ({no_engines})" if no_engines else missing)
 
 
 def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtype: torch.dtype = torch.float32,

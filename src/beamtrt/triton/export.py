@@ -17,6 +17,7 @@ from pathlib import Path
 
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.errors import BeamtrtError, ConfigError
+from beamtrt.runtime.loader import missing_engines
 from beamtrt.triton import protocol, serving
 from beamtrt.triton.protocol import Tensor
 from beamtrt.triton.serving import ServeSettings
@@ -194,10 +195,10 @@ def export(cfg: ExportConfig) -> list[str]:
     manifest = check_build(root)
     engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
     block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
-    engines = manifest.get("stages", {}).get("engines", {})
     built_block = manifest.get("engines", {}).get("settings", {}).get("block_size")
-    if cfg.backend == "trt" and engines.get("status") not in ("ran", "reused"):
-        raise ExportError(f"--backend trt: the build has no engines ({engines.get('reason', 'engine stage not run')})")
+    no_engines = missing_engines(manifest)
+    if cfg.backend == "trt" and no_engines:
+        raise ExportError(f"--backend trt: the build has no engines ({no_engines})")
     if cfg.backend == "trt" and built_block is not None and block != built_block:
         raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
     settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
