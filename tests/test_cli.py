@@ -164,12 +164,26 @@ def test_outputs_that_cannot_be_written_fail_before_the_work(tmp_path, run):
                          ("scripts/train_drafter.py", ["--target", str(tmp_path), "--out", under]),
                          ("scripts/eval_drafter.py", ["--data", str(tmp_path), "--json", under]),
                          ("scripts/bench_decode.py", ["--model", str(tmp_path), "--json", under]),
-                         ("scripts/bench_spec.py", ["--json", under]), ("scripts/bench_tp.py", ["--json", under])):
+                         ("scripts/bench_spec.py", ["--json", under]), ("scripts/bench_tp.py", ["--json", under]),
+                         ("scripts/bench_convert.py", ["--work", str(tmp_path / "w"), "--json", under]),
+                         ("scripts/bench_kernels.py", ["--json", under])):
         (tmp_path / "config.json").write_text("{}")
         assert_one_line_error(run(script, *args), "afile is a file, not a directory")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--json", str(tmp_path)),
                           "--json", "is a directory")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", under), "afile is a file, not a directory")
+
+
+def test_json_outputs_make_their_folders(tmp_path):
+    """Every --json (and summary) file goes through write_json, which makes missing folders as output_path promises
+    (bench_kernels and `python -m beamtrt.bench.backends` wrote into an existing folder only)."""
+    import json
+
+    from beamtrt.cli_util import write_json
+
+    path = tmp_path / "a" / "b" / "r.json"
+    write_json(path, {"x": [1, 2]})
+    assert path.read_text() == json.dumps({"x": [1, 2]}, indent=2) + "\n"
 
 
 def test_an_os_error_is_one_line(capsys):

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from beamtrt.cli_util import description, run_cli
+from beamtrt.cli_util import description, run_cli, write_json
 from beamtrt.errors import BeamtrtError
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(runs)
         print(table(result, args.title))
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            write_json(args.json, result)
 
     return run_cli(go)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import check_threads, description, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import (check_threads, description, output_path, run_ranks_cli, set_threads, torch_device,
+                               write_json)
 from beamtrt.config import check_block_size
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
@@ -263,7 +264,7 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
             row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy).acceptance_length, 3)
         result["families"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "concurrency"}), file=sys.stderr, flush=True)
-    out[".json"].write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out[".json"], result)
     table = markdown(result)
     out[".md"].write_text(table)
     chart(result, out[".png"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import output_path, run_cli, write_json
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         if not args.size_gb > 0 or args.tp < 1:
             raise BeamtrtError(f"--size-gb must be > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
+        if args.json:
+            output_path(args.json, "--json")
         target, drafter = make_sources(args.work, args.size_gb)
         weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
         results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,
@@ -101,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{precision}: convert {r['convert_mb_per_s']} MB/s, end to end {r['end_to_end_mb_per_s']} MB/s "
                   f"({r['seconds']:.0f} s), peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            write_json(args.json, results)
 
     return run_cli(body)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from beamtrt import native
-from beamtrt.cli_util import description, output_path, run_cli, set_threads
+from beamtrt.cli_util import description, output_path, run_cli, set_threads, write_json
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
@@ -161,10 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     result["results"].append(point)
                     print(json.dumps(point), file=sys.stderr, flush=True)
             del model, probe
-        text = json.dumps(result, indent=2)
-        print(text)
+        print(json.dumps(result, indent=2))
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(text + "\n")
+            write_json(args.json, result)
 
     return run_cli(run)

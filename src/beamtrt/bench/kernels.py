@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import description, run_cli
+from beamtrt.cli_util import description, output_path, run_cli, write_json
 from beamtrt.errors import DeviceError
 
 
@@ -80,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         if args.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        if args.json:
+            output_path(args.json, "--json")
         if not torch.cuda.is_available():
             raise DeviceError("no CUDA device here: the kernel micro-benchmark needs a GPU")
         points = [attention_point(32, 4096, 8, 40, 8, 128, args.repeats, cuda_cores) for cuda_cores in (False, True)]
@@ -95,9 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"| block selector | N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']} | {pt['us']} | — | — |",
                       file=sys.stderr)
-        text = json.dumps(result, indent=2)
-        print(text)
+        print(json.dumps(result, indent=2))
         if args.json:
-            Path(args.json).write_text(text + "\n")
+            write_json(args.json, result)
 
     return run_cli(run)

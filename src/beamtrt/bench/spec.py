@@ -7,11 +7,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import description, output_path, run_cli, set_threads
+from beamtrt.cli_util import description, output_path, run_cli, set_threads, write_json
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
 BENCH_PROMPTS = DEFAULT_PROMPTS[::-1] + (  # the longest answer first: batch 1 runs it
@@ -79,10 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                      "decode_speedup": round(spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"], 3)}
             result["results"].append(point)
             print(json.dumps(point), file=sys.stderr, flush=True)
-        text = json.dumps(result, indent=2)
-        print(text)
+        print(json.dumps(result, indent=2))
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(text + "\n")
+            write_json(args.json, result)
 
     return run_cli(run)

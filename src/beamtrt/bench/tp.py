@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import output_path, run_cli
+from beamtrt.cli_util import output_path, run_cli, write_json
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            write_json(args.json, results)
 
     return run_cli(body)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from beamtrt.cli_util import check_threads, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import check_threads, output_path, run_ranks_cli, set_threads, torch_device, write_json
 from beamtrt.config import check_block_size
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
@@ -206,8 +205,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                         "concurrency": args.concurrency or len(requests),
                         **_time_split(decoder, target, drafter, dist)},
         }
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
 
 
 def _time_split(decoder, target, drafter, dist) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device
+from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device, write_json
 from beamtrt.errors import BeamtrtError
 
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                    "train_seconds_total": round(sum(row["seconds"] for row in log), 1),
                    "initial_eval": {k: v for k, v in first.items() if k.startswith("eval_")},  # the --init drafter
                    "final_eval": {k: v for k, v in final.items() if k.startswith("eval_")}}
-        (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(out / "training.json", summary)
         print(f"drafter: {out}  (held-out greedy acceptance length at block {cfg.eval_block_size}: "
               f"{final.get('eval_tau', float('nan')):.2f})")
 

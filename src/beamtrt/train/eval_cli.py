@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device
+from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device, write_json
 from beamtrt.errors import BeamtrtError
 
 
@@ -140,9 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.get('eval_tau_top1', float('nan')):.2f} | {r.get('eval_tau_every_anchor', float('nan')):.2f} | "
                   f"{r.get('eval_recall', float('nan')):.2f} |")
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"drafter": str(drafter_dir), "data": args.data,
-                                                   "block_size": args.block_size, "kinds": rows}, indent=2) + "\n")
+            write_json(args.json, {"drafter": str(drafter_dir), "data": args.data, "block_size": args.block_size,
+                                   "kinds": rows})
         print(f"drafter {drafter_dir} on {len(args.data)} cache(s) at block {args.block_size}", file=sys.stderr)
 
     return run_cli(run)
