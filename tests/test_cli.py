@@ -175,11 +175,11 @@ def test_outputs_that_cannot_be_written_fail_before_the_work(tmp_path, run):
 
 
 def test_json_outputs_make_their_folders(tmp_path):
-    """Every --json (and summary) file goes through write_json, which makes missing folders as output_path promises
-    (bench_kernels and `python -m beamtrt.bench.backends` wrote into an existing folder only)."""
+    """Every --json (and summary) file goes through checkpoint.hf's write_json, which makes missing folders as
+    output_path promises (bench_kernels and `python -m beamtrt.bench.backends` wrote into an existing folder only)."""
     import json
 
-    from beamtrt.cli_util import write_json
+    from beamtrt.checkpoint.hf import write_json
 
     path = tmp_path / "a" / "b" / "r.json"
     write_json(path, {"x": [1, 2]})

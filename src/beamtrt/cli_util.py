@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -67,13 +66,6 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise BeamtrtError(f"{flag} {p}: cannot write in {ancestor}")
     return p
-
-
-def write_json(path: str | Path, obj) -> None:
-    """Write `obj` as indented JSON (a trailing newline), making missing folders: every --json and summary file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def _message(e: BaseException) -> str:

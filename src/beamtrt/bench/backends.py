@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from beamtrt.cli_util import description, run_cli, write_json
+from beamtrt.cli_util import description, run_cli
 from beamtrt.errors import BeamtrtError
 
 
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(runs)
         print(table(result, args.title))
         if args.json:
+            from beamtrt.checkpoint.hf import write_json  # imports torch: only when a file is asked for
+
             write_json(args.json, result)
 
     return run_cli(go)

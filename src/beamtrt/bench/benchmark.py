@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import (check_threads, description, output_path, run_ranks_cli, set_threads, torch_device,
-                               write_json)
+from beamtrt.checkpoint.hf import write_json
+from beamtrt.cli_util import check_threads, description, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 

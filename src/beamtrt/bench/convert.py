@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import output_path, run_cli, write_json
+from beamtrt.checkpoint.hf import write_json
+from beamtrt.cli_util import output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]

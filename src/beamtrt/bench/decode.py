@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from beamtrt import native
-from beamtrt.cli_util import description, output_path, run_cli, set_threads, write_json
+from beamtrt.checkpoint.hf import write_json
+from beamtrt.cli_util import description, output_path, run_cli, set_threads
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 

@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from beamtrt.cli_util import description, output_path, run_cli, write_json
+from beamtrt.checkpoint.hf import write_json
+from beamtrt.cli_util import description, output_path, run_cli
 from beamtrt.errors import DeviceError
 
 

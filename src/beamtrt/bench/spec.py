@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from beamtrt.cli_util import description, output_path, run_cli, set_threads, write_json
+from beamtrt.checkpoint.hf import write_json
+from beamtrt.cli_util import description, output_path, run_cli, set_threads
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
 BENCH_PROMPTS = DEFAULT_PROMPTS[::-1] + (  # the longest answer first: batch 1 runs it

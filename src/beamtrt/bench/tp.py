@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import output_path, run_cli, write_json
+from beamtrt.cli_util import output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
         if args.json:
+            from beamtrt.checkpoint.hf import write_json  # imports torch, which this launcher does not need
+
             write_json(args.json, results)
 
     return run_cli(body)

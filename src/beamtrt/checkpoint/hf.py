@@ -38,9 +38,11 @@ def read_json(path: Path, what: str) -> dict:
     return obj
 
 
-def write_json(path: Path, obj: dict) -> None:
-    """Write `obj` as indented JSON, atomically (temp file in the same directory, then os.replace)."""
+def write_json(path: str | Path, obj: dict) -> None:
+    """Write `obj` as indented JSON, atomically (temp file in the same directory, then os.replace), making missing
+    folders: every config, manifest, --json and summary file."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from beamtrt.cli_util import check_threads, output_path, run_ranks_cli, set_threads, torch_device, write_json
+from beamtrt.checkpoint.hf import write_json
+from beamtrt.cli_util import check_threads, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device, write_json
+from beamtrt.checkpoint.hf import write_json
+from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
 
