@@ -118,6 +118,21 @@ def test_a_failed_build_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
     assert not any(tmp_path.rglob("*.so"))  # nothing half-written left behind
 
 
+def test_an_edited_header_rebuilds_the_library(tmp_path, monkeypatch):
+    """The build is cached by content, headers included: editing a kernel header must not reuse a stale library."""
+    monkeypatch.setenv("BEAMTRT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "value.h").write_text("#pragma once\nconstexpr int kValue = 1;\n")
+    source = tmp_path / "lib.cpp"
+    source.write_text('#include "inc/value.h"\nextern "C" int value() { return kValue; }\n')
+    assert native.local_sources(source) == [source.resolve(), (tmp_path / "inc" / "value.h").resolve()]
+    flags = ("-O1", "-shared", "-fPIC")
+    assert native.compile_library(source, flags, "test").value() == 1
+    (tmp_path / "inc" / "value.h").write_text("#pragma once\nconstexpr int kValue = 2;\n")
+    assert native.compile_library(source, flags, "test").value() == 2
+    assert len(list((tmp_path / "cache").rglob("*.so"))) == 2
+
+
 def test_lm_head_keeps_gradients_on_a_few_rows():
     """A few rows outside autograd take the host GEMM (fp32 logits, bit-identical to native.gemm); rows that need
     gradients (a small training batch through the full head) keep PyTorch's graph."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,14 +63,31 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "beamtrt" / "native"
 
 
+def local_sources(source: Path) -> list[Path]:
+    """`source` and every file it includes with #include "...", transitively (paths relative to the includer)."""
+    seen, todo = [], [source.resolve()]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        todo += [(path.parent / name).resolve() for name in _INCLUDE.findall(path.read_text())]
+    return seen
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
 def compile_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
-    """Build `source` into a shared library in cache_dir() once per source and flags (compiled aside, then renamed:
-    never half a file); None, after one line on stderr, where it cannot be built."""
+    """Build `source` into a shared library in cache_dir() once per content (the source and its local includes) and
+    flags (compiled aside, then renamed: never half a file); None, after one line on stderr, where it cannot be
+    built."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         print(f"beamtrt: no C++ compiler found; {what} are not available", file=sys.stderr)
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler,) + flags).encode()).hexdigest()[:16]
+    content = b"".join(path.read_bytes() for path in local_sources(source))
+    digest = hashlib.sha256(content + " ".join((compiler,) + flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
     if not target.exists():
         try:
