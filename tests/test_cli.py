@@ -72,7 +72,8 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
 @pytest.mark.parametrize("script, flags", [
     ("runtime/run.py", ["--engine-dir", "--concurrency", "--model", "--drafter", "--prompt", "--prompts",
                         "--max-new-tokens", "--temperature",
-                        "--top-p", "--top-k", "--stop", "--block-size", "--no-spec", "--seed", "--json", "--backend",
+                        "--top-p", "--top-k", "--stop", "--block-size", "--draft-threshold", "--no-spec", "--seed",
+                        "--json", "--backend",
                         "--dtype", "--device",
                         "--threads", "--quiet"]),
     ("scripts/make_beam_mini.py", ["--out", "--num-experts", "--top-k", "--perturbation", "--dtype", "--seed",
@@ -85,10 +86,12 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                 "--tensorrt-root"]),
     ("scripts/bench_decode.py", ["--model", "--dtypes", "--batches", "--context", "--steps", "--paths", "--threads",
                                  "--json"]),
-    ("scripts/bench_spec.py", ["--model", "--drafter", "--batches", "--block-size", "--max-new-tokens", "--dtype",
+    ("scripts/bench_spec.py", ["--model", "--drafter", "--batches", "--block-size", "--draft-threshold",
+                               "--max-new-tokens", "--dtype",
                                "--threads", "--json"]),
     ("scripts/benchmark.py", ["--model", "--drafter", "--families", "--prompts", "--num-prompts", "--c1-prompts",
-                              "--concurrency", "--max-new-tokens", "--block-size", "--no-block16", "--dtype",
+                              "--concurrency", "--max-new-tokens", "--block-size", "--draft-threshold", "--no-block16",
+                              "--dtype",
                               "--threads", "--out", "--engine-dir", "--backend", "--device"]),
     ("scripts/train_drafter.py", ["--target", "--data", "--work", "--out", "--prompts", "--max-new-tokens",
                                   "--gen-batch", "--data-seed", "--steps", "--seqs-per-step", "--anchors",
@@ -120,6 +123,8 @@ def test_run_bad_values_are_one_line(tmp_path, run):
                           "is a file, not a directory")
     assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path)), "--json", "is a directory")
     assert_one_line_error(run("runtime/run.py", "--block-size", "33"), "--block-size", "[2, 32]")
+    for bad in ("-0.1", "1.5", "nan"):
+        assert_one_line_error(run("runtime/run.py", "--draft-threshold", bad), "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "bad.jsonl")), "bad.jsonl:2")
@@ -241,6 +246,9 @@ def test_run_generates_coherent_text(beam_mini):
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
+    assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--draft-threshold", "2"),
+                          "--draft-threshold", "[0, 1]")
+    assert_one_line_error(run("scripts/benchmark.py", "--draft-threshold", "-1"), "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
     assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path), "--size-gb", "0"), "--size-gb")

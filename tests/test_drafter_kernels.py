@@ -61,6 +61,8 @@ def test_draft_steps_agree(target, monkeypatch):
         assert (a.q is None) == (b.q is None)
         if a.q is not None:
             torch.testing.assert_close(a.q, b.q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.confidence, b.confidence, rtol=1e-5, atol=1e-6)  # the draft threshold's input
+        assert a.confidence.shape == (2, 7) and bool(((a.confidence > 0) & (a.confidence <= 1)).all())
 
 
 def test_kernel_choice(monkeypatch, capsys):

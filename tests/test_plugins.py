@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from beamtrt.native.kernels import DTYPES, AttentionArgs, SelectorArgs
-from beamtrt.spec.selector import draft_probs, walk_greedy, walk_sampled
+from beamtrt.spec.selector import draft_probs, greedy_q, walk_greedy, walk_sampled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_selector_equals_the_reference_walks(host, seed, codebook_dtype, logits_
         t, p = float(c["temperature"][n]), float(c["top_p"][n])
         if t == 0:
             draft, chosen = walk_greedy(cand[n:n + 1], scores[n:n + 1])
-            q = F.one_hot(chosen, c["K"]).float()
+            q = greedy_q(scores[n:n + 1], chosen)  # the rows it read, at temperature 1 (the draft confidence)
         else:
             draft, q = walk_sampled(cand[n:n + 1], scores[n:n + 1], t, p, c["uniforms"][n:n + 1])
         assert torch.equal(got["draft"][n:n + 1].long(), draft)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from beamtrt.errors import ConfigError
 from beamtrt.runtime.backend import DraftStep
 from beamtrt.runtime.generate import generate
 from beamtrt.runtime.torch_backend import TorchTarget
 from beamtrt.spec.decoder import Request, SpeculativeDecoder
-from beamtrt.spec.selector import walk_greedy, walk_sampled
+from beamtrt.spec.selector import draft_confidence, greedy_q, walk_greedy, walk_sampled
 from conftest import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
@@ -64,23 +65,24 @@ class OracleDrafter:
                     cand[i, t, 1:] = torch.where(cand[i, t, 1:] == cand[i, t, 0], (cand[i, t, 1:] + 1) % 101,
                                                  cand[i, t, 1:])
         scores = torch.zeros(n, s, self.k, self.k)
-        scores[..., 0] = 5.0  # candidate 0 wins after any predecessor
+        scores[..., 0] = 0.5 + 5.5 * torch.rand(n, s, 1, generator=self.g)  # candidate 0 wins, with varied confidence
         if params.greedy:
-            return DraftStep(walk_greedy(cand, scores)[0], cand, None)
+            drafts, chosen = walk_greedy(cand, scores)
+            return DraftStep(drafts, cand, None, draft_confidence(greedy_q(scores, chosen)))
         drafts, q = walk_sampled(cand, scores, params.temperature, params.top_p, uniforms)
-        return DraftStep(drafts, cand, q)
+        return DraftStep(drafts, cand, q, draft_confidence(q))
 
     def reset(self, slots):
         self.length[slots] = 0
 
 
-def run(target_model, drafter, prompts, block, batch):
+def run(target_model, drafter, prompts, block, batch, draft_threshold=0.0):
     outputs = []
     for lo in range(0, len(prompts), batch):
         chunk = prompts[lo:lo + batch]
         if isinstance(drafter, OracleDrafter):
             drafter.sequences = drafter.all_sequences[lo:lo + batch]
-        dec = SpeculativeDecoder(TorchTarget(target_model), drafter, block_size=block)
+        dec = SpeculativeDecoder(TorchTarget(target_model), drafter, block_size=block, draft_threshold=draft_threshold)
         outputs += [c.output_ids for c in dec.generate([Request(tuple(p), MAX_NEW) for p in chunk])]
     return outputs, dec
 
@@ -94,6 +96,24 @@ def test_greedy_identity_with_oracle_drafter(target, prompts, reference, batch, 
     assert got == reference
     summary = dec.metrics.summary()
     assert summary["acceptance_length"] > 1.5  # long accepted runs really happened
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_greedy_identity_with_a_draft_threshold(target, prompts, reference, batch):
+    """Proposals cut per request by the drafter's confidence (ragged within a batch) still decode the target's own
+    greedy output, and the cut really happened: later slots are proposed less often than the first."""
+    drafter = OracleDrafter([], hit=0.85)
+    drafter.all_sequences = [p + r for p, r in zip(prompts, reference)]
+    got, dec = run(target, drafter, prompts, 8, batch, draft_threshold=0.3)
+    assert got == reference
+    proposed = dec.metrics.proposed  # the last chunk's decoder
+    assert proposed[-1] < proposed[0] // 2 and dec.metrics.summary()["acceptance_length"] > 1.3, proposed
+
+
+def test_draft_threshold_must_be_a_probability(target):
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match=r"--draft-threshold must be in \[0, 1\]"):
+            SpeculativeDecoder(TorchTarget(target), OracleDrafter([], hit=1.0), draft_threshold=bad)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])

@@ -20,7 +20,7 @@ the outcome is deterministic). A chi-square test over the cells (small ones pool
 exact probability 0 (e.g. a token cut by top-p) fails outright.
 
 Mutant verifiers (accept with 1.5 q, residual replaced by p, residual drawn as if normalized) run through the same
-pipeline and the same check, and must fail it.
+pipeline and the same check, and must fail it. The same check covers proposals cut by a draft threshold.
 """
 
 from __future__ import annotations
@@ -133,14 +133,15 @@ def matches(counts: torch.Tensor, exact: torch.Tensor) -> tuple[bool, str]:
 
 # ---- sampling through the decoder -------------------------------------------------------------------------------
 
-def speculative_counts(target, drafter, params: SamplingParams, n: int, seed: int) -> tuple[torch.Tensor, dict]:
+def speculative_counts(target, drafter, params: SamplingParams, n: int, seed: int,
+                       draft_threshold: float = 0.0) -> tuple[torch.Tensor, dict]:
     """n rows of the real speculative loop -> (counts [V^3] of (x1, x2, x3), acceptance totals)."""
     counts = torch.zeros(V ** 3, dtype=torch.long)
     proposed, accepted, steps = [0] * (BLOCK - 1), [0] * (BLOCK - 1), 0
     for call, lo in enumerate(range(0, n, BATCH)):
         rows = min(BATCH, n - lo)
         decoder = SpeculativeDecoder(TorchTarget(target), TorchDrafter(drafter), block_size=BLOCK, params=params,
-                                     seed=seed + call)
+                                     seed=seed + call, draft_threshold=draft_threshold)
         done = decoder.generate([Request(PROMPT, NEW)] * rows)
         assert all(c.finish_reason == "length" for c in done)
         ids = torch.tensor([c.output_ids for c in done])
@@ -150,7 +151,8 @@ def speculative_counts(target, drafter, params: SamplingParams, n: int, seed: in
         proposed = [total + k for total, k in zip(proposed, m.proposed)]
         accepted = [total + k for total, k in zip(accepted, m.accepted)]
         steps += m.steps
-    return counts, dict(acceptance=[a / p for a, p in zip(accepted, proposed)], steps_per_row=steps / n)
+    return counts, dict(acceptance=[a / p for a, p in zip(accepted, proposed)], steps_per_row=steps / n,
+                        proposed=[k / steps for k in proposed])
 
 
 # ---- the models are a meaningful test bed -------------------------------------------------------------------------
@@ -208,6 +210,18 @@ def test_speculative_sampling_matches_the_exact_joint(target, drafter, case):
     assert passed, what
     # both verification outcomes carry real mass at both draft slots
     assert 0.15 < stats["acceptance"][0] < 0.85 and stats["acceptance"][1] > 0.04, stats
+
+
+def test_cut_proposals_match_the_exact_joint(target, drafter):
+    """With a draft threshold the decoder proposes 0, 1 or 2 drafts per row (ragged within a batch, cut by the
+    drafter's confidence before each draft is drawn), and the joint is still the target's (T = 0.7)."""
+    params = SamplingParams(temperature=0.7, top_p=TOP_P)
+    exact, n = exact_joint(target, params), SAMPLES[0.7]
+    counts, stats = speculative_counts(target, drafter, params, n, seed=3000, draft_threshold=0.6)
+    passed, what = matches(counts, exact)
+    print(f"T=0.7, draft threshold 0.6: {what}, proposed per step {stats['proposed']}")
+    assert passed, what
+    assert 0.3 < stats["proposed"][0] < 0.9 and 0.01 < stats["proposed"][1] < 0.2, stats  # all three lengths occur
 
 
 @pytest.mark.parametrize("shape", ["one_cell", "spread"])

@@ -8,16 +8,16 @@ verifier, e.g. one with a 1% total-variation bias on the first emitted token, fa
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from beamtrt.runtime.backend import DraftStep
 from beamtrt.spec import verify as verify_mod
+from beamtrt.spec.decoder import proposal_lengths
 from beamtrt.spec.sampling import sample_from
-from beamtrt.spec.selector import walk_greedy, walk_sampled
-from spec_stats import ALPHA, MUTANTS, law_stats
-
+from beamtrt.spec.selector import draft_confidence, walk_greedy, walk_sampled
 from beamtrt.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyResult, onehot_q, verify_greedy, verify_sampled
+from spec_stats import ALPHA, MUTANTS, law_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
 
@@ -275,3 +275,50 @@ def test_mutant_verifier_fails_on_the_selector_chain(three_slot_lattice, monkeyp
                             torch.rand(n, generator=g))
     stats = [token_stats(emitted_at(result, j), p[j]) for j in range(GAMMA)]
     assert any(tv > limit and p_value < ALPHA for tv, limit, p_value in stats), f"{mutant} went undetected: {stats}"
+
+
+# ----------------------------------------------------------------------------------------------- sampled, cut
+
+
+def cut_chain(three_slot_lattice, threshold: float, realized: bool, n: int, seed: int):
+    """The selector chain with proposals cut by `decoder.proposal_lengths` -> (result, num_drafts, p). realized:
+    the confidence of a slot is the q of its own drawn draft instead of its row's max (a cut that looks at the draft
+    it is deciding about)."""
+    cand, scores, p = three_slot_lattice
+    g = torch.Generator().manual_seed(seed)
+    cand_ids = cand.expand(n, GAMMA, K)
+    draft, q = walk_sampled(cand_ids, scores.expand(n, GAMMA, K, K), 1.0, 1.0, torch.rand(n, GAMMA, generator=g))
+    confidence = (q * (cand_ids == draft.unsqueeze(-1))).sum(-1) if realized else draft_confidence(q)
+    num_drafts = proposal_lengths(DraftStep(draft, cand_ids, q, confidence), threshold)
+    result = verify_sampled(draft, cand_ids, q, p.expand(n, GAMMA + 1, V), torch.rand(n, GAMMA, generator=g),
+                            torch.rand(n, generator=g), num_drafts)
+    return result, num_drafts, p
+
+
+CUT = 0.2  # on this lattice: slot 1 proposed or cut depending on slot 0's draw, slot 2 mostly cut
+
+
+def test_cut_proposals_are_exact(three_slot_lattice):
+    """Proposals cut before each draft is drawn keep every emitted position's law; at a cut the bonus is drawn from
+    the target's row there (a recovered token would be drawn from p - q of a slot that was never proposed)."""
+    result, num_drafts, p = cut_chain(three_slot_lattice, CUT, False, N_CHAINS, seed=16)
+    counts = torch.bincount(num_drafts, minlength=GAMMA + 1)  # slot 0's row is the anchor's: never cut here
+    assert counts[1] > N_CHAINS // 4 and counts[2] > N_CHAINS // 4 and counts[3] > N_CHAINS // 200, counts
+    assert bool((result.num_accepted <= num_drafts).all())
+    for j in range(GAMMA):  # position 3 needs all 3 slots proposed and accepted: too rare to test here
+        assert_law(emitted_at(result, j), p[j], f"emitted token {j}")
+
+
+def test_a_cut_that_looks_at_its_draft_fails_the_exactness_check(three_slot_lattice):
+    """Positive control: cutting on the drawn draft's own q biases the proposal law the verifier assumes."""
+    result, _, p = cut_chain(three_slot_lattice, CUT, True, N_CHAINS, seed=17)
+    stats = [token_stats(emitted_at(result, j), p[j]) for j in range(GAMMA)]
+    assert any(tv > limit or p_value < ALPHA for tv, limit, p_value in stats), stats
+
+
+def test_greedy_cut_accepts_at_most_the_proposed_drafts():
+    draft = torch.tensor([[5, 7, 9], [5, 7, 9], [5, 7, 9]])
+    argmax = torch.tensor([[5, 7, 9, 4]] * 3)  # every draft matches the target
+    result = verify_greedy(draft, logits_with_argmax(argmax, 12), torch.tensor([0, 2, 3]))
+    assert result.num_accepted.tolist() == [0, 2, 3]  # the bonus is the target's argmax at each cut
+    assert result.tokens.tolist() == [[5, -1, -1, -1], [5, 7, 9, -1], [5, 7, 9, 4]]

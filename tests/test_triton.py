@@ -145,7 +145,8 @@ def test_concurrent_greedy_requests_equal_generate(server, builds):
         assert not any(d.text.endswith("\ufffd") for d in deltas[:-1])
         m = deltas[-1].metrics
         assert (m.output_tokens, m.steps, m.accepted_draft_tokens, m.draft_tokens) == (
-            len(c.output_ids), c.steps, c.committed - c.steps, 7 * c.steps)
+            len(c.output_ids), c.steps, c.committed - c.steps, c.drafted)
+        assert c.drafted == 7 * c.steps  # whole blocks of 8: no draft threshold
         assert m.acceptance_length == pytest.approx(c.acceptance_length)
     assert all(len(deltas) > 2 for deltas in results.values())  # streamed: a delta per step
 
@@ -435,6 +436,7 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
     params = {k: v.string_value for k, v in llm.parameters.items()}
     assert params["engine_dir"] == str(builds[2].resolve()) and params["world_size"] == "2"
     assert params["backend"] == "auto" and params["block_size"] == "8" and Path(params["python_path"]).is_dir()
+    assert params["draft_threshold"] == "0.0"
     assert not list(out.rglob("*.safetensors"))  # referenced, not copied
     types_ = {t.name: (pb2.DataType.Name(t.data_type), list(t.dims), t.optional) for t in configs["ensemble"].input}
     assert types_ == {"text_input": ("TYPE_STRING", [1], False), "max_tokens": ("TYPE_INT32", [1], False),
@@ -500,6 +502,8 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
     for args, needle in ((["--block-size", "1"], "block_size must be in [2, 32], got 1"),
                          (["--block-size", "100"], "block_size must be in [2, 32], got 100"),
                          (["--max-slots", "0"], "max_slots must be >= 1"),
+                         (["--draft-threshold", "1.5"], "draft_threshold must be in [0, 1], got 1.5"),
+                         (["--draft-threshold", "nan"], "draft_threshold must be in [0, 1], got nan"),
                          (["--device", "foo"], "device must be auto, cpu, cuda or cuda:N, got 'foo'"),
                          (["--backend", "trt"], "--backend trt: the build has no engines"),
                          (["--out", str(builds[1] / "repo")], "inside the engine directory"),
@@ -510,7 +514,8 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
         assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
     assert (builds[1] / "manifest.json").is_file()
     rc, stdout, _ = run_export(capsys, "--help")
-    for flag in ("--engine-dir", "--out", "--copy-engines", "--force", "--backend", "--block-size", "--dtype",
+    for flag in ("--engine-dir", "--out", "--copy-engines", "--force", "--backend", "--block-size",
+                 "--draft-threshold", "--dtype",
                  "--device", "--max-slots", "--max-seq-len", "--seed", "--raw-prompts"):
         assert flag in stdout
 

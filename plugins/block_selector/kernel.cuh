@@ -26,7 +26,8 @@ struct Args {
   float const* uniforms;            // [N, S] in [0, 1), one per slot (sampled walk)
   int32_t* draftIds;                // [N, S] out
   int32_t* candIds;                 // [N, S, K] out, each slot's top-K in descending logit order
-  float* q;                         // [N, S, K] out, the exact row each draft was drawn from (one-hot when greedy)
+  float* q;                         // [N, S, K] out, the exact row each draft was drawn from (greedy: the row's
+                                    // temperature-1 softmax, whose max is the walk's confidence in its argmax)
 };
 
 // Keep the K best (value desc, index asc on ties) of the values offered so far, sorted.
@@ -131,7 +132,7 @@ BEAMTRT_HD void walk(Args const& x, int32_t n, float const* unary) {
     } else {
       pick = 0;  // argmax, first on ties
       for (int32_t j = 1; j < K; j++) pick = row[j] > row[pick] ? j : pick;
-      for (int32_t j = 0; j < K; j++) q[j] = j == pick ? 1.0f : 0.0f;
+      draftProbs(row, K, 1.0f, 1.0f, q);
     }
     x.draftIds[int64_t(n) * S + t] = cand[t * K + pick];
     prev = pick;

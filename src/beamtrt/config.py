@@ -460,6 +460,12 @@ def check_block_size(block_size: int, flag: str = "--block-size") -> None:
               f"plugin walks at most {MAX_BLOCK_SIZE - 1}), got {block_size}")
 
 
+def check_draft_threshold(threshold: float, flag: str = "--draft-threshold") -> None:
+    """A draft threshold: a probability (0 verifies whole blocks)."""
+    if not 0 <= threshold <= 1:
+        _fail(f"{flag} must be in [0, 1] (0 verifies every draft of a block), got {threshold}")
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """Engine limits (build_engines.py --max-batch-size ...). The defaults size 4x B300 at concurrency up to 64."""

@@ -11,6 +11,7 @@ import time
 import torch
 
 from beamtrt.checkpoint.hf import write_json
+from beamtrt.config import check_draft_threshold
 from beamtrt.cli_util import description, output_path, run_cli, set_threads
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
     p.add_argument("--block-size", type=int, default=8, help="verification block (default: %(default)s)")
+    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
+                   help="verify only the drafts whose running product of drafter confidences is >= P (as "
+                        "runtime/run.py's flag); 0 = whole blocks (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS) or args.block_size < 2:
             raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}] and --block-size >= 2")
+        check_draft_threshold(args.draft_threshold)
         set_threads(args.threads)
         if args.json:
             output_path(args.json, "--json")
@@ -68,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter, tok = loaded.target, loaded.drafter, AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
         eos = frozenset(target.eos_token_ids)
         result = {"model": str(loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir), "dtype": args.dtype,
-                  "block_size": args.block_size, "threads": torch.get_num_threads(), "results": []}
+                  "block_size": args.block_size, "draft_threshold": args.draft_threshold,
+                  "threads": torch.get_num_threads(), "results": []}
         for batch in args.batches:
             requests = [Request(tuple(tok.apply_chat_template([{"role": "user", "content": q}],
                                                               add_generation_prompt=True)),
                                 args.max_new_tokens, eos) for q in BENCH_PROMPTS[:batch]]
-            spec = profile(lambda: SpeculativeDecoder(target, drafter, args.block_size), requests)
+            spec = profile(lambda: SpeculativeDecoder(target, drafter, args.block_size,
+                                                      draft_threshold=args.draft_threshold), requests)
             plain = profile(lambda: SpeculativeDecoder(target, None), requests)
             point = {"batch": batch, "spec": spec, "no_spec": plain,
                      "decode_speedup": round(spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"], 3)}

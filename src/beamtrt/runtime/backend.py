@@ -43,6 +43,7 @@ class DraftStep:
     draft_ids: torch.Tensor     # [N, S] long, the walked drafts (S = block - 1)
     cand_ids: torch.Tensor      # [N, S, K] long, the candidates of each draft slot
     q: torch.Tensor | None      # [N, S, K] fp32, the exact row each draft was drawn from; None for a greedy walk
+    confidence: torch.Tensor    # [N, S] fp32, the walk's confidence per slot (`spec.selector.draft_confidence`)
 
 
 class DrafterBackend(Protocol):

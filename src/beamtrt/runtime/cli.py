@@ -10,7 +10,7 @@ from pathlib import Path
 
 from beamtrt.checkpoint.hf import write_json
 from beamtrt.cli_util import check_threads, output_path, run_ranks_cli, set_threads, torch_device
-from beamtrt.config import check_block_size
+from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=8,
                    help="tokens per verification block: the anchor + block-1 drafts; on a CPU host 4 decodes "
                         "faster than 8 with beam-mini's drafter (docs/BENCHMARKS.md) (default: %(default)s)")
+    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
+                   help="verify only the leading drafts of a block whose running product of the drafter's "
+                        "confidences is >= P, in [0, 1]: fewer verified rows make a step cheaper where the verify's "
+                        "cost grows with its rows (an MoE target on a CPU host: there 0.4 was fastest, "
+                        "docs/BENCHMARKS.md); lossless either way; 0 verifies the whole block (default: %(default)s)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
     p.add_argument("--seed", type=int, default=0, help="seed of every random decision (default: %(default)s)")
     p.add_argument("--json", help="write per-request outputs and the acceptance summary to this file")
@@ -82,6 +87,7 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.no_spec:
         check_block_size(args.block_size)
+        check_draft_threshold(args.draft_threshold)
     if args.prompt and args.prompts:
         raise ValueError("give --prompt or --prompts, not both")
     if any(not s for s in args.stop):
@@ -166,7 +172,8 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids), tuple(args.stop))
                 for ids in prompt_ids]
     decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
-                                 detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                                 detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                 draft_threshold=0.0 if args.no_spec else args.draft_threshold)
     stream = not args.quiet and len(requests) == 1
     if stream:
         print(f">>> {chats[0][-1]['content']}", flush=True)
@@ -192,7 +199,9 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         print()
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
-    mode = ("no-spec" if args.no_spec else f"block {args.block_size}") + f", {what}, backend {setup.backend} ({setup.backend_why})"
+    mode = "no-spec" if args.no_spec else f"block {args.block_size}" + (
+        f", draft threshold {decoder.draft_threshold:g}" if decoder.draft_threshold else "")
+    mode += f", {what}, backend {setup.backend} ({setup.backend_why})"
     print(f"\n[{len(requests)} requests, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
           f"acceptance length {summary['acceptance_length']:.2f}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:
@@ -202,7 +211,8 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                           "finish_reason": c.finish_reason}
                          for chat, text, c in zip(chats, texts, completions)],
             "summary": {**summary, "tokens_per_s": n_tokens / elapsed, "tokens": n_tokens, "seconds": elapsed,
-                        "block_size": decoder.block_size, "no_spec": args.no_spec, "dtype": args.dtype,
+                        "block_size": decoder.block_size, "draft_threshold": decoder.draft_threshold,
+                        "no_spec": args.no_spec, "dtype": args.dtype,
                         "concurrency": args.concurrency or len(requests),
                         **_time_split(decoder, target, drafter, dist)},
         }

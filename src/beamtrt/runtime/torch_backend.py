@@ -8,7 +8,7 @@ from beamtrt.models.beam import BeamForCausalLM, KVCache
 from beamtrt.native.kernels import kernels_for
 from beamtrt.runtime.backend import DraftStep, TargetStep
 from beamtrt.spec.sampling import SamplingParams
-from beamtrt.spec.selector import walk_greedy, walk_sampled
+from beamtrt.spec.selector import draft_confidence, greedy_q, walk_greedy, walk_sampled
 
 
 class TorchTarget:
@@ -64,9 +64,10 @@ class TorchDrafter:
         if kernels is None:  # the reference walk over the lattice the drafter scored
             cand, scores = out.cand_ids.cpu(), out.scores.float().cpu()
             if params.greedy:
-                return DraftStep(walk_greedy(cand, scores)[0], cand, None)
+                drafts, chosen = walk_greedy(cand, scores)
+                return DraftStep(drafts, cand, None, draft_confidence(greedy_q(scores, chosen)))
             drafts, q = walk_sampled(cand, scores, params.temperature, params.top_p, uniforms)
-            return DraftStep(drafts, cand, q)
+            return DraftStep(drafts, cand, q, draft_confidence(q))
         # the plugin kernel: top-K, edge scores and the walk in one launch (plugins/block_selector)
         N, S = out.logits.shape[:2]
         selector = self.drafter.candidate_selector
@@ -78,7 +79,8 @@ class TorchDrafter:
             out.logits.contiguous(), selector.hidden_projection(out.hidden).float().contiguous(),
             anchor_ids.to(device, torch.int32), selector.predecessor_codebook.detach(),
             selector.successor_codebook.detach(), temperature, top_p, uniforms.to(device), top_k=top_k)
-        return DraftStep(drafts.long().cpu(), cand.long().cpu(), None if params.greedy else q.cpu())
+        q = q.cpu()  # greedy requests: the temperature-1 rows, for the confidence only
+        return DraftStep(drafts.long().cpu(), cand.long().cpu(), None if params.greedy else q, draft_confidence(q))
 
     def reset(self, slots: list[int]) -> None:
         self.drafter.reset(self.cache, slots)

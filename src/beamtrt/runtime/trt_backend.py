@@ -19,6 +19,7 @@ import torch
 from beamtrt.build.engine import ENGINE_DIR, TAP_OUTPUT, EngineError
 from beamtrt.runtime.backend import DraftStep, TargetStep
 from beamtrt.spec.sampling import SamplingParams
+from beamtrt.spec.selector import draft_confidence
 
 CONTEXT_CHUNK = 512  # drafter context rows appended per engine call (longer prompts take several calls)
 
@@ -264,7 +265,8 @@ class TrtDrafter:
             out = self._step(rows, counts, anchor_ids, slots, params, uniforms)
         pick = slots.cpu()
         drafts, cand = out["draft_ids"].long().cpu()[pick], out["cand_ids"].long().cpu()[pick]
-        return DraftStep(drafts, cand, None if params.greedy else out["q"].float().cpu()[pick])
+        q = out["q"].float().cpu()[pick]  # greedy requests: the temperature-1 rows, for the confidence only
+        return DraftStep(drafts, cand, None if params.greedy else q, draft_confidence(q))
 
     def _step(self, rows: list, counts: torch.Tensor, anchor_ids, slots, params: SamplingParams, uniforms) -> dict:
         c, n = self.cfg, len(rows)

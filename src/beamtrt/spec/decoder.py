@@ -3,6 +3,7 @@
 One step for the active requests (ragged acceptance; shapes in comments):
   drafter.draft(anchors, slots, ...)     block drafts, then the selector walk over candidates [N, S, K] (S = block - 1):
                                          drafts [N, S] (+ the exact proposal q [N, S, K] when sampling)
+  proposal_lengths                       with draft_threshold > 0: drafts proposed per request [N] (the rest cut)
   target.forward([anchor, drafts])       logits [N, S + 1, V], taps [N, S + 1, n_taps * H]
   verify                                 accepted drafts + one recovered or bonus token per request
   commit                                 crop the target KV to the committed tokens; their taps -> drafter context
@@ -17,7 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from beamtrt.runtime.backend import DrafterBackend, TargetBackend
+from beamtrt.config import check_draft_threshold
+from beamtrt.runtime.backend import DrafterBackend, DraftStep, TargetBackend
 from beamtrt.spec.metrics import SpecMetrics
 from beamtrt.spec.sampling import SamplingParams, sample, target_probs
 from beamtrt.spec.verify import verify_greedy, verify_sampled
@@ -37,6 +39,7 @@ class Completion:
     finish_reason: str = ""     # "stop" (stop token or string) or "length"
     steps: int = 0              # verification steps
     committed: int = 0          # tokens committed by verification steps (the token right after prefill excluded)
+    drafted: int = 0            # drafts those steps verified
 
     @property
     def acceptance_length(self) -> float:
@@ -55,13 +58,25 @@ class StepTimes:
         return self.total_s - self.target_s - self.drafter_s
 
 
+def proposal_lengths(proposal: DraftStep, threshold: float) -> torch.Tensor:
+    """-> [N] long: how many drafts each request proposes, the longest prefix of slots whose running product of
+    confidences (proposal.confidence [N, S]) stays >= threshold. A slot's confidence does not depend on its own draft
+    (`selector.draft_confidence`), so the cut is made before each draft is drawn and sampling stays exact."""
+    return (proposal.confidence.cumprod(-1) >= threshold).sum(-1)  # a prefix: the product never grows
+
+
 class SpeculativeDecoder:
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None = None, block_size: int = 8,
                  params: SamplingParams = SamplingParams(), seed: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None):
+                 detokenize: Callable[[list[int]], str] | None = None, draft_threshold: float = 0.0):
+        """draft_threshold: verify only the drafts of a block whose running product of the drafter's confidences is
+        >= it (`proposal_lengths`); 0 verifies the whole block. Fewer verified rows make a step cheaper where a
+        verify's cost grows with its rows (an MoE target reads more experts), at the cost of some accepted drafts."""
         if drafter is not None and block_size < 2:
             raise ValueError(f"--block-size must be >= 2 with a drafter, got {block_size}")
+        check_draft_threshold(draft_threshold)
         self.target, self.drafter = target, drafter
+        self.draft_threshold = draft_threshold
         self.block_size = block_size if drafter is not None else 1
         self.params = params
         self.generator = torch.Generator().manual_seed(seed)  # every random decision is drawn here (rank 0)
@@ -163,20 +178,29 @@ class SpeculativeDecoder:
         gamma = self.block_size - 1
         cand = q = None
         drafts = torch.zeros(len(active), 0, dtype=torch.long)  # [N, gamma]
+        num_drafts = torch.full((len(active),), gamma)  # [N] drafts proposed per request
         if self.drafter is not None:
             uniforms = None if params.greedy else self._uniforms(len(active), gamma)
             t = time.perf_counter()
             proposal = self.drafter.draft(anchors, self.block_size, slots, params, uniforms)
             self.times.drafter_s += time.perf_counter() - t
             drafts, cand, q = proposal.draft_ids, proposal.cand_ids, proposal.q
+            if self.draft_threshold > 0:
+                num_drafts = proposal_lengths(proposal, self.draft_threshold)
+                width = int(num_drafts.max())  # one rectangle: shorter proposals are padded (their rows are dead)
+                drafts, cand, q = drafts[:, :width], cand[:, :width], None if q is None else q[:, :width]
+        width = drafts.shape[1]
+        ragged = bool((num_drafts < width).any())
         t = time.perf_counter()
-        out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots, taps=self.taps)
+        out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots,
+                                  num_drafts + 1 if ragged else None, taps=self.taps)
         self.times.target_s += time.perf_counter() - t
+        cut = num_drafts if ragged else None
         if params.greedy:
-            result = verify_greedy(drafts, out.logits)
-        else:
+            result = verify_greedy(drafts, out.logits, cut)
+        else:  # γ accept uniforms whatever the cut: the random stream does not depend on the threshold
             result = verify_sampled(drafts, cand, q, target_probs(out.logits, params),
-                                    self._uniforms(len(active), gamma), self._uniforms(len(active)))
+                                    self._uniforms(len(active), gamma)[:, :width], self._uniforms(len(active)), cut)
         committed = result.num_accepted + 1  # [N]
         self.position[slots] += committed
         self.target.crop(slots, self.position[slots])
@@ -185,12 +209,13 @@ class SpeculativeDecoder:
             t = time.perf_counter()
             self.drafter.append_context(*self._scatter(slots, out.taps, committed))
             self.times.drafter_s += time.perf_counter() - t
-        for s, row, k in zip(active, result.tokens.tolist(), committed.tolist()):
+        for s, row, k, drafted in zip(active, result.tokens.tolist(), committed.tolist(), num_drafts.tolist()):
             i = self.owner[s]
             kept = self._commit(i, requests[i], done[i], row[:k], on_tokens)
-            self.metrics.record_step(i, k - 1, kept, gamma)
+            self.metrics.record_step(i, k - 1, kept, drafted)
             done[i].steps += 1
             done[i].committed += kept
+            done[i].drafted += drafted
             if done[i].finish_reason:
                 self.release(s, done[i])
         self.times.total_s += time.perf_counter() - start

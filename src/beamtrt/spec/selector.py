@@ -60,6 +60,29 @@ def walk_greedy(cand_ids: torch.Tensor,  # [N, S, K] long
     return cand_ids.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), chosen
 
 
+def greedy_q(scores: torch.Tensor,  # [N, S, K, K] fp32
+             chosen: torch.Tensor,  # [N, S] long, from walk_greedy
+             ) -> torch.Tensor:
+    """The rows a greedy walk read, as temperature-1 probabilities -> [N, S, K] fp32 (what the selector kernels
+    output as q for greedy requests). Their max is the walk's confidence in each draft (`draft_confidence`); the
+    verifier never sees them (a greedy path's proposal law is a point mass)."""
+    assert scores.ndim == 4 and chosen.shape == scores.shape[:2], (scores.shape, chosen.shape)
+    prev = torch.cat([torch.full_like(chosen[:, :1], ANCHOR_ROW), chosen[:, :-1]], dim=1)  # [N, S]
+    rows = scores.gather(2, prev[:, :, None, None].expand(-1, -1, 1, scores.shape[-1])).squeeze(2)  # [N, S, K]
+    return draft_probs(rows, 1.0)
+
+
+def draft_confidence(q: torch.Tensor) -> torch.Tensor:
+    """q [N, S, K] the walk's rows -> [N, S] the largest probability of each row.
+
+    A slot's confidence is known before its draft is drawn (it depends on the earlier slots' choices only), so a
+    proposal cut where the running product of confidences falls below a threshold (`SpeculativeDecoder`'s
+    draft_threshold) decides whether to propose slot t without looking at draft t: sampled verification stays
+    exact. A greedy walk's draft is its row's argmax, so there the confidence is that draft's probability.
+    """
+    return q.amax(-1)
+
+
 def draft_probs(row_scores: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """row_scores [..., K] -> q [..., K] fp32: softmax(row / temperature), then top-p over the K candidates.
 

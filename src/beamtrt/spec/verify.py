@@ -44,8 +44,11 @@ class VerifyResult:
         return self.num_accepted + 1
 
 
-def _prefix_length(accept: torch.Tensor) -> torch.Tensor:
-    """accept [N, γ] bool -> [N] long: how many leading slots are accepted (a cumprod of the verdicts)."""
+def _prefix_length(accept: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    """accept [N, γ] bool, num_drafts [N] or None (all γ) -> [N] long: how many leading slots are accepted (a
+    cumprod of the verdicts), slots at or past a request's num_drafts counting as rejected."""
+    if num_drafts is not None:
+        accept = accept & (torch.arange(accept.shape[1], device=accept.device) < num_drafts.unsqueeze(1))
     return accept.long().cumprod(-1).sum(-1)
 
 
@@ -60,9 +63,11 @@ def _emit(draft_ids: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tenso
 
 def verify_greedy(draft_ids: torch.Tensor,      # [N, γ] long
                   target_logits: torch.Tensor,  # [N, γ + 1, V]
+                  num_drafts: torch.Tensor | None = None,  # [N] long in 0..γ, drafts proposed per request; None = γ
                   ) -> VerifyResult:
     """Greedy target (temperature 0): accept the longest prefix with draft_t == argmax(target row t), then emit the
     argmax of row num_accepted (recovered after a mismatch, bonus when all γ matched). Exact for any drafter.
+    A request that proposed only its first num_drafts[n] drafts accepts at most those; its bonus is row num_drafts[n].
 
     Example (γ = 3): draft [5, 7, 9], target argmax per row [5, 7, 2, 4]
         -> num_accepted 2, tokens [5, 7, 2, -1] (2 is the recovered token).
@@ -72,7 +77,7 @@ def verify_greedy(draft_ids: torch.Tensor,      # [N, γ] long
     n, gamma = draft_ids.shape
     assert target_logits.shape[:2] == (n, gamma + 1), (draft_ids.shape, target_logits.shape)
     argmax = target_logits.argmax(-1)  # [N, γ + 1]
-    num_accepted = _prefix_length(draft_ids == argmax[:, :gamma])
+    num_accepted = _prefix_length(draft_ids == argmax[:, :gamma], num_drafts)
     return _emit(draft_ids, num_accepted, argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
 
 
@@ -106,12 +111,15 @@ def verify_sampled(draft_ids: torch.Tensor,        # [N, γ] long
                    p: torch.Tensor,                # [N, γ + 1, V] fp32 target probs (`sampling.target_probs`)
                    u_accept: torch.Tensor,         # [N, γ] uniforms in [0, 1) for the accept tests
                    u_residual: torch.Tensor,       # [N] uniform for the recovered or the bonus draw (one happens)
+                   num_drafts: torch.Tensor | None = None,  # [N] long in 0..γ, drafts proposed per request; None = γ
                    ) -> VerifyResult:
     """Speculative sampling over a chain of γ drafts (Leviathan et al. 2023, algorithm 1).
 
     Draft t is accepted iff u_accept[t] * q_t(x_t) < p_t(x_t). At the first rejection t the recovered token is
     drawn from norm(max(0, p_t - q_t)) (q scattered from its K candidates onto the vocabulary); if all γ are
-    accepted the bonus token is drawn from p_γ. Both draws use u_residual.
+    accepted the bonus token is drawn from p_γ. Both draws use u_residual. A request that proposed only its first
+    num_drafts[n] drafts (a choice made before each draft was drawn, e.g. `selector.draft_confidence`'s cut) tests
+    only those, and its bonus is drawn from row num_drafts[n].
 
     Example (γ = 1, V = 3, K = 2): p = [[0.2, 0.5, 0.3], [...]], candidates [0, 1] with q = [0.6, 0.4], draft 0.
         q(0) = 0.6 > p(0) = 0.2: accepted iff u_accept < 1/3. With u_accept = 0.5 it is rejected and the
@@ -129,11 +137,14 @@ def verify_sampled(draft_ids: torch.Tensor,        # [N, γ] long
 
     q_draft = (q * (cand_ids == draft_ids.unsqueeze(-1))).sum(-1)  # [N, γ] q_t(x_t)
     p_draft = p[:, :gamma].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)  # [N, γ] p_t(x_t)
-    num_accepted = _prefix_length(_accepted(u_accept, q_draft, p_draft))
+    num_accepted = _prefix_length(_accepted(u_accept, q_draft, p_draft), num_drafts)
 
-    # One draw per request at row num_accepted. Row γ gets an all-zero q, so its "residual" is p_γ: the bonus.
+    # One draw per request at row num_accepted. A row past the proposed drafts (row γ, or num_drafts[n]) gets an
+    # all-zero q, so its "residual" is p: the bonus.
     rows = torch.arange(n, device=p.device)
     q_row = torch.cat([q, q.new_zeros(n, 1, q.shape[-1])], dim=1)[rows, num_accepted]  # [N, K]
+    if num_drafts is not None:
+        q_row = q_row * (num_accepted < num_drafts).unsqueeze(1)
     cand_row = torch.cat([cand_ids, cand_ids.new_zeros(n, 1, cand_ids.shape[-1])], dim=1)[rows, num_accepted]
     last = _draw(_residual(p[rows, num_accepted], cand_row, q_row), u_residual)
     return _emit(draft_ids, num_accepted, last)

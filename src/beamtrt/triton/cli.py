@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="runtime backend of beam_dflash2: trt runs the build's engines, torch its checkpoints, auto "
                         "picks trt where the build has engines and the host can run them (default: %(default)s)")
     p.add_argument("--block-size", type=int, help="tokens per verification block (default: the build's)")
+    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
+                   help="verify only the leading drafts whose running product of drafter confidences is >= P, in "
+                        "[0, 1] (runtime/run.py's flag); 0 verifies whole blocks (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                    help="compute dtype of the torch backend (default: %(default)s)")
     p.add_argument("--device", default="auto",
@@ -48,5 +51,6 @@ def _run(args: argparse.Namespace) -> None:
     from beamtrt.triton.export import ExportConfig, export
 
     cfg = ExportConfig(args.engine_dir, args.out, args.copy_engines, args.force, args.backend, args.block_size,
-                       args.dtype, args.device, args.max_slots, args.max_seq_len, args.seed, not args.raw_prompts)
+                       args.dtype, args.device, args.max_slots, args.max_seq_len, args.seed, not args.raw_prompts,
+                       args.draft_threshold)
     print("\n".join(export(cfg)))

@@ -180,6 +180,7 @@ class ExportConfig:
     max_seq_len: int = 4096
     seed: int = 0
     chat_template: bool = True
+    draft_threshold: float = 0.0
 
 
 def export(cfg: ExportConfig) -> list[str]:
@@ -202,7 +203,7 @@ def export(cfg: ExportConfig) -> list[str]:
     if cfg.backend == "trt" and built_block is not None and block != built_block:
         raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
     settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
-                             cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template)
+                             cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would hide the repository from a tritonserver running as another user

@@ -182,7 +182,7 @@ class Metrics:
     output_tokens: int = 0
     steps: int = 0                  # verification steps
     accepted_draft_tokens: int = 0  # tokens committed by verification minus one per step: drafts accepted and kept
-    draft_tokens: int = 0           # drafts verified: steps × (block_size - 1)
+    draft_tokens: int = 0           # drafts verified: steps × (block_size - 1) unless a draft threshold cut some
 
     @property
     def acceptance_length(self) -> float:

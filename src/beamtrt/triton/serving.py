@@ -48,6 +48,7 @@ class ServeSettings:
     max_seq_len: int = 4096  # prompt + max_tokens + block_size + 1 per request
     seed: int = 0           # of the decode thread's random generator
     chat_template: bool = True  # text_input is a user message sent through the chat template (else raw text)
+    draft_threshold: float = 0.0  # verify only the drafts above it (SpeculativeDecoder); 0 = whole blocks
 
     def __post_init__(self) -> None:
         from beamtrt.runtime.loader import BACKENDS
@@ -59,6 +60,7 @@ class ServeSettings:
                    f"block_size must be in [2, {MAX_BLOCK_SIZE}], got {self.block_size}"),
                   (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                    f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
+                  (0 <= self.draft_threshold <= 1, f"draft_threshold must be in [0, 1], got {self.draft_threshold}"),
                   (self.max_slots >= 1, f"max_slots must be >= 1, got {self.max_slots}"),
                   (self.max_seq_len >= self.block_size + 2,
                    f"max_seq_len must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}")]
@@ -199,7 +201,7 @@ class Server:
         self.vocab_size = target.vocab_size
         self.stop_ids = frozenset(target.eos_token_ids)
         self.decoder = SpeculativeDecoder(target, drafter, settings.block_size, seed=settings.seed,
-                                          detokenize=self.decode)
+                                          detokenize=self.decode, draft_threshold=settings.draft_threshold)
         self.decoder.start(settings.max_slots, settings.max_seq_len, self._finished)
         self._inbox: queue.SimpleQueue[_Live | None] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}   # every request not finished (decode thread only)
@@ -327,7 +329,7 @@ class Server:
                 self._send(live, Delta(*taken, self._metrics(live.completion), final, live.completion.finish_reason))
 
     def _metrics(self, c: Completion) -> Metrics:
-        return Metrics(len(c.output_ids), c.steps, c.committed - c.steps, c.steps * (self.decoder.block_size - 1))
+        return Metrics(len(c.output_ids), c.steps, c.committed - c.steps, c.drafted)
 
     def _send(self, live: _Live, delta: Delta) -> None:
         if delta.finished:
