@@ -41,7 +41,7 @@ def decode(target, drafter, block_size: int, requests, concurrency: int, params,
     from beamtrt.spec.decoder import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(target, drafter, block_size if drafter is not None else 1, params,
-                                 draft_threshold=draft_threshold if drafter is not None else 0.0)
+                                 draft_threshold=draft_threshold)
     start = time.perf_counter()
     done = decoder.generate(requests, concurrency=concurrency)
     wall = time.perf_counter() - start

@@ -11,8 +11,8 @@ import time
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.config import check_draft_threshold
 from beamtrt.cli_util import description, output_path, run_cli, set_threads
+from beamtrt.config import check_draft_threshold
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
 BENCH_PROMPTS = DEFAULT_PROMPTS[::-1] + (  # the longest answer first: batch 1 runs it

@@ -63,6 +63,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "beamtrt" / "native"
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
 def local_sources(source: Path) -> list[Path]:
     """`source` and every file it includes with #include "...", transitively (paths relative to the includer)."""
     seen, todo = [], [source.resolve()]
@@ -73,9 +76,6 @@ def local_sources(source: Path) -> list[Path]:
         seen.append(path)
         todo += [(path.parent / name).resolve() for name in _INCLUDE.findall(path.read_text())]
     return seen
-
-
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 def compile_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:

@@ -173,7 +173,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                 for ids in prompt_ids]
     decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
                                  detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                 draft_threshold=0.0 if args.no_spec else args.draft_threshold)
+                                 draft_threshold=args.draft_threshold)
     stream = not args.quiet and len(requests) == 1
     if stream:
         print(f">>> {chats[0][-1]['content']}", flush=True)

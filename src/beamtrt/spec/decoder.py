@@ -76,8 +76,8 @@ class SpeculativeDecoder:
             raise ValueError(f"--block-size must be >= 2 with a drafter, got {block_size}")
         check_draft_threshold(draft_threshold)
         self.target, self.drafter = target, drafter
-        self.draft_threshold = draft_threshold
         self.block_size = block_size if drafter is not None else 1
+        self.draft_threshold = draft_threshold if drafter is not None else 0.0
         self.params = params
         self.generator = torch.Generator().manual_seed(seed)  # every random decision is drawn here (rank 0)
         self.detokenize = detokenize
@@ -189,18 +189,15 @@ class SpeculativeDecoder:
                 num_drafts = proposal_lengths(proposal, self.draft_threshold)
                 width = int(num_drafts.max())  # one rectangle: shorter proposals are padded (their rows are dead)
                 drafts, cand, q = drafts[:, :width], cand[:, :width], None if q is None else q[:, :width]
-        width = drafts.shape[1]
-        ragged = bool((num_drafts < width).any())
         t = time.perf_counter()
-        out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots,
-                                  num_drafts + 1 if ragged else None, taps=self.taps)
+        out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots, num_drafts + 1, taps=self.taps)
         self.times.target_s += time.perf_counter() - t
-        cut = num_drafts if ragged else None
         if params.greedy:
-            result = verify_greedy(drafts, out.logits, cut)
+            result = verify_greedy(drafts, out.logits, num_drafts)
         else:  # γ accept uniforms whatever the cut: the random stream does not depend on the threshold
-            result = verify_sampled(drafts, cand, q, target_probs(out.logits, params),
-                                    self._uniforms(len(active), gamma)[:, :width], self._uniforms(len(active)), cut)
+            u_accept = self._uniforms(len(active), gamma)[:, :drafts.shape[1]]
+            result = verify_sampled(drafts, cand, q, target_probs(out.logits, params), u_accept,
+                                    self._uniforms(len(active)), num_drafts)
         committed = result.num_accepted + 1  # [N]
         self.position[slots] += committed
         self.target.crop(slots, self.position[slots])
