@@ -70,7 +70,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List 
 @pytest.fixture(scope="session")
 def mini_vocab_sources(tmp_path_factory, beam_mini):
     """A small random Beam target with beam-mini's vocabulary and tokenizer (8 query / 2 KV heads, 8 experts), a
-    random drafter, and prompts.jsonl (PROMPTS)."""
+    random drafter with a draft vocabulary (the even token ids), and prompts.jsonl (PROMPTS)."""
     import json
     import shutil
 
@@ -90,6 +90,8 @@ def mini_vocab_sources(tmp_path_factory, beam_mini):
             shutil.copy2(f, root / "target" / f.name)
     target = load_beam(root / "target")
     drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=0)
-    save_drafter(random_drafter(drafter, target, std=0.2), root / "drafter")
+    drafter = random_drafter(drafter, target, std=0.2)
+    drafter.set_draft_vocab(range(0, vocab, 2))  # builds carry it over; every runtime drafts from even ids only
+    save_drafter(drafter, root / "drafter")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return root

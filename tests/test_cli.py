@@ -6,6 +6,7 @@ subprocess tests below run real scripts end to end.
 """
 
 import importlib
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from beamtrt.config import DrafterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MAINS = {
@@ -23,7 +26,7 @@ MAINS = {
     "scripts/bench_convert.py": "beamtrt.bench.convert", "scripts/bench_tp.py": "beamtrt.bench.tp",
     "scripts/benchmark.py": "beamtrt.bench.benchmark", "scripts/train_drafter.py": "beamtrt.train.cli",
     "scripts/bench_kernels.py": "beamtrt.bench.kernels", "scripts/export_triton.py": "beamtrt.triton.cli",
-    "scripts/eval_drafter.py": "beamtrt.train.eval_cli",
+    "scripts/eval_drafter.py": "beamtrt.train.eval_cli", "scripts/draft_vocab.py": "beamtrt.train.vocab_cli",
 }
 STANDALONE = {"scripts/triton_client.py"}  # runs on a client machine with tritonclient only (no beamtrt, no torch)
 
@@ -102,6 +105,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
     ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--device",
                                  "--threads", "--json"]),
+    ("scripts/draft_vocab.py", ["drafter", "--data", "--eval-sequences"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
@@ -255,6 +259,29 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--tp", "0"), "--tp")
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
+
+
+def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
+    """From a committed answers cache: the tokens of its sequences but the last 8 greedy ones; the drafter then
+    loads with that draft vocabulary."""
+    from beamtrt.models.dflash2 import read_draft_vocab
+    from beamtrt.train.vocab_cli import training_tokens
+
+    cache = ROOT / "checkpoints" / "beam-mini-dflash2-data-s6"
+    drafter = tmp_path / "d"
+    shutil.copytree(ROOT / "checkpoints" / "beam-mini-dflash2", drafter,
+                    ignore=shutil.ignore_patterns("*.jsonl", "training*.json", "draft_vocab.json"))
+    proc = run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "8")
+    assert proc.returncode == 0, proc.stderr
+    cfg = DrafterConfig.from_file(drafter / "config.json")
+    ids = read_draft_vocab(drafter, cfg)
+    assert f"{ids.numel()} of 49152 tokens" in proc.stdout and 1000 < ids.numel() < 49152
+    every = training_tokens([cache], 0)
+    assert set(ids.tolist()) < set(every.tolist())  # held-out answers bring tokens of their own
+    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(tmp_path / "gone")), "gone")
+    assert_one_line_error(run("scripts/draft_vocab.py", str(tmp_path), "--data", str(cache)), "config.json")
+    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "-1"),
+                          "--eval-sequences")
 
 
 def test_eval_drafter_bad_values_are_one_line(tmp_path, run):

@@ -228,8 +228,10 @@ def brute_force_logits(drafter, target, history, anchor, window, use_conv=True):
 
 # ---- windowed cache == brute force -----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("path", ["native", "torch"])  # the fused host drafter (beamtrt.native), or PyTorch's ops
 @pytest.mark.parametrize("window", [16, 64])
-def test_windowed_draft_matches_brute_force(target, window):
+def test_windowed_draft_matches_brute_force(target, window, path, monkeypatch):
+    monkeypatch.setenv("BEAMTRT_NATIVE", "1" if path == "native" else "0")
     drafter = make_drafter(target, sliding_window=window)
     gen = torch.Generator().manual_seed(5)
     chunks = [[7, 3, 0], [9, 1, 5], [0, 4, 2], [11, 2, 3], [6, 0, 1], [7, 2, 0]]  # final lengths 40, 12, 11
@@ -444,6 +446,61 @@ def test_random_drafter_is_deterministic(target):
     conv = a.layers[0].attention_conv
     assert torch.equal(conv.base_kernel[:, 0], torch.ones_like(conv.base_kernel[:, 0]))
     assert conv.kernel_projection.weight.any() and a.candidate_selector.successor_codebook.any()
+
+
+# ---- draft vocabulary ------------------------------------------------------------------------------------------
+
+VOCAB = list(range(3, TINY.vocab_size, 3))  # 33 of 101 tokens
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_draft_vocab_masks_every_other_token(target, path, monkeypatch):
+    """A drafter with a draft vocabulary drafts as the same drafter whose other logits are -inf: its LM head reads
+    only the vocabulary's rows, its candidates and drafts all come from it."""
+    monkeypatch.setenv("BEAMTRT_NATIVE", "1" if path == "native" else "0")
+    drafter = make_drafter(target)
+    cache = _fill_context(drafter, batch=3, tokens=(9, 5, 1))
+    anchors = torch.tensor([4, 50, 99])
+    full = drafter.draft(cache, anchors, BLOCK)
+    drafter.set_draft_vocab(VOCAB)
+    out = drafter.draft(cache, anchors, BLOCK)
+    outside = torch.ones(TINY.vocab_size, dtype=torch.bool)
+    outside[VOCAB] = False
+    assert torch.isneginf(out.logits[..., outside]).all()
+    assert rel_err(out.logits[..., VOCAB], full.logits[..., VOCAB]) < 1e-6
+    assert set(out.cand_ids.flatten().tolist()) <= set(VOCAB)
+    assert not set(full.cand_ids.flatten().tolist()) <= set(VOCAB)  # the vocabulary does change the candidates
+    masked = full.logits.masked_fill(outside, float("-inf"))  # the reference: the full head, then the mask
+    with torch.inference_mode():
+        cand, scores = drafter.candidate_selector.edge_scores(masked, full.hidden, anchors, drafter.cfg.selector_top_k)
+    assert torch.equal(out.cand_ids, cand) and rel_err(out.scores, scores) < 1e-6
+    drafts, _ = walk_greedy(out.cand_ids, out.scores)
+    assert set(drafts.flatten().tolist()) <= set(VOCAB)
+    drafter.set_draft_vocab(None)
+    assert torch.equal(drafter.draft(cache, anchors, BLOCK).cand_ids, full.cand_ids)
+
+
+def test_draft_vocab_is_saved_and_loaded(target, tmp_path):
+    drafter = make_drafter(target)
+    drafter.set_draft_vocab(VOCAB)
+    out = save_drafter(drafter, tmp_path / "d")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "draft_vocab.json", "model.safetensors"]
+    assert json.loads((out / "draft_vocab.json").read_text())["token_ids"] == VOCAB
+    assert load_drafter(out, target).draft_vocab.tolist() == VOCAB
+
+
+@pytest.mark.parametrize("ids, needle", [
+    ("3, 6", "list of token ids"),
+    ([3, 6, 9], "at least 4 (selector_top_k)"),
+    ([1, 2, 3, 101, 5], "[0, 101)"),
+    ([1, 2, 3, 5, 4], "increasing order"),
+    ([1, 2, 2, 5, 7], "increasing order"),
+])
+def test_bad_draft_vocab_is_one_line(target, tmp_path, ids, needle):
+    out = save_drafter(make_drafter(target), tmp_path / "d")
+    (out / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    msg = one_line_error(CheckpointError, lambda: load_drafter(out, target), "draft_vocab.json", needle)
+    assert str(out) in msg
 
 
 @pytest.mark.parametrize("damage, needles", [

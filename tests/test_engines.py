@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def test_every_weight_the_engines_read_is_written(sources, tmp_path, model, prec
         target_names = _rank_names(out / "target", rank)
         assert not wanted - target_names, sorted(wanted - target_names)[:3]
         names = {"drafter": _rank_names(out / "drafter", rank), "target": target_names}
-        missing = [n for n, source in drafter_net.weight_table(net) if n not in names[source]]
+        missing = [n for n, source in drafter_net.weight_table(net) if source != "derived" and n not in names[source]]
         assert not missing, missing[:3]
         weights = drafter_net.rank_weights(out / "drafter", out / "target", rank, net)
         D = net.head_dim
@@ -230,19 +231,27 @@ def test_drafter_context_chunks():
     assert skipped.tolist() == [0, 0] and [c.tolist() for _, c in calls] == [[0, 0]]
 
 
-@pytest.mark.parametrize("window", [4096, 5])
-def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window):
+@pytest.mark.parametrize("window, vocab", [(4096, None), (5, None), (4096, list(range(1, 128, 5)))])
+def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window, vocab):
     """drafter_net's own code, run with PyTorch stand-ins for TensorRT-LLM's functional API and the plugins' host
     build (tests/drafter_net_torch.py), drafts exactly what the reference drafter drafts: two steps per request,
-    the second appending more context to the rings (window 5: the ring wraps)."""
+    the second appending more context to the rings (window 5: the ring wraps); with a draft vocabulary (the
+    build carries draft_vocab.json over), from it alone."""
     from beamtrt.checkpoint.trtllm_files import load_drafter_checkpoint, load_target
     from beamtrt.models.beam import Rotary
     from beamtrt.spec.selector import walk_greedy
     from drafter_net_torch import OUTPUTS, T, torch_api
 
-    out = _build(sources["qwen3"], tmp_path / "out", "bf16", 1)
+    src = sources["qwen3"]
+    if vocab is not None:
+        src = tmp_path / "src"
+        shutil.copytree(sources["qwen3"], src)
+        (src / "drafter" / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
+    out = _build(src, tmp_path / "out", "bf16", 1)
+    assert (out / "drafter" / "draft_vocab.json").exists() == (vocab is not None)
     target = load_target(out / "target", dtype=torch.float32)
     reference = load_drafter_checkpoint(out / "drafter", target, dtype=torch.float32)
+    assert (reference.draft_vocab is not None) == (vocab is not None)
     reference.cfg = dataclasses.replace(reference.cfg, sliding_window=window)
     net_cfg = dataclasses.replace(drafter_net.NetConfig.from_checkpoints(out / "drafter", out / "target",
                                                                          EngineSettings(block_size=4)), window=window)
@@ -270,6 +279,7 @@ def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window):
             [[T(k), T(v)] for k, v in rings])
         assert torch.equal(OUTPUTS["cand_ids"].long(), ref.cand_ids)
         assert torch.equal(OUTPUTS["draft_ids"].long(), ref_drafts)
+        assert vocab is None or set(ref.cand_ids.flatten().tolist()) <= set(vocab)
         for i in range(net_cfg.num_layers):  # the rings hold the reference cache's context K/V
             torch.testing.assert_close(rings[i][0], cache.k[i], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(rings[i][1], cache.v[i], atol=1e-5, rtol=1e-5)

@@ -1,5 +1,6 @@
 """The host kernels (beamtrt.native): the fused CPU step equals the PyTorch path, and a row's result does not depend
-on how many rows share the call (a verified block gets bit-for-bit the logits of single-token steps)."""
+on how many rows share the call (a verified block gets bit-for-bit the logits of single-token steps); the fused
+drafter block and context append equal the PyTorch drafter."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from beamtrt import native
+from beamtrt.config import DrafterConfig
 from beamtrt.models.beam import right_padded
+from beamtrt.models.dflash2 import random_drafter
 from conftest import TINY, tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the host kernels cannot be built here")
@@ -148,3 +151,65 @@ def test_lm_head_keeps_gradients_on_a_few_rows():
     zr = z.detach().clone().requires_grad_(True)
     torch.nn.functional.linear(zr, model.head_weight).square().sum().backward()
     assert torch.allclose(z.grad, zr.grad, atol=1e-5)
+
+
+# ---- the drafter (draft_step.cpp) ------------------------------------------------------------------------------
+
+def tiny_drafter(dtype: torch.dtype = torch.float32, **changes):
+    kw = dict(num_hidden_layers=2, target_layer_ids=(0, 2), head_dim=16, conv_group_size=16, selector_rank=8,
+              selector_top_k=4, sliding_window=16, block_size=8)
+    cfg = DrafterConfig.for_target(TINY, **{**kw, **changes})
+    return random_drafter(cfg, tiny_model(dtype=dtype), seed=2, dtype=dtype, std=0.1, conv_std=0.05,
+                          codebook_std=0.5)
+
+
+def run_drafter(drafter, monkeypatch, path: str) -> list[torch.Tensor]:
+    """Ragged appends that wrap the ring (W = 16), then blocks of 2 and 8 on every slot and on a subset."""
+    monkeypatch.setenv("BEAMTRT_NATIVE", "1" if path == "native" else "0")
+    g = torch.Generator().manual_seed(11)
+    cache = drafter.new_cache(3)
+    results = []
+    for sizes in ([9, 0, 3], [12, 5, 1], [1, 2, 0]):  # final context lengths 22 (> W), 7, 4
+        drafter.append_context(cache, torch.randn(3, max(sizes), drafter.fc.in_features, generator=g),
+                               torch.tensor(sizes))
+        anchors = torch.randint(0, TINY.vocab_size, (3,), generator=g)
+        for block, slots in ((2, None), (8, None), (8, torch.tensor([2, 0]))):
+            out = drafter.draft(cache, anchors if slots is None else anchors[slots], block, slots=slots)
+            results += [out.logits, out.hidden, out.scores, out.cand_ids]
+    return results + [cache.k, cache.v, cache.lengths]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_drafter_equals_pytorch(dtype, monkeypatch):
+    drafter = tiny_drafter(dtype)
+    got, want = run_drafter(drafter, monkeypatch, "native"), run_drafter(drafter, monkeypatch, "torch")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if dtype == torch.float32:
+            assert rel(a, b) < 1e-5 if a.is_floating_point() else torch.equal(a, b)  # candidates, lengths exact
+        elif i >= len(got) - 3 or i % 4 < 2:  # bf16 (activations stay fp32 on the native path): logits, hidden and
+            assert rel(a, b) < 3e-2          # the ring; near-tied candidates may differ, and their scores with them
+
+
+def test_native_drafter_without_convs_equals_pytorch(monkeypatch):
+    """use_conv = False (a DFlash v1 forward) skips the convs on both paths."""
+    drafter = tiny_drafter()
+    drafter.use_conv = False
+    got, want = run_drafter(drafter, monkeypatch, "native"), run_drafter(drafter, monkeypatch, "torch")
+    assert all(rel(a, b) < 1e-5 for a, b in zip(got, want) if a.is_floating_point())
+    drafter.use_conv = True
+    assert rel(run_drafter(drafter, monkeypatch, "native")[0], got[0]) > 1e-3  # the convs do change the drafts
+
+
+def test_drafter_hooks_shards_and_the_switch_take_the_pytorch_path(monkeypatch):
+    drafter = tiny_drafter()
+    cache = drafter.new_cache(2)
+    assert native.draft_usable(drafter, cache)
+    monkeypatch.setenv("BEAMTRT_NATIVE", "0")
+    assert not native.draft_usable(drafter, cache)
+    monkeypatch.delenv("BEAMTRT_NATIVE")
+    drafter.kernels = object()  # the plugin kernels' path (BEAMTRT_KERNELS=host) keeps the PyTorch layers
+    assert not native.draft_usable(drafter, cache)
+    drafter.kernels = None
+    drafter.layers[0].mlp.reduce = lambda x: x  # tensor parallel, or emulated quantization hooks
+    assert not native.draft_usable(drafter, cache)

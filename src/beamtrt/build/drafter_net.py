@@ -21,6 +21,7 @@ from beamtrt.errors import ConfigError
 
 TARGET_WEIGHTS = ("transformer.vocab_embedding.weight", "lm_head.weight")  # borrowed from the target, frozen
 GATHERED = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")  # all ranks' rows
+DRAFT_VOCAB_MASK = "draft_vocab_mask"  # made from the drafter's draft_vocab.json (when it has one)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class NetConfig:
     window: int
     block_size: int            # the served block B (the engine is built for exactly this B)
     max_batch_size: int
+    draft_vocab: bool = False  # the drafter drafts from its draft_vocab.json only: -inf is added to other logits
 
     @property
     def local_heads(self) -> int:
@@ -58,6 +60,7 @@ class NetConfig:
     @classmethod
     def from_checkpoints(cls, drafter_dir: Path, target_dir: Path, settings) -> NetConfig:
         from beamtrt.config import DrafterConfig
+        from beamtrt.models.dflash2 import read_draft_vocab
 
         d = json.loads((Path(drafter_dir) / "config.json").read_text())
         t = json.loads((Path(target_dir) / "config.json").read_text())
@@ -74,11 +77,13 @@ class NetConfig:
                    target_hidden_size=t["hidden_size"], num_taps=c.num_taps, vocab_size=c.vocab_size,
                    mask_token_id=c.mask_token_id, rms_norm_eps=c.rms_norm_eps, conv_group_size=c.conv_group_size,
                    selector_rank=c.selector_rank, top_k=c.selector_top_k, window=c.sliding_window,
-                   block_size=settings.block_size, max_batch_size=settings.max_batch_size)
+                   block_size=settings.block_size, max_batch_size=settings.max_batch_size,
+                   draft_vocab=read_draft_vocab(drafter_dir, c) is not None)
 
 
 def weight_table(cfg: NetConfig) -> list[tuple[str, str]]:
-    """(network parameter = checkpoint tensor name, source "drafter" | "target") for every parameter."""
+    """(network parameter = checkpoint tensor name, source "drafter" | "target" | "derived") for every parameter
+    ("derived": made by rank_weights from other files)."""
     names = [("transformer.fc.weight", "drafter"), ("transformer.hidden_norm.weight", "drafter"),
              ("transformer.ln_f.weight", "drafter"), ("candidate_selector.hidden_projection.weight", "drafter")]
     names += [(name, "drafter") for name in GATHERED]
@@ -89,6 +94,7 @@ def weight_table(cfg: NetConfig) -> list[tuple[str, str]]:
             "attention.q_layernorm.weight", "attention.k_layernorm.weight", "mlp.fc.weight", "mlp.gate.weight",
             "mlp.proj.weight", "attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
             "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight")]
+    names += [(DRAFT_VOCAB_MASK, "derived")] if cfg.draft_vocab else []
     return names + [(name, "target") for name in TARGET_WEIGHTS]
 
 
@@ -98,7 +104,9 @@ def rank_weights(drafter_dir: Path, target_dir: Path, rank: int, cfg: NetConfig,
     and LM head shards."""
     import torch
 
+    from beamtrt.checkpoint.trtllm import padded_vocab
     from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
+    from beamtrt.models.dflash2 import read_draft_vocab
     from beamtrt.runtime.tp import rank_tensors
 
     dtype = dtype or {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
@@ -108,6 +116,11 @@ def rank_weights(drafter_dir: Path, target_dir: Path, rank: int, cfg: NetConfig,
         own[name] = torch.cat([drafter.get(r, name) for r in range(cfg.tp_size)])
     for name in TARGET_WEIGHTS:
         own[name] = target.get(rank, name)
+    if cfg.draft_vocab:  # [1, 1, gathered LM-head width]: 0 for the draft vocabulary, -inf elsewhere (padding too)
+        vocab = read_draft_vocab(drafter_dir, drafter.drafter_config())
+        mask = torch.full((padded_vocab(cfg.vocab_size, cfg.tp_size),), float("-inf"))
+        mask[vocab] = 0.0
+        own[DRAFT_VOCAB_MASK] = mask.view(1, 1, -1)
     wanted = [name for name, _ in weight_table(cfg)]
     missing = [name for name in wanted if name not in own]
     if missing:
@@ -292,6 +305,8 @@ def _build_class(api):  # noqa: C901 (one network, read top to bottom)
             logits = self.linear(z, "lm_head.weight")  # [N, S, V / tp]
             if c.tp_size > 1:
                 logits = F.allgather(logits, self.tp_group, gather_dim=-1)
+            if c.draft_vocab:  # -inf outside the draft vocabulary (models/dflash2.py set_draft_vocab)
+                logits = logits + self.w(DRAFT_VOCAB_MASK)
             projected = F.cast(self.linear(z, "candidate_selector.hidden_projection.weight"), trt.float32)
             layer = plugins.add_block_selector(
                 default_trtnet(), *(t.trt_tensor for t in (logits, projected, anchor_ids, self.w(GATHERED[0]),

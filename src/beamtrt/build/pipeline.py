@@ -35,7 +35,7 @@ class Plan:
 
     def __init__(self, bc: BuildConfig):
         from beamtrt.models.beam import hf_tensor_specs
-        from beamtrt.models.dflash2 import drafter_tensor_specs
+        from beamtrt.models.dflash2 import drafter_tensor_specs, read_draft_vocab
 
         self.bc = bc
         self.target_cfg = BeamConfig.from_file(bc.model / "config.json")
@@ -62,6 +62,7 @@ class Plan:
         self.drafter_reader = CheckpointReader(bc.drafter)
         d_specs = drafter_tensor_specs(self.drafter_cfg, v1=self.drafter_cfg.version == 1)
         self.drafter_reader.validate({n: (shape, None) for n, (shape, _, _) in d_specs.items()})
+        read_draft_vocab(bc.drafter, self.drafter_cfg)  # a bad one fails here, before any output exists
         self.drafter_dtype = self.drafter_reader.dtype("fc.weight")
         self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
         prompts = bc.calib_prompts or _default_prompts()
@@ -273,7 +274,14 @@ def _write_drafter(plan: Plan, out: Path, amax: dict[str, float], progress: bool
     config = trtllm.drafter_config(plan.drafter_cfg, plan.mapping, plan.drafter_dtype, precision)
     items = trtllm.produce(_progress(plan.drafter_units, f"drafter {precision}", progress), plan.drafter_reader.get,
                            plan.mapping, precision, plan.drafter_dtype, amax)
-    return write_checkpoint(out, config, specs, plan.bc.tp, items)
+    files = write_checkpoint(out, config, specs, plan.bc.tp, items)
+    from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE
+
+    vocab = plan.bc.drafter / DRAFT_VOCAB_FILE
+    if vocab.exists():  # the token ids the drafter drafts from, as it was trained (models/dflash2.py)
+        shutil.copyfile(vocab, out / DRAFT_VOCAB_FILE)
+        files.append(out / DRAFT_VOCAB_FILE)
+    return files
 
 
 def _has_tokenizer(stages: dict) -> bool:

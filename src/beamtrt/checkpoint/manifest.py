@@ -31,8 +31,12 @@ def hash_inputs(*parts: object, files: list[Path] = ()) -> str:
 
 
 def model_files(path: Path) -> list[Path]:
-    """The files that define a Hugging Face checkpoint's function: config.json and its safetensors (+ index)."""
-    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" or p.name == "model.safetensors.index.json")
+    """The files that define a Hugging Face checkpoint's function: config.json and its safetensors (+ index, + a
+    drafter's draft vocabulary)."""
+    from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE
+
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors"
+                   or p.name in ("model.safetensors.index.json", DRAFT_VOCAB_FILE))
     return [path / "config.json"] + files
 
 

@@ -188,7 +188,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 def load_drafter_checkpoint(path: str | Path, target, dtype: torch.dtype | None = None):
     """The reference DFlash2 drafter run from a TensorRT-LLM drafter checkpoint over `target` (whose embedding and
     LM head it borrows), with the checkpoint's quantization emulated."""
-    from beamtrt.models.dflash2 import _build, load_state
+    from beamtrt.models.dflash2 import _build, load_state, read_draft_vocab
 
     ckpt = TrtllmCheckpoint(path)
     cfg = ckpt.drafter_config()
@@ -198,6 +198,7 @@ def load_drafter_checkpoint(path: str | Path, target, dtype: torch.dtype | None 
         raise ConfigError(f"{ckpt.path / 'config.json'}: {err}") from None
     model = _build(cfg, target, dtype or target.dtype, target.device)
     load_state(model, ckpt.unshard(), v1=cfg.version == 1)
+    model.set_draft_vocab(read_draft_vocab(ckpt.path, cfg))
     install_emulation(model, ckpt)
     return model.eval()
 

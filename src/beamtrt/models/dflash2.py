@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from beamtrt import native
 from beamtrt.config import DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.models.beam import MLP, ActHook, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _hook, _rotate, linear
@@ -186,13 +188,16 @@ class CandidateSelector(nn.Module):
         self.shard = None  # tensor parallel: the codebooks hold this rank's vocabulary rows
 
     def edge_scores(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
-                    top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [N, S, V] fp32 unary scores; hidden: [N, S, H] final-normed; anchor_ids: [N] ->
+                    top_k: int, vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [N, S, V] fp32 unary scores (vocab_ids [V]: the token id of each column when they cover a slice of
+        the vocabulary); hidden: [N, S, H] final-normed; anchor_ids: [N] ->
         (cand_ids [N, S, K] long, top-K of each slot in descending logit order;
          scores [N, S, K, K] fp32, scores[n, t, i, j] = S_t(pred_i, cand_j)),
         with pred_i = candidate i of slot t-1 for t >= 1 and the anchor for t = 0 (all K rows of slot 0 equal)."""
         N, S, _ = logits.shape
         unary, cand = torch.topk(logits, top_k, dim=-1)  # [N, S, K]
+        if vocab_ids is not None:
+            cand = vocab_ids[cand]
         pred = torch.cat((anchor_ids.view(N, 1, 1).expand(N, 1, top_k), cand[:, :-1]), dim=1)  # [N, S, K]
         g = linear(hidden, self.hidden_projection.weight).float()  # [N, S, r]
         lookup = (lambda table, ids: table[ids]) if self.shard is None else self.shard.lookup  # vocab-parallel
@@ -273,6 +278,8 @@ class DFlash2Drafter(nn.Module):
         self.rotary = Rotary(cfg)  # DrafterConfig has the fields Rotary reads (head_dim, rope_theta, rope_scaling)
         self.use_conv = True  # False only to compare against a DFlash v1 forward in tests
         self.kernels = None  # the plugin kernels (beamtrt.native.kernels) when the runtime chose them
+        self.draft_vocab: torch.Tensor | None = None  # [V'] sorted token ids the drafts come from (None: all)
+        self._vocab_head: tuple | None = None  # (key, the LM head's rows of draft_vocab), built on first use
 
     @property
     def dtype(self) -> torch.dtype:
@@ -281,6 +288,20 @@ class DFlash2Drafter(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        """The whole vocabulary (cfg.vocab_size is this rank's part under tensor parallelism)."""
+        shard = self.target.shard
+        return shard.vocab_size if shard is not None else self.cfg.vocab_size
+
+    def set_draft_vocab(self, ids: torch.Tensor | Sequence[int] | None) -> None:
+        """Draft only from these token ids (None: the whole vocabulary): every other token's logit is -inf, and the LM
+        head reads only their rows. A drafter trained with `--head-vocab seen` was scored on exactly its training
+        data's tokens and never learned to push the others down; `train_drafter.py` stores that set with it."""
+        self._vocab_head = None
+        self.draft_vocab = None if ids is None else check_draft_vocab(ids, self.vocab_size,
+                                                                      self.cfg.selector_top_k).to(self.device)
 
     def new_cache(self, batch: int) -> DraftCache:
         return DraftCache(self.cfg, batch, self.dtype, self.device)
@@ -316,7 +337,10 @@ class DFlash2Drafter(nn.Module):
         keep = (positions < end[:, None]) & (positions >= end[:, None] - cache.window)  # distinct ring slots
         rows, cols = keep.nonzero(as_tuple=True)
         slots = positions[rows, cols] % cache.window
-        if rows.numel():
+        if rows.numel() and native.draft_usable(self, cache):  # the fused host append (native/draft_step.cpp)
+            cos, sin = self.rotary(positions[rows, cols], torch.float32)
+            native.draft_append(self, cache, taps[rows, cols], rows, slots, cos, sin)
+        elif rows.numel():
             c = self.fuse_context(taps[rows, cols][None])  # [1, M, H] only the rows that are kept
             cos, sin = self.rotary(positions[rows, cols][None], self.dtype)
             for i, layer in enumerate(self.layers):
@@ -355,6 +379,11 @@ class DFlash2Drafter(nn.Module):
         ids = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         anchor_ids = anchor_ids.to(self.device)
         ids[:, 0] = anchor_ids
+        if native.draft_usable(self, cache):  # the fused host block (native/draft_step.cpp)
+            cos, sin = self.rotary(positions, torch.float32)
+            rings = torch.arange(N) if slots is None else slots
+            z = native.draft_block(self, cache, ids, rings, start, cos, sin).to(self.dtype)
+            return self._head(z, anchor_ids, lattice)
         h = target.embed_ids(ids).to(self.dtype)
         rope = self.rotary(positions, self.dtype)
         used = min(cache.window, int(start.max()))  # ring slots ever written: attend over those only
@@ -370,13 +399,35 @@ class DFlash2Drafter(nn.Module):
             if slots is not None:  # only the requested sequences (gathered)
                 k, v = k[slots], v[slots]
             h = layer(h, rope, k, v, mask, B, self.use_conv)
-        z = self.norm(h[:, 1:])
-        logits = target.lm_logits(z.to(target.dtype))  # fp32 [N, B-1, V]
+        return self._head(self.norm(h[:, 1:]), anchor_ids, lattice)
+
+    def _head(self, z: torch.Tensor, anchor_ids: torch.Tensor, lattice: bool) -> DraftOutput:
+        """z: [N, B-1, H] final-normed block hidden -> the drafts' logits and, with `lattice`, the selector's."""
+        target = self.target
+        vocab = None if self.draft_vocab is None else self.draft_vocab.to(z.device)
+        if vocab is None:
+            unary = logits = target.lm_logits(z.to(target.dtype))  # fp32 [N, B-1, V]
+        else:
+            unary = self._vocab_logits(z)  # fp32 [N, B-1, V'] the draft vocabulary's columns
+            logits = unary.new_full((*unary.shape[:-1], self.vocab_size), float("-inf"))
+            logits[..., vocab] = unary
         if not lattice:  # the caller selects with the plugin kernel, from the logits and z
             return DraftOutput(logits=logits, hidden=z, cand_ids=None, scores=None)
-        top_k = min(self.cfg.selector_top_k, logits.shape[-1])
-        cand, scores = self.candidate_selector.edge_scores(logits, z, anchor_ids, top_k)
+        top_k = min(self.cfg.selector_top_k, unary.shape[-1])
+        cand, scores = self.candidate_selector.edge_scores(unary, z, anchor_ids, top_k, vocab_ids=vocab)
         return DraftOutput(logits=logits, hidden=z, cand_ids=cand, scores=scores)
+
+    def _vocab_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """z: [N, S, H] -> fp32 [N, S, V'] logits of the draft vocabulary: only its LM-head rows are read (a copy
+        made once), except under a vocabulary-parallel head, whose gathered rows are sliced."""
+        target = self.target
+        if target.shard is not None:
+            return target.lm_logits(z.to(target.dtype))[..., self.draft_vocab]
+        weight = target.head_weight
+        key = (weight.data_ptr(), weight.dtype, weight.device)
+        if self._vocab_head is None or self._vocab_head[0] != key:
+            self._vocab_head = (key, weight.detach()[self.draft_vocab.to(weight.device)].contiguous())
+        return target.logit_transform(linear(z.to(weight.dtype), self._vocab_head[1], torch.float32))
 
 
 # ---- checkpoint name table -----------------------------------------------------------------------------------
@@ -499,6 +550,43 @@ def random_drafter(cfg: DrafterConfig, target: BeamForCausalLM, seed: int = 0, d
     return model.eval()
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # optional, beside config.json: the token ids the drafter drafts from
+
+
+def check_draft_vocab(ids: torch.Tensor | Sequence[int], vocab_size: int, top_k: int) -> torch.Tensor:
+    """-> ids as a long tensor, if they are at least `top_k` token ids in [0, vocab_size) in increasing order."""
+    ids = (ids.to("cpu", torch.long) if torch.is_tensor(ids) else torch.tensor(list(ids), dtype=torch.long,
+                                                                              device="cpu")).flatten()
+    if ids.numel() < top_k or bool((ids < 0).any() | (ids >= vocab_size).any()) or not bool((ids[1:] > ids[:-1]).all()):
+        raise ConfigError(f"a draft vocabulary must be at least {top_k} (selector_top_k) distinct token ids in "
+                          f"[0, {vocab_size}), in increasing order")
+    return ids
+
+
+def read_draft_vocab(directory: str | Path, cfg: DrafterConfig) -> torch.Tensor | None:
+    """The draft vocabulary stored in a drafter checkpoint directory (HF or TensorRT-LLM layout; cfg: the whole
+    drafter's), checked, or None when there is none."""
+    from beamtrt.checkpoint.hf import read_json
+
+    path = Path(directory) / DRAFT_VOCAB_FILE
+    if not path.exists():
+        return None
+    ids = read_json(path, DRAFT_VOCAB_FILE).get("token_ids")
+    try:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ConfigError("token_ids must be a list of token ids")
+        return check_draft_vocab(ids, cfg.vocab_size, cfg.selector_top_k)
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+
+
+def write_draft_vocab(directory: str | Path, ids: torch.Tensor) -> None:
+    """Store a draft vocabulary (one line of JSON) in a checkpoint directory being written."""
+    text = json.dumps({"about": "the token ids this drafter drafts from (beamtrt: DFlash2Drafter.set_draft_vocab)",
+                       "token_ids": [int(i) for i in ids.tolist()]})
+    (Path(directory) / DRAFT_VOCAB_FILE).write_text(text + "\n", encoding="utf-8")
+
+
 def load_drafter(path: str | Path, target: BeamForCausalLM, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> DFlash2Drafter:
     """Load a DFlash 2 (or DFlash v1, upgraded with identity convs and a zero selector) checkpoint directory."""
@@ -515,11 +603,13 @@ def load_drafter(path: str | Path, target: BeamForCausalLM, dtype: torch.dtype |
         reader.validate({name: (shape, None) for name, (shape, _, _) in specs.items()})
         model = _build(cfg, target, dtype or target.dtype, device or target.device)
         load_state(model, ((name, reader.get(name)) for name in specs), v1=v1)
+    model.set_draft_vocab(read_draft_vocab(path, cfg))
     return model.eval()
 
 
 def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = False) -> Path:
-    """Write config.json (DFlash2DraftModel) + safetensors to `path` atomically (temp dir, then rename)."""
+    """Write config.json (DFlash2DraftModel) + safetensors (+ draft_vocab.json when the drafter has one) to `path`
+    atomically (temp dir, then rename)."""
     from beamtrt.checkpoint.hf import save_state_dict
 
     out = Path(path)
@@ -531,6 +621,8 @@ def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = Fals
     try:
         save_state_dict(tmp, state_tensors(model), overwrite=True)
         model.cfg.save(tmp / "config.json")
+        if model.draft_vocab is not None:
+            write_draft_vocab(tmp, model.draft_vocab)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(old / out.name)

@@ -1,11 +1,13 @@
-"""Host kernels: the fused Beam forward for decode and verify steps on CPU (beam_step.cpp), built on first use with g++.
+"""Host kernels: the fused Beam forward for decode and verify steps (beam_step.cpp) and the fused DFlash2 drafter block
+and context append (draft_step.cpp) on CPU, built on first use with g++ (shared math in host_math.h).
 
 The torch backend's CPU decode and verify steps (at most `MAX_ROWS` tokens per sequence, any number of sequences)
 run here instead of in eager PyTorch: one call per step instead of ~45 small ops per layer, and a weight-streaming
 GEMM whose per-row result does not depend on the number of rows, so that a verified row gets the bits of a
 single-token step. It covers the reference model without tensor parallelism, quantization hooks or a shared expert;
 everything else, and any machine without a C++ compiler, takes the PyTorch path (row-invariant there too, see
-models/beam.py StepLayout). `BEAMTRT_NATIVE=0` turns it off (A/B measurements, tests of the PyTorch path).
+models/beam.py StepLayout). The drafter's block and append take the same route under the same conditions (one call
+each instead of ~300 ops a step). `BEAMTRT_NATIVE=0` turns both off (A/B measurements, tests of the PyTorch path).
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ import tempfile
 import weakref
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-SOURCE = Path(__file__).with_name("beam_step.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("beam_step.cpp", "draft_step.cpp"))
 MAX_ROWS = 16          # tokens per sequence in a decode or verify step; longer inputs (prefill) use PyTorch's GEMMs,
 #                        faster for many rows. Decode and verify take this path at any batch size, so that a row's bits
 #                        never depend on the batch (beam-mini fp32, 2-core dev machine: 16 rows x 1 token 0.22 s here
 #                        against 0.52 s in plain PyTorch; 16 x 9 1.43 s against 1.14 s)
-MAX_HEAD_DIM = 1024    # the RoPE scratch in beam_step.cpp
-ABI = 1                # beam_step_abi() of a library this module can drive
+MAX_HEAD_DIM = 1024    # the RoPE scratch in host_math.h
+ABI = 2                # beam_step_abi() of a library this module can drive
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 
@@ -56,6 +59,32 @@ class _Step(ctypes.Structure):
         (name, _p) for name in ("ids", "slot", "pos", "cos", "sin", "out_index", "logits", "tap_layer", "tap_out")]
 
 
+class _DraftLayer(ctypes.Structure):  # draft_step.cpp
+    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv_w", "o_w", "q_norm", "k_norm", "gate_up",
+                                        "down")] + [("conv_base", _p * 2), ("conv_proj", _p * 2)]
+
+
+class _Drafter(ctypes.Structure):
+    _fields_ = [(name, _i32) for name in ("dtype", "layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
+                                          "conv_taps", "conv_group", "features")] + [
+        ("eps", ctypes.c_float)] + [(name, _p) for name in ("embed", "fc", "hidden_norm", "final_norm")] + [
+        ("layer", ctypes.POINTER(_DraftLayer))]
+
+
+class _Ring(ctypes.Structure):
+    _fields_ = [("k", _p), ("v", _p), ("slots", _i64), ("window", _i64)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [(name, _i32) for name in ("n", "block", "threads", "use_conv")] + [
+        (name, _p) for name in ("ids", "slot", "start", "cos", "sin", "hidden")]
+
+
+class _Append(ctypes.Structure):
+    _fields_ = [("rows", _i32), ("threads", _i32)] + [
+        (name, _p) for name in ("taps", "slot", "ring_slot", "cos", "sin")]
+
+
 def cache_dir() -> Path:
     """Where built libraries live: $BEAMTRT_CACHE/native, else ~/.cache/beamtrt/native (or under $XDG_CACHE_HOME)."""
     if os.environ.get("BEAMTRT_CACHE"):
@@ -78,23 +107,26 @@ def local_sources(source: Path) -> list[Path]:
     return seen
 
 
-def compile_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
-    """Build `source` into a shared library in cache_dir() once per content (the source and its local includes) and
-    flags (compiled aside, then renamed: never half a file); None, after one line on stderr, where it cannot be
-    built."""
+def compile_library(sources: Path | Sequence[Path], flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
+    """Build `sources` (one file or several) into a shared library in cache_dir() once per content (the sources and
+    their local includes) and flags (compiled aside, then renamed: never half a file); None, after one line on stderr,
+    where it cannot be built."""
+    sources = (sources,) if isinstance(sources, Path) else tuple(sources)
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         print(f"beamtrt: no C++ compiler found; {what} are not available", file=sys.stderr)
         return None
-    content = b"".join(path.read_bytes() for path in local_sources(source))
+    files = dict.fromkeys(path for source in sources for path in local_sources(source))  # each once, in order
+    content = b"".join(path.read_bytes() for path in files)
     digest = hashlib.sha256(content + " ".join((compiler,) + flags).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{digest}.so"
+    target = cache_dir() / f"{sources[0].stem}-{digest}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
-                done = subprocess.run([compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True)
+                done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(out)], capture_output=True,
+                                      text=True)
                 if done.returncode != 0:
                     lines = done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"]
                     raise RuntimeError(lines[0])
@@ -108,11 +140,13 @@ def compile_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.C
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
     """The fused-step library, or None where it cannot be built (the CPU steps then run in PyTorch)."""
-    lib = compile_library(SOURCE, FLAGS, "the host kernels")  # its libgomp is the one torch already loaded (same
+    lib = compile_library(SOURCES, FLAGS, "the host kernels")  # its libgomp is the one torch already loaded (same
     if lib is None or lib.beam_step_abi() != ABI:              # soname): one OpenMP thread pool
         return None
     lib.beam_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     lib.beam_gemm.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i32, _i32]
+    lib.draft_block.argtypes = [ctypes.POINTER(_Drafter), ctypes.POINTER(_Ring), ctypes.POINTER(_Block)]
+    lib.draft_append.argtypes = [ctypes.POINTER(_Drafter), ctypes.POINTER(_Ring), ctypes.POINTER(_Append)]
     return lib
 
 
@@ -237,3 +271,96 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     library().beam_gemm(_ptr(x), _ptr(weight), _ptr(y), x.shape[0], weight.shape[0], x.shape[1],
                         DTYPES[weight.dtype], torch.get_num_threads())
     return y
+
+
+# ---- the DFlash2 drafter (draft_step.cpp) ----------------------------------------------------------------------
+
+class _DraftDescriptor:
+    """A drafter's weight pointers for draft_step.cpp, holding the tensors they point into."""
+
+    def __init__(self, drafter):
+        cfg = drafter.cfg
+        layers = (_DraftLayer * cfg.num_hidden_layers)()
+        embed = drafter.target.embed.weight
+        self.tensors = [*drafter.parameters(), embed]
+        for layer, d in zip(drafter.layers, layers):
+            attn = layer.self_attn
+            d.input_norm, d.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
+            d.qkv_w, d.o_w = _ptr(attn.qkv.weight), _ptr(attn.o_proj.weight)
+            d.q_norm, d.k_norm = _ptr(attn.q_norm.weight), _ptr(attn.k_norm.weight)
+            d.gate_up, d.down = _ptr(layer.mlp.gate_up.weight), _ptr(layer.mlp.down.weight)
+            for side, conv in enumerate((layer.attention_conv, layer.mlp_conv)):
+                d.conv_base[side], d.conv_proj[side] = _ptr(conv.base_kernel), _ptr(conv.kernel_projection.weight)
+        self.layers = layers
+        self.model = _Drafter(dtype=DTYPES[drafter.dtype], layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                              heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                              inter=cfg.intermediate_size, conv_taps=cfg.conv_kernel_size,
+                              conv_group=cfg.conv_group_size, features=drafter.fc.in_features, eps=cfg.rms_norm_eps,
+                              embed=_ptr(embed), fc=_ptr(drafter.fc.weight),
+                              hidden_norm=_ptr(drafter.hidden_norm.weight), final_norm=_ptr(drafter.norm.weight),
+                              layer=layers)
+        self.key = tuple(map(_ptr, self.tensors))
+        self.contiguous = all(p.is_contiguous() for p in self.tensors)
+
+
+_draft_descriptors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def draft_descriptor(drafter) -> _DraftDescriptor:
+    """Cached per drafter; rebuilt when a parameter (or the target's embedding) was replaced."""
+    d = _draft_descriptors.get(drafter)
+    if d is None or d.key != tuple(p.data_ptr() for p in (*drafter.parameters(), drafter.target.embed.weight)):
+        d = _draft_descriptors[drafter] = _DraftDescriptor(drafter)
+    return d
+
+
+def draft_usable(drafter, cache) -> bool:
+    """Whether draft_step.cpp can run this drafter's block and append as the PyTorch reference does (up to fp32
+    rounding): on CPU, fp32 or bf16 throughout (the target's embedding and the ring too), no hooks or shards, the
+    windowed-attention plugin kernel not chosen instead (BEAMTRT_KERNELS=host)."""
+    if os.environ.get("BEAMTRT_NATIVE", "1") == "0" or drafter.kernels is not None:
+        return False
+    embed = drafter.target.embed.weight
+    if drafter.dtype not in DTYPES or drafter.device.type != "cpu" or embed.dtype != drafter.dtype:
+        return False
+    if cache.k.dtype != drafter.dtype or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        return False
+    if drafter.cfg.head_dim > MAX_HEAD_DIM or drafter.target.shard is not None or not available():
+        return False
+    if any(_hooked(layer.self_attn) or _hooked(layer.mlp) for layer in drafter.layers):
+        return False
+    return draft_descriptor(drafter).contiguous
+
+
+def _ring(cache) -> _Ring:
+    return _Ring(k=_ptr(cache.k), v=_ptr(cache.v), slots=cache.k.shape[1], window=cache.window)
+
+
+def draft_block(drafter, cache, ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+    """One block per sequence through every draft layer (see DFlash2Drafter.draft). ids: [N, B] anchor + masks;
+    slots, start: [N] each sequence's ring and its context length; cos, sin: [N, B, D] fp32 at the block's positions.
+    Returns the final-normed hidden of block positions 1..B-1: [N, B - 1, H] fp32."""
+    N, B = ids.shape
+    ids, slots, start = (t.to(torch.long).contiguous() for t in (ids, slots, start))
+    cos, sin = (t.float().reshape(N * B, -1).contiguous() for t in (cos, sin))
+    hidden = torch.empty(N, B - 1, drafter.cfg.hidden_size, device="cpu")
+    block = _Block(n=N, block=B, threads=torch.get_num_threads(), use_conv=int(drafter.use_conv), ids=_ptr(ids),
+                   slot=_ptr(slots), start=_ptr(start), cos=_ptr(cos), sin=_ptr(sin), hidden=_ptr(hidden))
+    library().draft_block(ctypes.byref(draft_descriptor(drafter).model), ctypes.byref(_ring(cache)),
+                          ctypes.byref(block))
+    return hidden
+
+
+def draft_append(drafter, cache, taps: torch.Tensor, slots: torch.Tensor, ring_slots: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Write M committed tokens' context K/V into every layer's ring (see DFlash2Drafter.append_context). taps:
+    [M, F] the target's tapped features; slots, ring_slots: [M] each row's ring and its slot there; cos, sin: [M, D]
+    at the rows' positions."""
+    taps = taps.float().contiguous()
+    slots, ring_slots = slots.to(torch.long).contiguous(), ring_slots.to(torch.long).contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    rows = _Append(rows=taps.shape[0], threads=torch.get_num_threads(), taps=_ptr(taps), slot=_ptr(slots),
+                   ring_slot=_ptr(ring_slots), cos=_ptr(cos), sin=_ptr(sin))
+    library().draft_append(ctypes.byref(draft_descriptor(drafter).model), ctypes.byref(_ring(cache)),
+                           ctypes.byref(rows))

@@ -180,7 +180,7 @@ def load_target_shard(path: str | Path, dist: Dist, dtype: torch.dtype = torch.f
 
 def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype | None = None):
     """This rank's shard of a TensorRT-LLM drafter checkpoint over the target's shard (its embedding / LM head)."""
-    from beamtrt.models.dflash2 import DFlash2Drafter
+    from beamtrt.models.dflash2 import DFlash2Drafter, read_draft_vocab
 
     ckpt = TrtllmCheckpoint(path)
     _check_world(ckpt, dist)
@@ -196,6 +196,7 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
     if cfg.version == 1:
         raise CheckpointError(f"{ckpt.path}: DFlash v1 drafters are not supported by the tensor-parallel runtime")
     _load(model, _DRAFTER_TABLE, rank_tensors(ckpt, dist.rank), dist.rank)
+    model.set_draft_vocab(read_draft_vocab(ckpt.path, cfg))
     install_emulation(model, ckpt, rank=dist.rank)
     return model.eval()
 

@@ -206,7 +206,7 @@ def _fingerprint(data: FeatureSet) -> dict:
 def split(data: FeatureSet, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     """(train, held-out) sequence indices: the last `eval_sequences` greedy answers are held out."""
     greedy = [i for i in range(len(data)) if bool(data.greedy[i])]
-    held = greedy[-cfg.eval_sequences:] if len(greedy) > cfg.eval_sequences else []
+    held = greedy[len(greedy) - cfg.eval_sequences:] if len(greedy) > cfg.eval_sequences else []  # 0: none
     held_set = set(held)
     train = [i for i in range(len(data)) if i not in held_set and _anchor_range(data, i)[1] > _anchor_range(data, i)[0]]
     if not train:
@@ -323,7 +323,8 @@ def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer,
 def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Path,
           on_log: Callable[[dict], None] = lambda row: None, quiet: bool = False,
           stop_after: int | None = None) -> list[dict]:
-    """Train `drafter` (fp32, in place) for cfg.steps, resuming from work/train_state.pt when it exists.
+    """Train `drafter` (fp32, in place) for cfg.steps, resuming from work/train_state.pt when it exists; its draft
+    vocabulary becomes the head slice's tokens (`head_vocab` "seen") or the whole vocabulary ("full").
 
     Returns the log: one row per step (losses, accuracy, τ proxy at the eval block, lr) plus eval rows.
     stop_after: end (after checkpointing) once this many steps are done in total (simulates an interruption).
@@ -399,6 +400,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
             break
     bar.close()
     drafter.eval()
+    drafter.set_draft_vocab(None if head is None else head.ids)  # it drafts from the tokens its loss scored
     return log
 
 

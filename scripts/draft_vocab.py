@@ -1,0 +1,11 @@
+"""Write a drafter's draft_vocab.json from the caches it was trained on.   python scripts/draft_vocab.py --help"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without pip install -e
+
+from beamtrt.train.vocab_cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

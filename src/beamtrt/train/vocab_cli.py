@@ -1,0 +1,65 @@
+"""Write a drafter's draft_vocab.json: the tokens of the training sequences it was trained on (a `--head-vocab seen`
+run scores exactly these), from the answer caches named, held-out answers excluded as the trainer excludes them.
+
+    python scripts/draft_vocab.py checkpoints/beam-mini-dflash2 --data checkpoints/beam-mini-dflash2-data-s{6..12}
+
+New runs of scripts/train_drafter.py store it themselves; this is for drafters trained before they did.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from beamtrt.cli_util import description, run_cli
+from beamtrt.errors import BeamtrtError
+
+
+def training_tokens(dirs: list[Path], eval_sequences: int) -> torch.Tensor:
+    """Sorted distinct token ids of the sequences the trainer trains on, over the caches in training order (--data
+    last): their answers files (committed) or feature shards."""
+    from beamtrt.train.features import FeatureSet, _read, concat_features
+    from beamtrt.train.trainer import TrainConfig, split
+
+    parts = []
+    for d in dirs:
+        paths = sorted(d.glob("answers-*.safetensors")) or sorted(d.glob("features-*.safetensors"))
+        if not paths:
+            raise BeamtrtError(f"{d}: no answers or feature shards")
+        for p in paths:
+            t = _read(p, "answer shard")
+            parts.append(FeatureSet(ids=t["ids"], taps=torch.empty(t["ids"].shape[0], 0), seq_start=t["seq_start"],
+                                    prompt_len=t["prompt_len"], greedy=t["greedy"]))
+    data = concat_features(parts)
+    train, _ = split(data, TrainConfig(eval_sequences=eval_sequences))
+    return torch.cat([data.sequence(i)[0] for i in train]).unique()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=description(__doc__))
+    p.add_argument("drafter", help="the drafter checkpoint directory to write draft_vocab.json into")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="its training caches in the order it was trained on them: --extra-data ..., then --data")
+    p.add_argument("--eval-sequences", type=int, default=32,
+                   help="the held-out greedy answers at the end of the last cache (train_drafter's; default 32)")
+    args = p.parse_args(argv)
+
+    def run() -> None:
+        from beamtrt.config import DrafterConfig
+        from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE, check_draft_vocab, write_draft_vocab
+
+        if args.eval_sequences < 0:
+            raise ValueError(f"--eval-sequences must be >= 0, got {args.eval_sequences}")
+        for d in args.data:
+            if not Path(d).is_dir():
+                raise BeamtrtError(f"--data {d}: no such directory")
+        drafter = Path(args.drafter)
+        cfg = DrafterConfig.from_file(drafter / "config.json")
+        ids = check_draft_vocab(training_tokens([Path(d) for d in args.data], args.eval_sequences), cfg.vocab_size,
+                                cfg.selector_top_k)
+        write_draft_vocab(drafter, ids)
+        print(f"{drafter / DRAFT_VOCAB_FILE}: {ids.numel()} of {cfg.vocab_size} tokens")
+
+    return run_cli(run)
