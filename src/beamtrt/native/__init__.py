@@ -343,6 +343,9 @@ def draft_block(drafter, cache, ids: torch.Tensor, slots: torch.Tensor, start: t
     Returns the final-normed hidden of block positions 1..B-1: [N, B - 1, H] fp32."""
     N, B = ids.shape
     ids, slots, start = (t.to(torch.long).contiguous() for t in (ids, slots, start))
+    rows = drafter.target.embed.weight.shape[0]
+    if bool((ids < 0).any() | (ids >= rows).any()):
+        raise IndexError(f"token ids must be in [0, {rows})")
     cos, sin = (t.float().reshape(N * B, -1).contiguous() for t in (cos, sin))
     hidden = torch.empty(N, B - 1, drafter.cfg.hidden_size, device="cpu")
     block = _Block(n=N, block=B, threads=torch.get_num_threads(), use_conv=int(drafter.use_conv), ids=_ptr(ids),

@@ -106,7 +106,8 @@ static void attention_block(const Model &m, int l, const Step &s, const float *x
   const int64_t R = s.rows, D = m.head_dim, NQ = m.heads, NKV = m.kv_heads, width = (NQ + 2 * NKV) * D;
   const int dt = m.dtype, esize = dt == F32 ? 4 : 2;
   const int64_t layer_bytes = s.slots * NKV * s.max_len * D * esize;
-  void *k_cache = static_cast<char *>(s.k_cache) + l * layer_bytes, *v_cache = static_cast<char *>(s.v_cache) + l * layer_bytes;
+  void *k_cache = static_cast<char *>(s.k_cache) + l * layer_bytes;
+  void *v_cache = static_cast<char *>(s.v_cache) + l * layer_bytes;
   std::vector<float> qkv(R * width), q(R * NQ * D), att(R * NQ * D);
   gemm(xn, L.qkv_w, L.qkv_b, qkv.data(), R, width, m.hidden, dt, s.threads);
   for (int64_t r = 0; r < R; r++) {

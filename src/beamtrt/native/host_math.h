@@ -189,7 +189,10 @@ static void gemm_blocks(const float *x, const W *w, float *y, int64_t M, int64_t
       const float *wf[NB];
       for (int j = 0; j < NB; j++) wf[j] = &scratch[(j < nb ? j : 0) * K8];
       for (int j = 0; j < nb; j++)
-        for (int64_t k = 0; k < K8; k += 8) { v8f v = load8(wr + j * K + k); std::memcpy(&scratch[j * K8 + k], &v, 32); }
+        for (int64_t k = 0; k < K8; k += 8) {
+          v8f v = load8(wr + j * K + k);
+          std::memcpy(&scratch[j * K8 + k], &v, 32);
+        }
       tiles<LR, RB, NB>(xp, x, wf, wr, y, G, M, n0, nb, N, K8, K, ahead);
     }
   }
