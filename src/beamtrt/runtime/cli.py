@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests decoded at once; when one finishes, its cache slot is refilled from the queue "
                         "before the next step (continuous batching); 0 = every prompt at once (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8,
-                   help="tokens per verification block: the anchor + block-1 drafts; on a CPU host 4 decodes "
-                        "faster than 8 with beam-mini's drafter (docs/BENCHMARKS.md) (default: %(default)s)")
+                   help="tokens per verification block: the anchor + block-1 drafts; on a CPU host blocks of 4, "
+                        "6 and 8 decode about equally fast with --draft-threshold 0.4 (docs/BENCHMARKS.md) "
+                        "(default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the leading drafts of a block whose running product of the drafter's "
                         "confidences is >= P, in [0, 1]: fewer verified rows make a step cheaper where the verify's "
