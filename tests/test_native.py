@@ -43,13 +43,16 @@ def run_steps(model, monkeypatch, path: str) -> list[torch.Tensor]:
     ids, lengths = right_padded(prompts)
     cache = model.new_cache(3, 32)
     out = model(ids, cache, num_tokens=lengths, last_only=True, taps=(0, 2))
-    results = [out.logits, *out.taps]
+    live = (torch.arange(ids.shape[1]) < lengths[:, None])[..., None]  # [3, 5, 1]: the padding's rows are meaningless
+    results = [out.logits, *(t * live for t in out.taps)]
     for _ in range(3):
         out = model(torch.randint(0, vocab, (3, 1), generator=g), cache, taps=(1,))
         results += [out.logits, *out.taps]
-    block = torch.randint(0, vocab, (2, 4), generator=g)
-    out = model(block, cache, num_tokens=torch.tensor([4, 2]), slots=torch.tensor([2, 0]), taps=(2,))
-    results += [out.logits, *out.taps, cache.k, cache.v, cache.lengths]
+    block, counts = torch.randint(0, vocab, (2, 4), generator=g), torch.tensor([4, 2])
+    out = model(block, cache, num_tokens=counts, slots=torch.tensor([2, 0]), taps=(2,))
+    live = (torch.arange(4) < counts[:, None])[..., None]  # [2, 4, 1]: the padding's rows are meaningless
+    kept = (torch.arange(cache.max_len) < cache.lengths[:, None])[None, :, None, :, None]  # [1, B, 1, len, 1]
+    results += [out.logits * live, *(t * live for t in out.taps), cache.k * kept, cache.v * kept, cache.lengths]
     return results
 
 

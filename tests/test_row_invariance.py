@@ -73,6 +73,18 @@ def test_a_row_gets_the_same_bits_in_any_forward(path, dtype, monkeypatch):
     assert torch.equal(verify, steps) and torch.equal(alone[0], steps[1])
     for c in (verify_cache, alone_cache):
         assert torch.equal(c.k[:, 1], step_cache.k[:, 1]) and torch.equal(c.v[:, 1], step_cache.v[:, 1])
+    # a ragged verify (the draft threshold's: fewer tokens for some slots, padded to one rectangle): the live rows
+    # get the same bits, K/V and taps; the fused path skips the padding
+    ragged_cache, counts = copy.deepcopy(cache), torch.tensor([8, 3, 5])
+    ragged = model(block, ragged_cache, num_tokens=counts, taps=(0, 1))
+    full = model(block, copy.deepcopy(cache), taps=(0, 1))
+    assert torch.equal(ragged_cache.lengths, cache.lengths + counts)
+    for b, n in enumerate(counts.tolist()):
+        end = int(ragged_cache.lengths[b])
+        assert torch.equal(ragged.logits[b, :n], steps[b, :n])
+        assert all(torch.equal(r[b, :n], f[b, :n]) for r, f in zip(ragged.taps, full.taps))
+        for got, want in ((ragged_cache.k, step_cache.k), (ragged_cache.v, step_cache.v)):
+            assert torch.equal(got[:, b, :, :end], want[:, b, :, :end])
     if quantized:  # the hooks ran: the same forward without them differs
         for module, attr in act_hooks(model).values():
             setattr(module, attr, None)

@@ -501,7 +501,8 @@ class BeamForCausalLM(nn.Module):
 
         input_ids: [B, T], right-padded; num_tokens: [B] valid tokens per row (default T); slots: [B] the cache
         slot of each row (default: row b -> slot b, and B must equal the cache's batch). Row b's tokens sit at
-        positions lengths[slot] + t; the slot's length then grows by num_tokens[b], so padded tokens are dead.
+        positions lengths[slot] + t; the slot's length then grows by num_tokens[b], so padded tokens are dead (their
+        logits and taps are meaningless: the fused CPU path skips them and returns zeros there).
         taps_only: return the taps and no logits; the PyTorch path stops after the last tap layer, which leaves the
         cache without the later layers' K/V (for one-shot feature extraction, not for decoding on).
         """
@@ -520,8 +521,10 @@ class BeamForCausalLM(nn.Module):
         if native.usable(self, cache, T):  # CPU decode / verify: one fused call (see beamtrt.native)
             positions = start[:, None] + torch.arange(T, device=device)
             rows = torch.arange(B, device=device) if slots is None else slots
+            live = None if bool((num_tokens == T).all()) else torch.arange(T, device=device) < num_tokens[:, None]
             logits, captured = native.beam_step(self, cache, input_ids, positions, rows,
-                                                out_index if last_only else torch.arange(B * T, device=device), list(taps))
+                                                out_index if last_only else torch.arange(B * T, device=device),
+                                                list(taps), live)
             logits = self.logit_transform(logits, invariant=True).view(B, 1 if last_only else T, -1)
             logits = None if taps_only else logits
             captured = [t.to(self.dtype) for t in captured]

@@ -237,31 +237,46 @@ def descriptor(model) -> _Descriptor:
 
 
 def beam_step(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-              out_index: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+              out_index: torch.Tensor, taps: list[int], live: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward of B x T token rows through beam_step.cpp; K/V are written into `cache` like the PyTorch path.
 
     input_ids, positions: [B, T]; rows: [B] cache slot of each input row; out_index: [N] flat rows (b * T + t) whose
-    logits are wanted. Returns (raw LM-head logits [N, V] fp32, taps: per tapped layer [B, T, H] fp32).
+    logits are wanted; live: [B, T] bool, the rows to compute (default all): a ragged verify's padding is skipped,
+    its logits and taps left zero (every row's bits are the same whatever else the call computes). Returns (raw
+    LM-head logits [N, V] fp32, taps: per tapped layer [B, T, H] fp32).
     """
     B, T = input_ids.shape
     H, D = model.cfg.hidden_size, model.cfg.head_dim
     ids = input_ids.reshape(-1).contiguous()
     if bool((ids < 0).any() | (ids >= model.cfg.vocab_size).any()):
         raise IndexError(f"token ids must be in [0, {model.cfg.vocab_size})")
-    slot = rows.repeat_interleave(T).contiguous()
-    pos = positions.reshape(-1).contiguous()
-    cos, sin = (t.reshape(-1, D).contiguous() for t in model.rotary(positions, torch.float32))
-    out_index = out_index.contiguous()
+    slot = rows.repeat_interleave(T)
+    pos = positions.reshape(-1)
+    cos, sin = (t.reshape(-1, D) for t in model.rotary(positions, torch.float32))
+    wanted = out_index
+    if live is not None:  # compact the live rows; out_index then counts live rows only
+        flat = live.reshape(-1)
+        ids, slot, pos, cos, sin = (t[flat] for t in (ids, slot, pos, cos, sin))
+        keep = flat[out_index]
+        wanted = (torch.cumsum(flat, 0) - 1)[out_index[keep]]
+    ids, slot, pos, cos, sin, wanted = (t.contiguous() for t in (ids, slot, pos, cos, sin, wanted))
     d = descriptor(model)
-    logits = torch.empty(out_index.shape[0], d.model.vocab, device="cpu")
+    logits = torch.empty(wanted.shape[0], d.model.vocab, device="cpu")
     tap_layer = torch.tensor(taps, dtype=torch.int32, device="cpu")
-    tap_out = torch.empty(len(taps), B * T, H, device="cpu")
-    step = _Step(rows=B * T, out_rows=out_index.shape[0], taps=len(taps), threads=torch.get_num_threads(),
+    tap_out = torch.empty(len(taps), ids.shape[0], H, device="cpu")
+    step = _Step(rows=ids.shape[0], out_rows=wanted.shape[0], taps=len(taps), threads=torch.get_num_threads(),
                  k_cache=_ptr(cache.k), v_cache=_ptr(cache.v), slots=cache.batch, max_len=cache.max_len,
                  ids=_ptr(ids), slot=_ptr(slot), pos=_ptr(pos), cos=_ptr(cos), sin=_ptr(sin),
-                 out_index=_ptr(out_index), logits=_ptr(logits), tap_layer=_ptr(tap_layer), tap_out=_ptr(tap_out))
+                 out_index=_ptr(wanted), logits=_ptr(logits), tap_layer=_ptr(tap_layer), tap_out=_ptr(tap_out))
     library().beam_step(ctypes.byref(d.model), ctypes.byref(step))
-    return logits, [t.view(B, T, H) for t in tap_out]
+    if live is None:
+        return logits, [t.view(B, T, H) for t in tap_out]
+    full = logits.new_zeros(out_index.shape[0], d.model.vocab)
+    full[keep] = logits
+    taps_full = tap_out.new_zeros(len(taps), B * T, H)
+    taps_full[:, flat] = tap_out
+    return full, [t.view(B, T, H) for t in taps_full]
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
