@@ -161,8 +161,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _hooked(module) -> bool:
-    return any(getattr(module, h, None) is not None for h in ("qkv_in", "o_in", "k_out", "v_out", "fc_in", "proj_in",
-                                                               "reduce"))
+    """Whether an activation hook is set on this module: hooks are instance attributes over class defaults of None
+    (read from the instance's __dict__: a missing name through nn.Module.__getattr__ costs an exception, and this
+    check runs every step)."""
+    return any(vars(module).get(h) is not None for h in ("qkv_in", "o_in", "k_out", "v_out", "fc_in", "proj_in",
+                                                           "reduce"))
 
 
 class _Descriptor:
