@@ -143,6 +143,24 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path)), "not valid JSON")
 
 
+def test_a_bad_drafter_is_refused_before_the_target_is_loaded(tmp_path, run, monkeypatch):
+    """--drafter without a config.json fails at once, not after the target has loaded or been built (beam-mini's
+    half minute of conversion on first use)."""
+    from beamtrt.build import cli as build_cli
+    from beamtrt.models import beam_mini
+
+    def not_now():
+        raise AssertionError("beam-mini was made before the drafter was checked")
+    monkeypatch.setattr(beam_mini, "ensure_beam_mini", not_now)
+    monkeypatch.setattr(build_cli, "LAST_BUILD", tmp_path / "no-last-build")
+    assert_one_line_error(run("runtime/run.py", "--drafter", str(tmp_path / "d"), "--prompt", "hi"), "d/config.json")
+    assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--drafter", str(tmp_path / "d")),
+                          "d/config.json")
+    assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--drafter", str(tmp_path / "d"),
+                              "--out", str(tmp_path / "out")), "d/config.json")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("script, args", [("runtime/run.py", []), ("scripts/train_drafter.py", []),
                                           ("scripts/eval_drafter.py", ["--data", "."])])
 def test_bad_devices_are_one_line(script, args, run):

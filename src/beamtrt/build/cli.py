@@ -69,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> None:
     from beamtrt.build.pipeline import build, log
     from beamtrt.checkpoint.manifest import read_manifest
-    from beamtrt.config import BuildConfig, EngineSettings
+    from beamtrt.config import BuildConfig, DrafterConfig, EngineSettings
 
     out = Path(args.out) if args.out else ENGINES / f"{args.precision}-tp{args.tp}"
     output_path(out, "--out", directory=True)  # before beam-mini or calibration, not after
+    if args.drafter is not None:  # likewise a --drafter that is not a drafter checkpoint
+        DrafterConfig.from_file(Path(args.drafter) / "config.json")
     model = args.model
     if model is None:
         from beamtrt.models.beam_mini import ensure_beam_mini

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from beamtrt.config import DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 
 BACKENDS = ("auto", "torch", "trt")
@@ -115,6 +116,8 @@ def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: to
     from beamtrt.models.beam_mini import ensure_beam_mini
     from beamtrt.runtime.torch_backend import TorchTarget
 
+    if spec and drafter_dir:  # a bad --drafter is reported before beam-mini is created or a target is loaded
+        DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
     model = load_beam(model_dir, dtype=dtype, device=device)
     drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device) if spec else (None, None))
