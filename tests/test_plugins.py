@@ -50,7 +50,8 @@ def ptr(t: torch.Tensor) -> int:
 
 def convert(host, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     dst = torch.empty(src.shape, dtype=dtype)
-    host.beamtrt_convert_host(ctypes.c_void_p(ptr(src)), DTYPES[src.dtype], ctypes.c_void_p(ptr(dst)), DTYPES[dtype], ctypes.c_int64(src.numel()))
+    host.beamtrt_convert_host(ctypes.c_void_p(ptr(src)), DTYPES[src.dtype], ctypes.c_void_p(ptr(dst)), DTYPES[dtype],
+                              ctypes.c_int64(src.numel()))
     return dst
 
 
@@ -242,13 +243,82 @@ def test_cuda_kernels_compile_for_hopper_and_blackwell(build):
     assert "TensorRT headers not found" in log or "TensorRT headers in" in log  # CMake says what it did
 
 
+@pytest.fixture(scope="module")
+def torch_ext(build, tmp_path_factory):
+    """plugins/torch_ext built with this host's torch against the CUDA kernels' static library: it links and loads
+    without a GPU (the CUDA runtime is linked statically and starts only at a first launch), so the first GPU host
+    builds code that has compiled, and the extension's argument checks, which come before the device check, run here."""
+    from torch.utils.cpp_extension import load
+
+    from beamtrt.native import cuda
+
+    out, log = build
+    lib = out / "libbeamtrt_kernels.a"
+    assert lib.exists(), log[-2000:]
+    cudart = Path(re.search(r"^CUDA_cudart_static_LIBRARY:FILEPATH=(.+)$", (out / "CMakeCache.txt").read_text(),
+                            flags=re.M).group(1))
+    include = cudart.parent.parent / "include"  # lib/ or lib64/ beside include/, also under targets/<arch>/
+    assert (include / "cuda_runtime.h").is_file(), include
+    return load(name="beamtrt_cuda_host_link", sources=[str(ROOT / "plugins" / cuda.SOURCES[0])],
+                build_directory=str(tmp_path_factory.mktemp("torch_ext")),
+                extra_include_paths=[str(ROOT / "plugins"), str(include)],
+                extra_cflags=["-O0", "-std=c++20", "-Wall", "-Wextra", "-Werror"],
+                extra_ldflags=[str(lib), str(cudart), "-lrt", "-ldl", "-lpthread"])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CI has it)")
+def test_the_torch_extension_links_and_checks_its_arguments(torch_ext, monkeypatch):
+    """beamtrt.native.cuda's wrappers against the extension's bindings: right arguments reach the device check; a
+    wrong shape, dtype or size is refused with one line naming the argument, before anything is launched."""
+    from beamtrt.native import cuda
+
+    monkeypatch.setattr(cuda, "extension", lambda: torch_ext)
+    monkeypatch.setattr(cuda, "_stream", lambda: 0)
+    names = ("logits", "projected", "anchor", "A", "B", "temperature", "top_p", "uniforms")
+    attention_names = ("q", "k", "v", "ck", "cv", "start", "count", "ring_k", "ring_v")
+
+    def selector(**change):
+        c = {**selector_case(0, torch.bfloat16), **change}
+        return cuda.block_selector(*(c[n] for n in names), c["K"])
+
+    def attention(**change):
+        c = {**attention_case(0, io=torch.bfloat16), **change}
+        return cuda.windowed_attention(*(c[n] for n in attention_names))
+
+    refused = [
+        (selector, {}, "CUDA tensors expected, got one on cpu"),
+        (selector, dict(uniforms=torch.rand(4, 6)), r"uniforms: a contiguous tensor of shape \[4, 7\]"),
+        (selector, dict(projected=torch.randn(4, 16, 7).transpose(1, 2)), "projected: a contiguous tensor"),
+        (selector, dict(B=torch.randn(300, 16)), "successor: BFloat16 expected, got Float"),
+        (selector, dict(anchor=torch.zeros(4, dtype=torch.int64)), "anchor_ids: Int expected, got Long"),
+        (selector, dict(logits=torch.randn(4, 7, 300).to(torch.float8_e4m3fn)), "logits: Float or Half or BFloat16"),
+        (selector, dict(K=65), r"top_k: 1 to min\(V, 64\) expected, got 65"),
+        (selector, dict(logits=torch.randn(4, 32, 300), projected=torch.randn(4, 32, 16),
+                        uniforms=torch.rand(4, 32)), "1 to 31 draft slots expected, got 32"),
+        (attention, {}, "CUDA tensors expected, got one on cpu"),
+        (attention, dict(ring_v=torch.randn(3, 2, 9, 16).bfloat16()),
+         r"ring_v: a contiguous tensor of shape \[3, 2, 8, 16\]"),
+        (attention, dict(ck=torch.randn(3, 6, 2, 16)), "context_k: BFloat16 expected, got Float"),
+        (attention, dict(start=torch.zeros(3, dtype=torch.int64)), "start: Int expected, got Long"),
+        (attention, dict(q=torch.randn(3, 4, 7, 16).bfloat16()), "q: a multiple of k's 2 heads expected, got 7"),
+    ]
+    for call, change, message in refused:
+        with pytest.raises(RuntimeError, match=message):
+            call(**change)
+    ok = attention_case(0, io=torch.bfloat16)
+    fp8 = {n: ok[n].to(torch.float8_e4m3fn) for n in ("ring_k", "ring_v")}
+    with pytest.raises(RuntimeError, match="CUDA tensors expected"):  # an FP8 ring is an accepted cache dtype
+        attention(**fp8)
+
+
 # ---- the Python side: the only place that knows the plugin names and fields -------------------------------------
 
 def test_python_plugin_table_matches_the_cpp_glue_and_readmes():
     from beamtrt.build import plugins
 
-    for spec, folder in ((plugins.BLOCK_SELECTOR, "block_selector"), (plugins.WINDOWED_ATTENTION, "windowed_attention")):
-        header, source = (ROOT / "plugins" / folder / "plugin.h").read_text(), (ROOT / "plugins" / folder / "plugin.cpp")
+    for spec, folder in ((plugins.BLOCK_SELECTOR, "block_selector"),
+                         (plugins.WINDOWED_ATTENTION, "windowed_attention")):
+        header, source = (ROOT / "plugins" / folder / "plugin.h").read_text(), ROOT / "plugins" / folder / "plugin.cpp"
         assert f'kName = "{spec.name}"' in header
         assert f"kInputs = {len(spec.inputs)};" in header and f"kOutputs = {len(spec.outputs)};" in header
         fields = re.findall(r'\{"(\w+)", PluginFieldType::k(INT32|FLOAT32)', source.read_text())
