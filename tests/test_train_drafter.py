@@ -121,23 +121,6 @@ def test_resume_repeats_the_uninterrupted_run(target, tmp_path):
     assert any("eval_tau" in row for row in whole) and sum(losses[-3:]) < sum(losses[:3])
 
 
-def test_dropout_changes_the_steps_and_resumes_exactly(target, tmp_path):
-    """--dropout: the losses differ from the recipe's from the first step (the masks are applied), an interrupted run
-    resumes to the uninterrupted one's log (the masks are drawn per step from the seed), and the trained drafter
-    serves without it."""
-    data, cfg = _features(target), dataclasses.replace(TINY_RUN, steps=6, dropout=0.3)
-    recipe = train(make_drafter(target), data, dataclasses.replace(cfg, dropout=0.0), tmp_path / "a", quiet=True)
-    drafter = make_drafter(target)
-    whole = train(drafter, data, cfg, tmp_path / "b", quiet=True)
-    assert whole[0]["loss"] != recipe[0]["loss"]
-    assert all(layer.dropout == 0.0 for layer in drafter.layers) and not drafter.training
-    train(make_drafter(target), data, cfg, tmp_path / "c", quiet=True, stop_after=3)
-    resumed = train(make_drafter(target, seed=9), data, cfg, tmp_path / "c", quiet=True)
-    assert _without_seconds(resumed) == _without_seconds(whole)
-    with pytest.raises(ValueError, match="--dropout"):
-        dataclasses.replace(cfg, dropout=1.0)
-
-
 def _without_seconds(log: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "seconds"} for row in log]
 

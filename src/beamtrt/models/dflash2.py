@@ -155,10 +155,6 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(H, cfg.intermediate_size)
         self.attention_conv = GroupedConv2Tap(H, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = GroupedConv2Tap(H, cfg.conv_kernel_size, cfg.conv_group_size)
-        self.dropout = 0.0  # on both residual branches while training (train_drafter.py --dropout); not saved
-
-    def _branch(self, out: torch.Tensor) -> torch.Tensor:
-        return F.dropout(out, self.dropout, training=True) if self.dropout and self.training else out
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: torch.Tensor, block: int, use_conv: bool = True) -> torch.Tensor:
@@ -167,14 +163,14 @@ class DraftLayer(nn.Module):
         x = self.input_layernorm(h)
         if use_conv:
             y, delta = self.attention_conv.prepare(x, block)
-            h = h + self._branch(self.attention_conv.finish(self.self_attn(y, rope, ctx_k, ctx_v, mask), block, delta))
+            h = h + self.attention_conv.finish(self.self_attn(y, rope, ctx_k, ctx_v, mask), block, delta)
         else:
-            h = h + self._branch(self.self_attn(x, rope, ctx_k, ctx_v, mask))
+            h = h + self.self_attn(x, rope, ctx_k, ctx_v, mask)
         x = self.post_attention_layernorm(h)
         if use_conv:
             y, delta = self.mlp_conv.prepare(x, block)
-            return h + self._branch(self.mlp_conv.finish(self.mlp(y), block, delta))
-        return h + self._branch(self.mlp(x))
+            return h + self.mlp_conv.finish(self.mlp(y), block, delta)
+        return h + self.mlp(x)
 
 
 # ---- candidate selector (dflash.md §4.3) ---------------------------------------------------------------------

@@ -121,9 +121,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "distribution there (KL divergence, rebuilt from the cached taps through the target's "
                          "layers after the last tapped one; steps take about 1.4x as long on beam-mini); 0 = the "
                          "recipe's loss alone (default: %(default)s)")
-    tr.add_argument("--dropout", type=float, default=t.dropout,
-                    help="dropout probability on the draft layers' attention and MLP outputs while training (a "
-                         "regularizer: the drafter serves without it); 0 = the recipe (default: %(default)s)")
     tr.add_argument("--seed", type=int, default=t.seed, help="seed of initialization and draws (default: %(default)s)")
     tr.add_argument("--eval-every", type=int, default=t.eval_every,
                     help="held-out eval period in steps (default: %(default)s)")
@@ -162,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                           block_size=args.block_size, eval_block_size=args.eval_block_size, lr=args.lr,
                           gamma=args.gamma, selector_weight=args.selector_weight, seed=args.seed,
                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-                          head_vocab=args.head_vocab, distill=args.distill, dropout=args.dropout,
+                          head_vocab=args.head_vocab, distill=args.distill,
                           init_from=str(Path(args.init).resolve()) if args.init else "")
         recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                             batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size),

@@ -51,7 +51,6 @@ class TrainConfig:
     init_from: str = ""             # a drafter checkpoint to start from ("" = the recipe's initialization)
     head_vocab: str = "full"        # LM head rows the loss scores: "full", or "seen" = the training data's tokens
     distill: float = 0.0            # weight of KL(target ‖ drafter) per slot, beside the CE on its token (0 = recipe)
-    dropout: float = 0.0            # on the draft layers' residual branches while training (0 = recipe)
 
     def __post_init__(self) -> None:
         for name, flag in (("steps", "--steps"), ("seqs_per_step", "--seqs-per-step"), ("anchors_per_seq", "--anchors"),
@@ -65,8 +64,6 @@ class TrainConfig:
             raise ValueError(f"--lr and --gamma must be positive, got {self.lr} and {self.gamma}")
         if not self.distill >= 0:
             raise ValueError(f"--distill must be >= 0, got {self.distill}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.head_vocab not in HEAD_VOCABS:
             raise ValueError(f"head vocabulary {self.head_vocab!r} is not one of {', '.join(HEAD_VOCABS)}")
 
@@ -363,13 +360,9 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         log.append({"step": 0, "seconds": 0.0} | evaluate(drafter, data, held, cfg, head))
         on_log(log[-1])
     bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", unit="step", disable=quiet, dynamic_ncols=True)
-    for layer in drafter.layers:
-        layer.dropout = cfg.dropout
     drafter.train()
     while step < cfg.steps:
         t0 = time.perf_counter()
-        if cfg.dropout:  # dropout draws from the global generators: reseeded per step, as the anchors are
-            torch.manual_seed(cfg.seed * 1_000_003 + step)
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         opt.zero_grad(set_to_none=True)
@@ -406,8 +399,6 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
-    for layer in drafter.layers:
-        layer.dropout = 0.0
     drafter.eval()
     drafter.set_draft_vocab(None if head is None else head.ids)  # it drafts from the tokens its loss scored
     return log
