@@ -11,10 +11,9 @@ if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-if [[ -n "${OUT:-}" && -z "${BEAMTRT_GPU_CHECK_LOGGED:-}" ]]; then  # re-run once, teeing everything into $OUT
+if [[ -n "${OUT:-}" ]]; then  # everything from here on also goes to $OUT/gpu_check.log
   mkdir -p "$OUT"
-  BEAMTRT_GPU_CHECK_LOGGED=1 PY="$PY" "$PWD/scripts/gpu_check.sh" "$@" 2>&1 | tee "$OUT/gpu_check.log"
-  exit "${PIPESTATUS[0]}"
+  exec > >(tee "$OUT/gpu_check.log") 2>&1
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
