@@ -253,6 +253,10 @@ def test_a_build_loads_only_tensors_it_could_have_written(sources, tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="lacks 'mapping.tp_size'"):
         read_manifest(out)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        read_manifest(tmp_path / "absent")
+    with pytest.raises(CheckpointError, match="is not a build/build_engines.py output"):
+        read_manifest(out / "target")
 
 
 def test_build_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):

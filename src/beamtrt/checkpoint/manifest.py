@@ -55,7 +55,12 @@ REQUIRED_VALUES = ("precision", "drafter_precision", "kv_cache")
 
 
 def read_manifest(root: Path) -> dict:
-    manifest = read_json(Path(root) / MANIFEST, "build manifest")
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such directory (expected a build/build_engines.py output)")
+    if not (root / MANIFEST).is_file():
+        raise CheckpointError(f"{root} is not a build/build_engines.py output (no {MANIFEST})")
+    manifest = read_json(root / MANIFEST, "build manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{Path(root) / MANIFEST}: format_version {manifest.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}; rebuild with this version of build_engines.py")
