@@ -60,7 +60,7 @@ def test_out_names_three_files_whatever_its_suffix():
     (["--concurrency", "0"], "must be >= 1"),
     (["--block-size", "1"], "--block-size must be in [2, 32]"),
     (["--threads", "-1"], "--threads must be >= 0"),
-    (["--engine-dir", "/nonexistent-build"], "manifest.json"),
+    (["--engine-dir", "/nonexistent-build"], "no such directory"),
     (["--engine-dir", "/nonexistent-build", "--model", "m"], "cannot be combined"),
     (["--device", "gpu0"], "not a torch device"),
     (["--backend", "trt"], "pass --engine-dir"),

@@ -136,7 +136,8 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "broken.jsonl")), "broken.jsonl:1")
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "nope")), "nope", "config.json")
     assert_one_line_error(run("runtime/run.py", "--concurrency", "-1"), "--concurrency")
-    assert_one_line_error(run("runtime/run.py", "--engine-dir", str(tmp_path / "none")), "none", "manifest.json")
+    assert_one_line_error(run("runtime/run.py", "--engine-dir", str(tmp_path / "none")), "none", "no such directory")
+    assert_one_line_error(run("runtime/run.py", "--engine-dir", str(tmp_path)), "not a build", "manifest.json")
     assert_one_line_error(run("runtime/run.py", "--engine-dir", str(tmp_path), "--model", str(tmp_path)),
                           "cannot be combined")
     (tmp_path / "config.json").write_text('{"hidden_size": 64,')
