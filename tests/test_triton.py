@@ -508,7 +508,7 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--backend", "trt"], "--backend trt: the build has no engines"),
                          (["--out", str(builds[1] / "repo")], "inside the engine directory"),
                          (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
-                         (["--engine-dir", str(tmp_path / "none")], "no such engine directory")):
+                         (["--engine-dir", str(tmp_path / "none")], "none: no such directory")):
         argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
         rc, _, stderr = run_export(capsys, *argv)
         assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr

@@ -62,14 +62,14 @@ def read_manifest(root: Path) -> dict:
         raise CheckpointError(f"{root} is not a build/build_engines.py output (no {MANIFEST})")
     manifest = read_json(root / MANIFEST, "build manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{Path(root) / MANIFEST}: format_version {manifest.get('format_version')!r} is not "
+        raise CheckpointError(f"{root / MANIFEST}: format_version {manifest.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}; rebuild with this version of build_engines.py")
     lacking = [key for key in REQUIRED_VALUES if key not in manifest]
     for section, keys in REQUIRED.items():
         value = manifest.get(section)
         lacking += [f"{section}.{k}" for k in keys if k not in value] if isinstance(value, dict) else [section]
     if lacking:
-        raise CheckpointError(f"{Path(root) / MANIFEST} lacks {lacking[0]!r}: rebuild with build/build_engines.py")
+        raise CheckpointError(f"{root / MANIFEST} lacks {lacking[0]!r}: rebuild with build/build_engines.py")
     return manifest
 
 

@@ -136,9 +136,7 @@ def ensemble_config() -> dict:
 
 def check_build(root: Path) -> dict:
     """The manifest of a build output fit to serve; one-line ExportError / CheckpointError otherwise."""
-    if not root.is_dir():
-        raise ExportError(f"{root}: no such engine directory")
-    manifest = read_manifest(root)
+    manifest = read_manifest(root)  # names a missing directory or one that is not a build
     try:
         tp, target, drafter = manifest["mapping"]["tp_size"], manifest["target"]["dir"], manifest["drafter"]["dir"]
         tokenizer = manifest["target"]["tokenizer"]
