@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one command on any CUDA host (run from the repository root): build the kernels with CMake, build
-# the torch extension, run the gpu-marked tests (the plugin kernels, and drafter training on the GPU against the CPU
-# run), and print the kernel micro-benchmark table (attention bytes/s against a device-to-device copy; selector µs per
-# step). Python: $PY, else .venv/bin/python (after `make setup` with a CUDA build of torch), else python3 (a host whose
+# the torch extension, run the gpu-marked tests (the plugin kernels against their host build, the torch backend's
+# drafter on them against the PyTorch reference, drafter training on the GPU against the CPU run), and print the
+# kernel micro-benchmark table (attention and selector: µs, achieved bytes/s against a device-to-device copy).
+# Python: $PY, else .venv/bin/python (after `make setup` with a CUDA build of torch), else python3 (a host whose
 # python3 has torch with CUDA, safetensors, numpy, tqdm and pytest; src/ goes on PYTHONPATH). Where $OUT names a
 # folder, the JSON and the whole log are copied there too.
 set -euo pipefail
@@ -18,16 +19,15 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 SECONDS=0
-cmake -S plugins -B plugins/_build ${TensorRT_ROOT:+-DTensorRT_ROOT=$TensorRT_ROOT}
-cmake --build plugins/_build -j "$(nproc)"
-echo "plugins built in ${SECONDS} s"
-"$PY" -c "from beamtrt.native import cuda; cuda.extension(); print('torch extension: built')"
-echo "torch extension built by ${SECONDS} s"
-status=0  # failed tests do not stop the micro-benchmark: one run shows both
-"$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_plugins.py tests/test_train_drafter.py || status=$?
-echo "gpu tests done by ${SECONDS} s (pytest exit status ${status})"
+status=0  # a failed stage does not stop the later ones: one run shows every result; the exit status is the last failure
+stage() { echo "== $1 (${SECONDS} s)"; shift; "$@" || { status=$?; echo "== FAILED with exit status ${status}: $*"; }; }
+stage "CMake build of plugins/" bash -c "cmake -S plugins -B plugins/_build ${TensorRT_ROOT:+-DTensorRT_ROOT=$TensorRT_ROOT} \
+  && cmake --build plugins/_build -j $(nproc)"
+stage "torch extension" "$PY" -c "from beamtrt.native import cuda; cuda.extension(); print('torch extension: built')"
+stage "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --durations=5 tests/test_plugins.py \
+  tests/test_drafter_kernels.py tests/test_train_drafter.py
 mkdir -p bench
-"$PY" scripts/bench_kernels.py --json bench/kernels.json
-if [[ -n "${OUT:-}" ]]; then cp bench/kernels.json "$OUT/"; fi
-echo "gpu check done in ${SECONDS} s"
+stage "kernel micro-benchmark" "$PY" scripts/bench_kernels.py --json bench/kernels.json
+if [[ -n "${OUT:-}" && -f bench/kernels.json ]]; then cp bench/kernels.json "$OUT/"; fi
+echo "gpu check done in ${SECONDS} s (exit status ${status})"
 exit "$status"

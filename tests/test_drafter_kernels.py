@@ -1,13 +1,15 @@
 """The torch backend's drafter on the plugin kernels (ring attention + block selector) decodes exactly as on the
-PyTorch reference: driven here through the kernels' host build (BEAMTRT_KERNELS=host), the same math the CUDA build
-runs."""
+PyTorch reference: on the CPU through the kernels' host build (BEAMTRT_KERNELS=host), the same math the CUDA build
+runs; on a GPU (gpu-marked) through the CUDA build, the default there."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from beamtrt.native.kernels import HostKernels, kernels_for
+from beamtrt.native.kernels import CudaKernels, HostKernels, kernels_for
 from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 from beamtrt.spec.decoder import Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
@@ -15,6 +17,10 @@ from conftest import tiny_model
 from test_dflash2 import make_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+KERNELS = {"host": HostKernels, "auto": CudaKernels, "off": None}  # BEAMTRT_KERNELS -> the drafter's kernels
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+PATHS = [pytest.param("cpu", "host", id="host"),  # (device, BEAMTRT_KERNELS of the kernel path)
+         pytest.param("cuda", "auto", id="cuda", marks=[pytest.mark.gpu, ON_GPU])]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,7 @@ def target():
 def drafter_on(path: str, target, monkeypatch) -> TorchDrafter:
     monkeypatch.setenv("BEAMTRT_KERNELS", path)
     drafter = TorchDrafter(make_drafter(target, seed=3))  # W = 16: long answers wrap the ring
-    assert (drafter.drafter.kernels is HostKernels) == (path == "host")
+    assert drafter.drafter.kernels is KERNELS[path]
     return drafter
 
 
@@ -39,14 +45,18 @@ def decode(target, drafter, params: SamplingParams, seed: int = 0):
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)],
                          ids=["greedy", "sampled"])
-def test_kernel_path_decodes_like_the_reference(target, params, monkeypatch):
+@pytest.mark.parametrize("device,path", PATHS)
+def test_kernel_path_decodes_like_the_reference(target, device, path, params, monkeypatch):
+    target = target if device == "cpu" else copy.deepcopy(target).to(device)  # the fixture stays on the CPU
     reference = decode(target, drafter_on("off", target, monkeypatch), params)
-    kernels = decode(target, drafter_on("host", target, monkeypatch), params)
+    kernels = decode(target, drafter_on(path, target, monkeypatch), params)
     assert kernels == reference
 
 
-def test_draft_steps_agree(target, monkeypatch):
-    ref, ker = drafter_on("off", target, monkeypatch), drafter_on("host", target, monkeypatch)
+@pytest.mark.parametrize("device,path", PATHS)
+def test_draft_steps_agree(target, device, path, monkeypatch):
+    target = target if device == "cpu" else copy.deepcopy(target).to(device)  # the fixture stays on the CPU
+    ref, ker = drafter_on("off", target, monkeypatch), drafter_on(path, target, monkeypatch)
     g = torch.Generator().manual_seed(9)
     for d in (ref, ker):
         d.allocate(3)

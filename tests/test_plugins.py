@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -27,7 +28,8 @@ def build(tmp_path_factory):
         pytest.skip("cmake not found")
     out = tmp_path_factory.mktemp("plugins") / "_build"
     log = []
-    for cmd in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(out)], ["cmake", "--build", str(out), "-j", "2"]):
+    jobs = str(os.cpu_count() or 2)
+    for cmd in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(out)], ["cmake", "--build", str(out), "-j", jobs]):
         done = subprocess.run(cmd, capture_output=True, text=True)
         log.append(done.stdout + done.stderr)
         assert done.returncode == 0, "\n".join(log)[-4000:]
@@ -264,6 +266,15 @@ def torch_ext(build, tmp_path_factory):
                 extra_include_paths=[str(ROOT / "plugins"), str(include)],
                 extra_cflags=["-O0", "-std=c++20", "-Wall", "-Wextra", "-Werror"],
                 extra_ldflags=[str(lib), str(cudart), "-lrt", "-ldl", "-lpthread"])
+
+
+def test_the_torch_extension_sources_have_names_of_their_own():
+    """torch's load() names each object after its source's file name: two kernel.cu would collide (the first GPU host
+    ran into it), hence torch_ext/'s one-line includes."""
+    from beamtrt.native import cuda
+
+    names = [Path(s).stem for s in cuda.SOURCES]
+    assert len(set(names)) == len(names) and all((ROOT / "plugins" / s).is_file() for s in cuda.SOURCES)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CI has it)")

@@ -1,5 +1,6 @@
 """Micro-benchmark of the plugins' CUDA kernels (JSON): windowed attention's achieved bytes/s beside a device-to-device
-copy of as many bytes, and the block selector's microseconds per step at batch 1 and 64, at DFlash2's serving shapes.
+copy of as many bytes, and the block selector's microseconds per step at batch 1 and 64 (its bytes/s likewise: the fp32
+logits it must read set its floor), at DFlash2's serving shapes.
 """
 
 from __future__ import annotations
@@ -44,14 +45,19 @@ def attention_point(batch: int, window: int, block: int, q_heads: int, kv_heads:
     seconds = _time(lambda: cuda.windowed_attention(q, k, v, ctx, ctx, start, count, ring_k, ring_v,
                                                     cuda_cores=cuda_cores), repeats)
     moved = 2 * ring_k.nbytes + 2 * q.nbytes + 2 * k.nbytes  # both rings read; q read and the output written
-    src = torch.empty(moved // 2, dtype=torch.int16, device=dev)
-    dst = torch.empty_like(src)
-    copy_seconds = _time(lambda: dst.copy_(src), repeats)  # reads and writes `moved` bytes in all
     return {"kernel": "windowed_attention", "cores": "cuda" if cuda_cores else "auto", "batch": batch,
             "window": window, "block": block, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "us": round(seconds * 1e6, 1),
-            "bytes_per_s": moved / seconds, "copy_bytes_per_s": 2 * src.nbytes / copy_seconds,
-            "fraction_of_copy": round(moved / seconds / (2 * src.nbytes / copy_seconds), 3)}
+            **_rates(seconds, moved, repeats)}
+
+
+def _rates(seconds: float, moved: int, repeats: int) -> dict:
+    """A kernel's time and achieved bytes/s beside a device-to-device copy that reads and writes `moved` bytes."""
+    src = torch.empty(moved // 4, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_seconds = _time(lambda: dst.copy_(src), repeats)
+    copy_rate = 2 * src.nbytes / copy_seconds
+    return {"us": round(seconds * 1e6, 1), "bytes": moved, "bytes_per_s": moved / seconds,
+            "copy_bytes_per_s": copy_rate, "fraction_of_copy": round(moved / seconds / copy_rate, 3)}
 
 
 def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, repeats: int) -> dict:
@@ -67,8 +73,9 @@ def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, re
     uniforms = torch.rand(batch, slots, device=dev)
     seconds = _time(lambda: cuda.block_selector(logits, projected, anchors, a, b, temperature, top_p, uniforms, top_k),
                     repeats)
+    moved = logits.nbytes + projected.nbytes + 2 * batch * slots * top_k * rank * a.element_size()  # + codebook rows
     return {"kernel": "block_selector", "batch": batch, "slots": slots, "vocab": vocab, "top_k": top_k, "rank": rank,
-            "us": round(seconds * 1e6, 1)}
+            **_rates(seconds, moved, repeats)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,18 +92,19 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             raise DeviceError("no CUDA device here: the kernel micro-benchmark needs a GPU")
         points = [attention_point(32, 4096, 8, 40, 8, 128, args.repeats, cuda_cores) for cuda_cores in (False, True)]
-        points += [selector_point(batch, 7, 151_936, 16, 256, args.repeats) for batch in (1, 64)]
+        points += [selector_point(batch, 7, vocab, 16, 256, args.repeats) for vocab in (151_936, 49_152)
+                   for batch in (1, 64)]  # Beam's vocabulary and beam-mini's
         result = {"device": torch.cuda.get_device_name(), "points": points}
         print("| kernel | shape | µs | achieved | vs copy |", file=sys.stderr)
         print("|---|---|---|---|---|", file=sys.stderr)
         for pt in points:
             if pt["kernel"] == "windowed_attention":
-                print(f"| windowed attention ({pt['cores']} cores) | N {pt['batch']}, W {pt['window']}, "
-                      f"{pt['kv_heads']} KV x {pt['head_dim']} | {pt['us']} | {pt['bytes_per_s'] / 1e9:.0f} GB/s | "
-                      f"{pt['fraction_of_copy']:.2f} of {pt['copy_bytes_per_s'] / 1e9:.0f} GB/s |", file=sys.stderr)
+                name = f"windowed attention ({pt['cores']} cores)"
+                shape = f"N {pt['batch']}, W {pt['window']}, {pt['kv_heads']} KV x {pt['head_dim']}"
             else:
-                print(f"| block selector | N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']} | {pt['us']} | — | — |",
-                      file=sys.stderr)
+                name, shape = "block selector", f"N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']}"
+            print(f"| {name} | {shape} | {pt['us']} | {pt['bytes_per_s'] / 1e9:.0f} GB/s | "
+                  f"{pt['fraction_of_copy']:.2f} of {pt['copy_bytes_per_s'] / 1e9:.0f} GB/s |", file=sys.stderr)
         print(json.dumps(result, indent=2))
         if args.json:
             write_json(args.json, result)

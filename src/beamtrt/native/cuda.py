@@ -15,7 +15,8 @@ from beamtrt.errors import DeviceError
 from beamtrt.native import cache_dir
 from beamtrt.native.kernels import PLUGINS
 
-SOURCES = ("torch_ext/extension.cpp", "block_selector/kernel.cu", "windowed_attention/kernel.cu")
+# the launchers through torch_ext/'s one-line includes: load() names each object after its source's file name
+SOURCES = ("torch_ext/extension.cpp", "torch_ext/block_selector.cu", "torch_ext/windowed_attention.cu")
 
 
 @lru_cache(maxsize=None)
@@ -34,7 +35,8 @@ def extension():
     build.mkdir(parents=True, exist_ok=True)
     return load(name="beamtrt_cuda", sources=[str(PLUGINS / s) for s in SOURCES], build_directory=str(build),
                 extra_include_paths=[str(PLUGINS)], extra_cflags=["-O3", "-std=c++20"],
-                extra_cuda_cflags=["-O3", "-std=c++17", f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
+                extra_cuda_cflags=["-O3", "-std=c++17", "--threads=0",  # torch's own target and this one at once
+                                   f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
 
 
 def _stream() -> int:
