@@ -349,10 +349,17 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("codebook_dtype", [torch.float32, torch.bfloat16])
-def test_cuda_selector_equals_the_host_build(host, codebook_dtype):
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [
+    dict(V=5000, K=16, R=32),            # 3 vocabulary chunks per row, one partial rank tile
+    dict(V=40_001, K=64, R=100, S=5),    # K = 64 (8 chunks); rows past the first not 16-byte aligned; 2 rank tiles
+    dict(V=151_936, K=16, R=256, N=2),   # Beam's vocabulary, 32 chunks per row
+], ids=["small", "k64-unaligned", "beam-vocab"])
+def test_cuda_selector_equals_the_host_build(host, codebook_dtype, logits_dtype, shape):
     from beamtrt.native import cuda
 
-    c = selector_case(4, codebook_dtype, N=4, S=7, V=5000, K=16, R=32)
+    c = selector_case(4, codebook_dtype, **{"N": 4, "S": 7, **shape})
+    c["logits"] = c["logits"].to(logits_dtype)  # half-width logits: many ties, broken to the lower id on both sides
     want = run_selector(host, c)
     dev = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
     draft, cand, q = cuda.block_selector(dev["logits"], dev["projected"], dev["anchor"], dev["A"], dev["B"],

@@ -1,5 +1,9 @@
-// CUDA kernels of the block selector: one CTA per (request, slot) scans the vocabulary once for its top-K, then one
-// thread per request walks the lattice with the shared math of kernel.cuh.
+// CUDA kernels of the block selector, three launches: (1) the top-K of each (request, slot) row's chunks of the
+// vocabulary (16-byte loads, a register-held floor that turns most values away; enough chunks that a small batch still
+// fills the GPU); (2) per (request, slot): the chunks' lists merged into the slot's candidates, then every edge into
+// them scored (the K x K lattice, codebook rows staged in shared memory); (3) one thread per request walks the lattice
+// with the shared math of kernel.cuh. Each edge is edgeScore's sum in its order, so the walk sees the values it would
+// compute itself.
 #include "kernel.h"
 
 namespace beamtrt {
@@ -7,56 +11,234 @@ namespace selector {
 namespace {
 
 constexpr int32_t kThreads = 256;
+constexpr int32_t kWarps = kThreads / 32;
+constexpr int32_t kMergeEntries = 512;   // chunks * K per slot at most: one warp merges them from shared memory
+constexpr int32_t kMaxChunks = 32;       // one list per lane in that merge
+constexpr int32_t kMinChunk = 2048;      // vocabulary entries per top-K CTA at least
+constexpr int32_t kRankTile = 64;        // codebook columns staged per round of the lattice
+constexpr int32_t kPairsPerThread = kMaxK * kMaxK / kThreads;
+constexpr int32_t kLoadBatch = 4;        // 16-byte loads in flight per thread
 
-// Each thread keeps the top-K of its strided share of the vocabulary; K rounds of a block-wide argmax over the
-// threads' current heads then pop the K best in order (value desc, index asc on ties, as TopK::offer).
-__global__ void topKKernel(Args x, float* unary) {
-  const int32_t slot = blockIdx.x;  // n * S + t
-  const int64_t row = int64_t(slot) * x.V;
-  TopK mine;
-  for (int32_t v = threadIdx.x; v < x.V; v += kThreads) mine.offer(load(x.logits, row + v, x.logitsType), v, x.K);
-  __shared__ float bestValue[kThreads];
-  __shared__ int32_t bestIndex[kThreads];
-  int32_t head = 0;
-  for (int32_t j = 0; j < x.K; j++) {
-    bestValue[threadIdx.x] = head < mine.size ? mine.value[head] : -INFINITY;
-    bestIndex[threadIdx.x] = head < mine.size ? mine.index[head] : INT32_MAX;
-    __syncthreads();
-    for (int32_t stride = kThreads / 2; stride > 0; stride /= 2) {
-      if (threadIdx.x < stride) {
-        const int32_t other = threadIdx.x + stride;
-        if (TopK::better(bestValue[other], bestIndex[other], bestValue[threadIdx.x], bestIndex[threadIdx.x])) {
-          bestValue[threadIdx.x] = bestValue[other];
-          bestIndex[threadIdx.x] = bestIndex[other];
-        }
-      }
-      __syncthreads();
+// The better of each lane's (v, i) and its partners', on every lane: a warp-wide argmax in TopK's order.
+__device__ __forceinline__ void warpBest(float& v, int32_t& i) {
+  for (int32_t offset = 16; offset > 0; offset /= 2) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, offset);
+    const int32_t j = __shfl_xor_sync(0xffffffffu, i, offset);
+    if (TopK::better(w, j, v, i)) {
+      v = w;
+      i = j;
     }
-    const int32_t winner = bestIndex[0];
-    if (threadIdx.x == 0) {
-      x.candIds[int64_t(slot) * x.K + j] = winner;
-      unary[int64_t(slot) * x.K + j] = bestValue[0];
-    }
-    if (head < mine.size && mine.index[head] == winner) head++;
-    __syncthreads();
   }
 }
 
-__global__ void walkKernel(Args x, float const* unary) {
+// One warp: the K best of `lists` (<= 32) sorted lists of K entries (list l at l * K; -inf / INT32_MAX fill short
+// ones), by K rounds of a warp-wide argmax over the lists' heads. Lane 0 writes the result.
+__device__ void mergeLists(float const* value, int32_t const* index, int32_t lists, int32_t K, float* outValue,
+                           int32_t* outIndex) {
+  const int32_t lane = threadIdx.x % 32;
+  int32_t head = 0;
+  for (int32_t j = 0; j < K; j++) {
+    const bool live = lane < lists && head < K;
+    float v = live ? value[lane * K + head] : -INFINITY;
+    int32_t i = live ? index[lane * K + head] : INT32_MAX;
+    const int32_t mine = i;
+    warpBest(v, i);
+    if (live && mine == i) head++;
+    if (lane == 0) {
+      outValue[j] = v;
+      outIndex[j] = i;
+    }
+  }
+}
+
+// A thread's top-K behind a floor held in registers: its K-th entry once full, below which nothing gets in.
+struct Keeper {
+  TopK list;
+  float floorValue = -INFINITY;
+  int32_t floorIndex = INT32_MAX;
+
+  __device__ __forceinline__ void offer(float v, int32_t i, int32_t K) {
+    if (!TopK::better(v, i, floorValue, floorIndex)) return;
+    list.offer(v, i, K);
+    if (list.size == K) {
+      floorValue = list.value[K - 1];
+      floorIndex = list.index[K - 1];
+    }
+  }
+};
+
+// Element e of 16 bytes of kType values.
+template <DType kType>
+__device__ __forceinline__ float element(uint4 const& w, int32_t e) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  if constexpr (kType == DType::kFLOAT) {
+    return __uint_as_float(words[e]);
+  } else {
+    const uint16_t bits = uint16_t(words[e / 2] >> (16 * (e % 2)));
+    return kType == DType::kBF16 ? bf16ToFloat(bits) : halfToFloat(bits);
+  }
+}
+
+// Offer logits [begin, end) of the row at element `row` to `keep`: 16-byte loads where the row is aligned (chunks start
+// on a multiple of 8 elements), single elements for the rest.
+template <DType kType>
+__device__ void scan(Args const& x, int64_t row, int32_t begin, int32_t end, Keeper& keep) {
+  constexpr int32_t kPer = 16 / (kType == DType::kFLOAT ? 4 : 2);
+  char const* base = static_cast<char const*>(x.logits) + row * (16 / kPer);
+  const bool aligned = reinterpret_cast<uintptr_t>(base) % 16 == 0 && begin % kPer == 0;
+  const int32_t vectors = aligned && end > begin ? (end - begin) / kPer : 0;
+  uint4 const* vec = reinterpret_cast<uint4 const*>(base + int64_t(begin) * (16 / kPer));
+  for (int32_t first = threadIdx.x; first < vectors; first += kThreads * kLoadBatch) {
+    uint4 w[kLoadBatch];
+#pragma unroll
+    for (int32_t u = 0; u < kLoadBatch; u++) {
+      const int32_t at = first + u * kThreads;
+      w[u] = at < vectors ? __ldg(vec + at) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int32_t u = 0; u < kLoadBatch; u++) {
+      const int32_t at = first + u * kThreads;
+      if (at < vectors) {
+#pragma unroll
+        for (int32_t e = 0; e < kPer; e++) keep.offer(element<kType>(w[u], e), begin + at * kPer + e, x.K);
+      }
+    }
+  }
+  for (int32_t v = begin + vectors * kPer + int32_t(threadIdx.x); v < end; v += kThreads) {
+    keep.offer(load(x.logits, row + v, kType), v, x.K);
+  }
+}
+
+// CTA (row, chunk): the chunk's K best, sorted, into the lists [rows * chunks, K].
+template <DType kType>
+__global__ void __launch_bounds__(kThreads) topKKernel(Args x, int32_t chunks, int32_t chunkLength,
+                                                       float* listValue, int32_t* listIndex) {
+  const int32_t row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;  // row = n * S + t
+  const int32_t begin = chunk * chunkLength, end = min(x.V, begin + chunkLength);
+  Keeper keep;
+  scan<kType>(x, int64_t(row) * x.V, begin, end, keep);
+  __shared__ float warpValue[kWarps * kMaxK];
+  __shared__ int32_t warpIndex[kWarps * kMaxK];
+  const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int32_t head = 0;
+  for (int32_t j = 0; j < x.K; j++) {  // each warp's K best from its lanes' lists
+    const bool live = head < keep.list.size;
+    float v = live ? keep.list.value[head] : -INFINITY;
+    int32_t i = live ? keep.list.index[head] : INT32_MAX;
+    const int32_t mine = i;
+    warpBest(v, i);
+    if (live && mine == i) head++;
+    if (lane == 0) {
+      warpValue[warp * x.K + j] = v;
+      warpIndex[warp * x.K + j] = i;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    mergeLists(warpValue, warpIndex, kWarps, x.K, listValue + int64_t(blockIdx.x) * x.K,
+               listIndex + int64_t(blockIdx.x) * x.K);
+  }
+}
+
+// CTA (n, t): slot t's candidates (and slot t-1's, its predecessors) from the chunks' lists, then the lattice
+// lattice[n, t, p, j] = U_t(j) + sum_r (A[a_p, r] g_t[r]) B[b_j, r], a_0 the anchor at t = 0 (p = 0 only).
+__global__ void __launch_bounds__(kThreads) latticeKernel(Args x, int32_t chunks, float const* listValue,
+                                                          int32_t const* listIndex, float* lattice) {
+  const int32_t slot = blockIdx.x, n = slot / x.S, t = slot % x.S, K = x.K;
+  const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float mergeValue[2][kMergeEntries];
+  __shared__ int32_t mergeIndex[2][kMergeEntries];
+  __shared__ float candValue[2][kMaxK];  // [0]: slot t, [1]: slot t-1
+  __shared__ int32_t candIndex[2][kMaxK];
+  if (warp < 2 && (warp == 0 || t > 0)) {
+    const int64_t from = int64_t(slot - warp) * chunks * K;
+    for (int32_t e = lane; e < chunks * K; e += 32) {
+      mergeValue[warp][e] = listValue[from + e];
+      mergeIndex[warp][e] = listIndex[from + e];
+    }
+    __syncwarp();
+    mergeLists(mergeValue[warp], mergeIndex[warp], chunks, K, candValue[warp], candIndex[warp]);
+  }
+  __syncthreads();
+  if (int32_t(threadIdx.x) < K) x.candIds[int64_t(slot) * K + threadIdx.x] = candIndex[0][threadIdx.x];
+  const int32_t P = t == 0 ? 1 : K;  // predecessors
+  __shared__ float a[kMaxK][kRankTile + 1], b[kMaxK][kRankTile + 1], g[kRankTile];  // +1: no bank conflicts
+  float acc[kPairsPerThread];
+#pragma unroll
+  for (int32_t m = 0; m < kPairsPerThread; m++) acc[m] = 0.0f;
+  for (int32_t r0 = 0; r0 < x.R; r0 += kRankTile) {
+    const int32_t width = min(kRankTile, x.R - r0);
+    __syncthreads();  // the previous tile is consumed
+    for (int32_t e = threadIdx.x; e < (P + K) * kRankTile; e += kThreads) {
+      const int32_t r = e % kRankTile, which = e / kRankTile;
+      if (r >= width) continue;
+      if (which < P) {
+        const int32_t id = t == 0 ? x.anchorIds[n] : candIndex[1][which];
+        a[which][r] = load(x.predecessor, int64_t(id) * x.R + r0 + r, x.codebookType);
+      } else {
+        const int32_t id = candIndex[0][which - P];
+        b[which - P][r] = load(x.successor, int64_t(id) * x.R + r0 + r, x.codebookType);
+      }
+    }
+    if (int32_t(threadIdx.x) < width) g[threadIdx.x] = x.projected[int64_t(slot) * x.R + r0 + threadIdx.x];
+    __syncthreads();
+#pragma unroll
+    for (int32_t m = 0; m < kPairsPerThread; m++) {
+      const int32_t pair = threadIdx.x + m * kThreads, p = pair / K, j = pair % K;
+      if (pair < P * K) {
+        for (int32_t r = 0; r < width; r++) acc[m] += (a[p][r] * g[r]) * b[j][r];  // edgeScore's terms, in order
+      }
+    }
+  }
+#pragma unroll
+  for (int32_t m = 0; m < kPairsPerThread; m++) {
+    const int32_t pair = threadIdx.x + m * kThreads;
+    if (pair < P * K) lattice[int64_t(slot) * K * K + pair] = candValue[0][pair % K] + acc[m];
+  }
+}
+
+__global__ void walkKernel(Args x, float const* lattice) {
   const int32_t n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n < x.N) walk(x, n, unary + int64_t(n) * x.S * x.K);
+  if (n >= x.N) return;
+  float const* mine = lattice + int64_t(n) * x.S * x.K * x.K;
+  walk(x, n, [&](int32_t t, int32_t p, int32_t j) { return mine[(int64_t(t) * x.K + (p < 0 ? 0 : p)) * x.K + j]; });
+}
+
+// Chunks per row: enough top-K CTAs for the GPU at any batch, within the merge's limits.
+int32_t chunksFor(int32_t rows, int32_t V, int32_t K) {
+  int32_t chunks = (kTargetCtas + rows - 1) / rows;
+  chunks = min(chunks, min(kMaxChunks, kMergeEntries / K));
+  chunks = min(chunks, (V + kMinChunk - 1) / kMinChunk);
+  return max(chunks, 1);
 }
 
 }  // namespace
 
 cudaError_t launch(Args const& args, void* workspace, cudaStream_t stream) {
-  if (args.K < 1 || args.K > kMaxK || args.K > args.V || args.S < 1 || args.S > kMaxSlots) {
+  if (args.K < 1 || args.K > kMaxK || args.K > args.V || args.S < 1 || args.S > kMaxSlots || args.R < 1) {
     return cudaErrorInvalidValue;
   }
   if (args.N == 0) return cudaSuccess;
-  float* unary = static_cast<float*>(workspace);
-  topKKernel<<<args.N * args.S, kThreads, 0, stream>>>(args, unary);
-  walkKernel<<<(args.N + 63) / 64, 64, 0, stream>>>(args, unary);
+  const int32_t rows = args.N * args.S, chunks = chunksFor(rows, args.V, args.K);
+  const int32_t chunkLength = ((args.V + chunks - 1) / chunks + 7) / 8 * 8;  // a multiple of 8: aligned 16-byte loads
+  float* listValue = static_cast<float*>(workspace);
+  int32_t* listIndex = reinterpret_cast<int32_t*>(listValue + int64_t(rows) * chunks * args.K);
+  float* lattice = reinterpret_cast<float*>(listIndex + int64_t(rows) * chunks * args.K);
+  const unsigned topKCtas = unsigned(rows * chunks);
+  switch (args.logitsType) {
+    case DType::kFLOAT:
+      topKKernel<DType::kFLOAT><<<topKCtas, kThreads, 0, stream>>>(args, chunks, chunkLength, listValue, listIndex);
+      break;
+    case DType::kHALF:
+      topKKernel<DType::kHALF><<<topKCtas, kThreads, 0, stream>>>(args, chunks, chunkLength, listValue, listIndex);
+      break;
+    case DType::kBF16:
+      topKKernel<DType::kBF16><<<topKCtas, kThreads, 0, stream>>>(args, chunks, chunkLength, listValue, listIndex);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  latticeKernel<<<unsigned(rows), kThreads, 0, stream>>>(args, chunks, listValue, listIndex, lattice);
+  walkKernel<<<(args.N + 63) / 64, 64, 0, stream>>>(args, lattice);
   return cudaGetLastError();
 }
 

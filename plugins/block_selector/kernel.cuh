@@ -113,17 +113,23 @@ BEAMTRT_HD int32_t sampleFrom(float const* q, int32_t K, float u) {
   return pick < last ? pick : last;
 }
 
-// The walk of request n once its candidates (x.candIds) and their unary scores are known. unary: [S, K].
-BEAMTRT_HD void walk(Args const& x, int32_t n, float const* unary) {
+// The token before slot t when slot t-1 took its candidate p (p = -1 at t = 0: the anchor).
+BEAMTRT_HD int32_t predecessorId(Args const& x, int32_t n, int32_t t, int32_t p) {
+  return p < 0 ? x.anchorIds[n] : x.candIds[(int64_t(n) * x.S + t - 1) * x.K + p];
+}
+
+// The walk of request n once its candidates (x.candIds) are known. edges(t, p, j): U_t(j) + S_t(a, b) for slot t's
+// candidate j after slot t-1's candidate p (p = -1 at t = 0), as edgeScore gives it: the host build computes it on the
+// way (host/host_api.cpp), the CUDA build reads it from the lattice it scored beforehand (kernel.cu).
+template <class Edges>
+BEAMTRT_HD void walk(Args const& x, int32_t n, Edges const& edges) {
   const int32_t S = x.S, K = x.K;
   const float temperature = x.temperature[n], topP = x.topP[n];
   int32_t const* cand = x.candIds + int64_t(n) * S * K;
   int32_t prev = -1;  // index of the previous slot's choice; -1 = the anchor
   float row[kMaxK];
   for (int32_t t = 0; t < S; t++) {
-    const int32_t a = prev < 0 ? x.anchorIds[n] : cand[(t - 1) * K + prev];
-    float const* g = x.projected + (int64_t(n) * S + t) * x.R;
-    for (int32_t j = 0; j < K; j++) row[j] = edgeScore(x, unary[t * K + j], g, a, cand[t * K + j]);
+    for (int32_t j = 0; j < K; j++) row[j] = edges(t, prev, j);
     float* q = x.q + (int64_t(n) * S + t) * K;
     int32_t pick;
     if (temperature > 0.0f) {

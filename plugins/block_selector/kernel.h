@@ -1,4 +1,4 @@
-// CUDA launcher of the block selector (no TensorRT types): top-K per draft slot, then the walk per request.
+// CUDA launcher of the block selector (no TensorRT types): top-K per draft slot, the edge lattice, the walk.
 #pragma once
 
 #include "kernel.cuh"
@@ -8,8 +8,14 @@
 namespace beamtrt {
 namespace selector {
 
-// Scratch the launch needs: the unary (top-K logit) scores, [N, S, K] fp32.
-inline size_t workspaceBytes(int32_t N, int32_t S, int32_t K) { return size_t(N) * S * K * sizeof(float); }
+constexpr int32_t kTargetCtas = 512;  // top-K CTAs a launch aims for: the vocabulary is split in chunks at small N * S
+
+// Scratch the launch needs, for at most N requests and S slots: the chunks' top-K lists (value fp32 + index int32,
+// at most N * S + kTargetCtas of them) and the edge lattice [N, S, K, K] fp32.
+inline size_t workspaceBytes(int32_t N, int32_t S, int32_t K) {
+  const size_t rows = size_t(N) * S;
+  return (rows + kTargetCtas) * K * 8 + rows * K * K * 4;
+}
 
 cudaError_t launch(Args const& args, void* workspace, cudaStream_t stream);
 

@@ -25,7 +25,10 @@ void beamtrt_block_selector_host(selector::Args const* args) {
         unary[size_t(t) * x.K + j] = top.value[j];
       }
     }
-    selector::walk(x, n, unary.data());
+    selector::walk(x, n, [&](int32_t t, int32_t p, int32_t j) {
+      return selector::edgeScore(x, unary[size_t(t) * x.K + j], x.projected + (int64_t(n) * x.S + t) * x.R,
+                                 selector::predecessorId(x, n, t, p), x.candIds[(int64_t(n) * x.S + t) * x.K + j]);
+    });
   }
 }
 

@@ -69,7 +69,8 @@ std::vector<torch::Tensor> blockSelector(torch::Tensor logits, torch::Tensor pro
   auto i32 = logits.options().dtype(torch::kInt32);
   auto draft = torch::empty({N, S}, i32), cand = torch::empty({N, S, topK}, i32);
   auto q = torch::empty({N, S, topK}, projected.options());
-  auto unary = torch::empty({N, S, topK}, projected.options());
+  auto workspace = torch::empty({int64_t(beamtrt::selector::workspaceBytes(int32_t(N), int32_t(S), int32_t(topK)))},
+                                logits.options().dtype(torch::kUInt8));
   beamtrt::selector::Args args{};
   args.N = int32_t(N), args.S = int32_t(S), args.V = int32_t(V), args.K = int32_t(topK);
   args.R = int32_t(R), args.codebookType = dtypeOf(predecessor), args.logitsType = dtypeOf(logits);
@@ -78,7 +79,8 @@ std::vector<torch::Tensor> blockSelector(torch::Tensor logits, torch::Tensor pro
   args.successor = successor.data_ptr(), args.temperature = temperature.data_ptr<float>();
   args.topP = topP.data_ptr<float>(), args.uniforms = uniforms.data_ptr<float>();
   args.draftIds = draft.data_ptr<int32_t>(), args.candIds = cand.data_ptr<int32_t>(), args.q = q.data_ptr<float>();
-  const cudaError_t status = beamtrt::selector::launch(args, unary.data_ptr(), reinterpret_cast<cudaStream_t>(stream));
+  const cudaError_t status = beamtrt::selector::launch(args, workspace.data_ptr(),
+                                                         reinterpret_cast<cudaStream_t>(stream));
   TORCH_CHECK(status == cudaSuccess, "block selector: ", cudaGetErrorString(status));
   return {draft, cand, q};
 }

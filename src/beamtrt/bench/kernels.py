@@ -1,5 +1,5 @@
 """Micro-benchmark of the plugins' CUDA kernels (JSON): windowed attention's achieved bytes/s beside a device-to-device
-copy of as many bytes, and the block selector's microseconds per step at batch 1 and 64 (its bytes/s likewise: the fp32
+copy of as many bytes, and the block selector's microseconds per step at batch 1 and 64 (its bytes/s likewise: the
 logits it must read set its floor), at DFlash2's serving shapes.
 """
 
@@ -60,11 +60,12 @@ def _rates(seconds: float, moved: int, repeats: int) -> dict:
             "copy_bytes_per_s": copy_rate, "fraction_of_copy": round(moved / seconds / copy_rate, 3)}
 
 
-def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, repeats: int) -> dict:
+def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, repeats: int,
+                   logits_dtype: torch.dtype = torch.bfloat16) -> dict:
     from beamtrt.native import cuda
 
     dev = "cuda"
-    logits = torch.randn(batch, slots, vocab, device=dev)
+    logits = torch.randn(batch, slots, vocab, device=dev).to(logits_dtype)
     projected = torch.randn(batch, slots, rank, device=dev)
     anchors = torch.randint(0, vocab, (batch,), dtype=torch.int32, device=dev)
     a, b = (torch.randn(vocab, rank, device=dev, dtype=torch.bfloat16) for _ in range(2))
@@ -75,7 +76,7 @@ def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, re
                     repeats)
     moved = logits.nbytes + projected.nbytes + 2 * batch * slots * top_k * rank * a.element_size()  # + codebook rows
     return {"kernel": "block_selector", "batch": batch, "slots": slots, "vocab": vocab, "top_k": top_k, "rank": rank,
-            **_rates(seconds, moved, repeats)}
+            "logits": str(logits_dtype).removeprefix("torch."), **_rates(seconds, moved, repeats)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             raise DeviceError("no CUDA device here: the kernel micro-benchmark needs a GPU")
         points = [attention_point(32, 4096, 8, 40, 8, 128, args.repeats, cuda_cores) for cuda_cores in (False, True)]
         points += [selector_point(batch, 7, vocab, 16, 256, args.repeats) for vocab in (151_936, 49_152)
-                   for batch in (1, 64)]  # Beam's vocabulary and beam-mini's
+                   for batch in (1, 64)]  # Beam's vocabulary and beam-mini's, bf16 logits as the drafter emits them
+        points.append(selector_point(64, 7, 151_936, 16, 256, args.repeats, torch.float32))  # fp32: twice the reads
         result = {"device": torch.cuda.get_device_name(), "points": points}
         print("| kernel | shape | µs | achieved | vs copy |", file=sys.stderr)
         print("|---|---|---|---|---|", file=sys.stderr)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"windowed attention ({pt['cores']} cores)"
                 shape = f"N {pt['batch']}, W {pt['window']}, {pt['kv_heads']} KV x {pt['head_dim']}"
             else:
-                name, shape = "block selector", f"N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']}"
+                name, shape = "block selector", f"N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']}, {pt['logits']}"
             print(f"| {name} | {shape} | {pt['us']} | {pt['bytes_per_s'] / 1e9:.0f} GB/s | "
                   f"{pt['fraction_of_copy']:.2f} of {pt['copy_bytes_per_s'] / 1e9:.0f} GB/s |", file=sys.stderr)
         print(json.dumps(result, indent=2))
