@@ -6,6 +6,10 @@
 // compute itself.
 #include "kernel.h"
 
+#ifndef BEAMTRT_LAUNCH  // plugins/host/emulation/cuda_runtime.h runs the kernels on host threads instead (CPU tests)
+#define BEAMTRT_LAUNCH(kernel, grid, threads, stream) kernel<<<(grid), (threads), 0, (stream)>>>
+#endif
+
 namespace beamtrt {
 namespace selector {
 namespace {
@@ -227,18 +231,21 @@ cudaError_t launch(Args const& args, void* workspace, cudaStream_t stream) {
   const unsigned topKCtas = unsigned(rows * chunks);
   switch (args.logitsType) {
     case DType::kFLOAT:
-      topKKernel<DType::kFLOAT><<<topKCtas, kThreads, 0, stream>>>(args, chunks, chunkLength, listValue, listIndex);
+      BEAMTRT_LAUNCH(topKKernel<DType::kFLOAT>, topKCtas, kThreads, stream)(args, chunks, chunkLength, listValue,
+                                                                           listIndex);
       break;
     case DType::kHALF:
-      topKKernel<DType::kHALF><<<topKCtas, kThreads, 0, stream>>>(args, chunks, chunkLength, listValue, listIndex);
+      BEAMTRT_LAUNCH(topKKernel<DType::kHALF>, topKCtas, kThreads, stream)(args, chunks, chunkLength, listValue,
+                                                                          listIndex);
       break;
     case DType::kBF16:
-      topKKernel<DType::kBF16><<<topKCtas, kThreads, 0, stream>>>(args, chunks, chunkLength, listValue, listIndex);
+      BEAMTRT_LAUNCH(topKKernel<DType::kBF16>, topKCtas, kThreads, stream)(args, chunks, chunkLength, listValue,
+                                                                          listIndex);
       break;
     default: return cudaErrorInvalidValue;
   }
-  latticeKernel<<<unsigned(rows), kThreads, 0, stream>>>(args, chunks, listValue, listIndex, lattice);
-  walkKernel<<<(args.N + 63) / 64, 64, 0, stream>>>(args, lattice);
+  BEAMTRT_LAUNCH(latticeKernel, rows, kThreads, stream)(args, chunks, listValue, listIndex, lattice);
+  BEAMTRT_LAUNCH(walkKernel, (args.N + 63) / 64, 64, stream)(args, lattice);
   return cudaGetLastError();
 }
 
