@@ -1,9 +1,9 @@
 // CUDA kernels of the block selector, three launches: (1) the top-K of each (request, slot) row's chunks of the
 // vocabulary (16-byte loads, a register-held floor that turns most values away; enough chunks that a small batch still
-// fills the GPU); (2) per (request, slot): the chunks' lists merged into the slot's candidates, then every edge into
-// them scored (the K x K lattice, codebook rows staged in shared memory); (3) one thread per request walks the lattice
-// with the shared math of kernel.cuh. Each edge is edgeScore's sum in its order, so the walk sees the values it would
-// compute itself.
+// fills the GPU); (2) per (request, slot): the chunks' lists merged into the slot's candidates, every edge into them
+// scored at once (the K x K lattice from codebook rows staged in shared memory; each edge edgeScore's sum, in its
+// order), and the slot's choice after each possible predecessor (choose() per lattice row, in parallel); (3) one
+// thread per request follows the choices from the anchor (follow()). The math is kernel.cuh's, shared with the host.
 #include "kernel.h"
 
 #ifndef BEAMTRT_LAUNCH  // plugins/host/emulation/cuda_runtime.h runs the kernels on host threads instead (CPU tests)
@@ -144,10 +144,11 @@ __global__ void __launch_bounds__(kThreads) topKKernel(Args x, int32_t chunks, i
   }
 }
 
-// CTA (n, t): slot t's candidates (and slot t-1's, its predecessors) from the chunks' lists, then the lattice
-// lattice[n, t, p, j] = U_t(j) + sum_r (A[a_p, r] g_t[r]) B[b_j, r], a_0 the anchor at t = 0 (p = 0 only).
+// CTA (n, t): slot t's candidates (and slot t-1's, its predecessors) from the chunks' lists; the lattice rows
+// U_t(j) + sum_r (A[a_p, r] g_t[r]) B[b_j, r] for each predecessor p (a_0 the anchor at t = 0, p = 0 only); then
+// per row the choice, into choice[n, t, p] and its q row into qRows[n, t, p, :].
 __global__ void __launch_bounds__(kThreads) latticeKernel(Args x, int32_t chunks, float const* listValue,
-                                                          int32_t const* listIndex, float* lattice) {
+                                                          int32_t const* listIndex, int32_t* choice, float* qRows) {
   const int32_t slot = blockIdx.x, n = slot / x.S, t = slot % x.S, K = x.K;
   const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float mergeValue[2][kMergeEntries];
@@ -194,18 +195,23 @@ __global__ void __launch_bounds__(kThreads) latticeKernel(Args x, int32_t chunks
       }
     }
   }
+  __syncthreads();  // the last tile is consumed: `a` takes the lattice rows
 #pragma unroll
   for (int32_t m = 0; m < kPairsPerThread; m++) {
     const int32_t pair = threadIdx.x + m * kThreads;
-    if (pair < P * K) lattice[int64_t(slot) * K * K + pair] = candValue[0][pair % K] + acc[m];
+    if (pair < P * K) a[pair / K][pair % K] = candValue[0][pair % K] + acc[m];
+  }
+  __syncthreads();
+  if (int32_t(threadIdx.x) < P) {
+    const int32_t p = threadIdx.x;
+    choice[int64_t(slot) * K + p] = choose(a[p], K, x.temperature[n], x.topP[n], x.uniforms[slot],
+                                           qRows + (int64_t(slot) * K + p) * K);
   }
 }
 
-__global__ void walkKernel(Args x, float const* lattice) {
+__global__ void walkKernel(Args x, int32_t const* choice, float const* qRows) {
   const int32_t n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n >= x.N) return;
-  float const* mine = lattice + int64_t(n) * x.S * x.K * x.K;
-  walk(x, n, [&](int32_t t, int32_t p, int32_t j) { return mine[(int64_t(t) * x.K + (p < 0 ? 0 : p)) * x.K + j]; });
+  if (n < x.N) follow(x, n, choice + int64_t(n) * x.S * x.K, qRows + int64_t(n) * x.S * x.K * x.K);
 }
 
 // Chunks per row: enough top-K CTAs for the GPU at any batch, within the merge's limits.
@@ -227,7 +233,8 @@ cudaError_t launch(Args const& args, void* workspace, cudaStream_t stream) {
   const int32_t chunkLength = ((args.V + chunks - 1) / chunks + 7) / 8 * 8;  // a multiple of 8: aligned 16-byte loads
   float* listValue = static_cast<float*>(workspace);
   int32_t* listIndex = reinterpret_cast<int32_t*>(listValue + int64_t(rows) * chunks * args.K);
-  float* lattice = reinterpret_cast<float*>(listIndex + int64_t(rows) * chunks * args.K);
+  int32_t* choice = listIndex + int64_t(rows) * chunks * args.K;
+  float* qRows = reinterpret_cast<float*>(choice + int64_t(rows) * args.K);
   const unsigned topKCtas = unsigned(rows * chunks);
   switch (args.logitsType) {
     case DType::kFLOAT:
@@ -244,8 +251,8 @@ cudaError_t launch(Args const& args, void* workspace, cudaStream_t stream) {
       break;
     default: return cudaErrorInvalidValue;
   }
-  BEAMTRT_LAUNCH(latticeKernel, rows, kThreads, stream)(args, chunks, listValue, listIndex, lattice);
-  BEAMTRT_LAUNCH(walkKernel, (args.N + 63) / 64, 64, stream)(args, lattice);
+  BEAMTRT_LAUNCH(latticeKernel, rows, kThreads, stream)(args, chunks, listValue, listIndex, choice, qRows);
+  BEAMTRT_LAUNCH(walkKernel, (args.N + 63) / 64, 64, stream)(args, choice, qRows);
   return cudaGetLastError();
 }
 

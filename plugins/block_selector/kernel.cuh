@@ -113,35 +113,37 @@ BEAMTRT_HD int32_t sampleFrom(float const* q, int32_t K, float u) {
   return pick < last ? pick : last;
 }
 
-// The token before slot t when slot t-1 took its candidate p (p = -1 at t = 0: the anchor).
+// The token before slot t when slot t-1 took its candidate p (t = 0: the anchor).
 BEAMTRT_HD int32_t predecessorId(Args const& x, int32_t n, int32_t t, int32_t p) {
-  return p < 0 ? x.anchorIds[n] : x.candIds[(int64_t(n) * x.S + t - 1) * x.K + p];
+  return t == 0 ? x.anchorIds[n] : x.candIds[(int64_t(n) * x.S + t - 1) * x.K + p];
 }
 
-// The walk of request n once its candidates (x.candIds) are known. edges(t, p, j): U_t(j) + S_t(a, b) for slot t's
-// candidate j after slot t-1's candidate p (p = -1 at t = 0), as edgeScore gives it: the host build computes it on the
-// way (host/host_api.cpp), the CUDA build reads it from the lattice it scored beforehand (kernel.cu).
-template <class Edges>
-BEAMTRT_HD void walk(Args const& x, int32_t n, Edges const& edges) {
+// Slot t's choice from its edge scores `row` (K) after one predecessor: the draw with uniform u from
+// q = draftProbs(row, temperature, top_p), or at temperature 0 the argmax (first on ties), q then the row's
+// temperature-1 softmax. Writes q, returns the chosen candidate's index.
+BEAMTRT_HD int32_t choose(float const* row, int32_t K, float temperature, float topP, float u, float* q) {
+  if (temperature > 0.0f) {
+    draftProbs(row, K, temperature, topP, q);
+    return sampleFrom(q, K, u);
+  }
+  int32_t pick = 0;
+  for (int32_t j = 1; j < K; j++) pick = row[j] > row[pick] ? j : pick;
+  draftProbs(row, K, 1.0f, 1.0f, q);
+  return pick;
+}
+
+// The walk of request n, once each slot has chosen after every predecessor it can have: choice[t * K + p] and its
+// q row at qRows + (t * K + p) * K, for slot t after slot t-1's candidate p (t = 0: p = 0, the anchor), each as
+// choose() gives it from edgeScore's row. Follows the choices from the anchor; writes the drafts and their q rows.
+BEAMTRT_HD void follow(Args const& x, int32_t n, int32_t const* choice, float const* qRows) {
   const int32_t S = x.S, K = x.K;
-  const float temperature = x.temperature[n], topP = x.topP[n];
-  int32_t const* cand = x.candIds + int64_t(n) * S * K;
-  int32_t prev = -1;  // index of the previous slot's choice; -1 = the anchor
-  float row[kMaxK];
+  int32_t p = 0;
   for (int32_t t = 0; t < S; t++) {
-    for (int32_t j = 0; j < K; j++) row[j] = edges(t, prev, j);
-    float* q = x.q + (int64_t(n) * S + t) * K;
-    int32_t pick;
-    if (temperature > 0.0f) {
-      draftProbs(row, K, temperature, topP, q);
-      pick = sampleFrom(q, K, x.uniforms[int64_t(n) * S + t]);
-    } else {
-      pick = 0;  // argmax, first on ties
-      for (int32_t j = 1; j < K; j++) pick = row[j] > row[pick] ? j : pick;
-      draftProbs(row, K, 1.0f, 1.0f, q);
-    }
-    x.draftIds[int64_t(n) * S + t] = cand[t * K + pick];
-    prev = pick;
+    const int32_t pick = choice[t * K + p];
+    const int64_t at = (int64_t(n) * S + t) * K;
+    for (int32_t j = 0; j < K; j++) x.q[at + j] = qRows[(int64_t(t) * K + p) * K + j];
+    x.draftIds[int64_t(n) * S + t] = x.candIds[at + pick];
+    p = pick;
   }
 }
 

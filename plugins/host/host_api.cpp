@@ -11,24 +11,36 @@ extern "C" {
 
 int32_t beamtrt_host_abi() { return 1; }
 
-// Per request: its slots' top-K by a scan of the vocabulary, then the walk.
+// Per request: its slots' top-K by a scan of the vocabulary, each slot's choice after every possible predecessor
+// (as the CUDA build makes them), then the walk that follows them.
 void beamtrt_block_selector_host(selector::Args const* args) {
   selector::Args const& x = *args;
-  std::vector<float> unary(size_t(x.S) * x.K);
+  const int32_t S = x.S, K = x.K;
+  std::vector<float> unary(size_t(S) * K), row(K), qRows(size_t(S) * K * K);
+  std::vector<int32_t> choice(size_t(S) * K);
   for (int32_t n = 0; n < x.N; n++) {
-    for (int32_t t = 0; t < x.S; t++) {
+    int32_t* cand = x.candIds + int64_t(n) * S * K;
+    for (int32_t t = 0; t < S; t++) {
       selector::TopK top;
-      const int64_t row = (int64_t(n) * x.S + t) * x.V;
-      for (int32_t v = 0; v < x.V; v++) top.offer(load(x.logits, row + v, x.logitsType), v, x.K);
-      for (int32_t j = 0; j < x.K; j++) {
-        x.candIds[(int64_t(n) * x.S + t) * x.K + j] = top.index[j];
-        unary[size_t(t) * x.K + j] = top.value[j];
+      const int64_t at = (int64_t(n) * S + t) * x.V;
+      for (int32_t v = 0; v < x.V; v++) top.offer(load(x.logits, at + v, x.logitsType), v, K);
+      for (int32_t j = 0; j < K; j++) {
+        cand[t * K + j] = top.index[j];
+        unary[size_t(t) * K + j] = top.value[j];
       }
     }
-    selector::walk(x, n, [&](int32_t t, int32_t p, int32_t j) {
-      return selector::edgeScore(x, unary[size_t(t) * x.K + j], x.projected + (int64_t(n) * x.S + t) * x.R,
-                                 selector::predecessorId(x, n, t, p), x.candIds[(int64_t(n) * x.S + t) * x.K + j]);
-    });
+    for (int32_t t = 0; t < S; t++) {
+      for (int32_t p = 0; p < (t == 0 ? 1 : K); p++) {
+        const int32_t a = selector::predecessorId(x, n, t, p);
+        for (int32_t j = 0; j < K; j++) {
+          row[j] = selector::edgeScore(x, unary[size_t(t) * K + j], x.projected + (int64_t(n) * S + t) * x.R, a,
+                                       cand[t * K + j]);
+        }
+        choice[size_t(t) * K + p] = selector::choose(row.data(), K, x.temperature[n], x.topP[n],
+                                                     x.uniforms[int64_t(n) * S + t], &qRows[(size_t(t) * K + p) * K]);
+      }
+    }
+    selector::follow(x, n, choice.data(), qRows.data());
   }
 }
 
