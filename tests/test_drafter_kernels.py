@@ -17,7 +17,7 @@ from conftest import tiny_model
 from test_dflash2 import make_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-KERNELS = {"host": HostKernels, "auto": CudaKernels, "off": None}  # BEAMTRT_KERNELS -> the drafter's kernels
+KERNELS = {"host": HostKernels, "auto": CudaKernels, "off": None}  # BEAMTRT_KERNELS -> kernels, on PATHS
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PATHS = [pytest.param("cpu", "host", id="host"),  # (device, BEAMTRT_KERNELS of the kernel path)
          pytest.param("cuda", "auto", id="cuda", marks=[pytest.mark.gpu, ON_GPU])]

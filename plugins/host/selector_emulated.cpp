@@ -1,5 +1,5 @@
-// The block selector's CUDA source (block_selector/kernel.cu) run on host threads through emulation/cuda_runtime.h:
-// the CPU tests check the CUDA kernels' own code (chunked top-K, merges, lattice, walk) against the host build.
+// block_selector/kernel.cu run on host threads (emulation/cuda_runtime.h): the CPU tests check the CUDA kernels' own
+// code (chunked top-K, merges, lattice, choices, walk) against the host build.
 #include "../block_selector/kernel.cu"
 
 #include <vector>
