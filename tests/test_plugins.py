@@ -158,7 +158,8 @@ def test_selector_top_p_keeps_the_smallest_prefix(host):
     (dict(V=5000, K=16, R=32), torch.float32, torch.float32),            # 3 chunks per row, 16-byte loads
     (dict(V=4001, K=64, R=100, S=3, N=2), torch.bfloat16, torch.bfloat16),  # K 64, unaligned rows, 2 rank tiles
     (dict(V=3000, K=8, R=70, S=2, N=3), torch.float16, torch.bfloat16),
-], ids=["fp32", "bf16-k64", "fp16-k8"])
+    (dict(V=3000, K=16, R=600, S=3, N=2), torch.float32, torch.float32),   # 3 rank tiles of up to 259
+], ids=["fp32", "bf16-k64", "fp16-k8", "fp32-r600"])
 def test_selector_cuda_source_on_host_threads_equals_the_host_build(build, host, shape, logits_dtype, codebook_dtype):
     """block_selector/kernel.cu itself (chunked top-K, warp merges, the edge lattice, the choices, the walk) run through
     host/emulation/cuda_runtime.h, one host thread per CUDA thread: the GPU tests' comparison, on every machine."""

@@ -3,7 +3,7 @@
 // fills the GPU); (2) per (request, slot): the chunks' lists merged into the slot's candidates, every edge into them
 // scored at once (the K x K lattice from codebook rows staged in shared memory; each edge edgeScore's sum, in its
 // order), and the slot's choice after each possible predecessor (choose() per lattice row, in parallel); (3) one
-// thread per request follows the choices from the anchor (follow()). The math is kernel.cuh's, shared with the host.
+// warp per request follows the choices from the anchor (follow(), spread over the lanes). The math is kernel.cuh's.
 #include "kernel.h"
 
 #ifndef BEAMTRT_LAUNCH  // plugins/host/emulation/cuda_runtime.h runs the kernels on host threads instead (CPU tests)
@@ -19,9 +19,11 @@ constexpr int32_t kWarps = kThreads / 32;
 constexpr int32_t kMergeEntries = 512;   // chunks * K per slot at most: one warp merges them from shared memory
 constexpr int32_t kMaxChunks = 32;       // one list per lane in that merge
 constexpr int32_t kMinChunk = 2048;      // vocabulary entries per top-K CTA at least
-constexpr int32_t kRankTile = 64;        // codebook columns staged per round of the lattice
+constexpr int32_t kTileFloats = kMaxK * 65;  // shared floats per codebook tile: K rows of up to 4160 / K ranks
+constexpr int32_t kMaxTile = 512;            // ranks per tile at most
 constexpr int32_t kPairsPerThread = kMaxK * kMaxK / kThreads;
-constexpr int32_t kLoadBatch = 4;        // 16-byte loads in flight per thread
+constexpr int32_t kLoadBatch = 4;            // 16-byte logit loads in flight per thread
+constexpr int32_t kStageBatch = 8;           // loads in flight per thread while staging lists, rows and q
 
 // The better of each lane's (v, i) and its partners', on every lane: a warp-wide argmax in TopK's order.
 __device__ __forceinline__ void warpBest(float& v, int32_t& i) {
@@ -146,72 +148,122 @@ __global__ void __launch_bounds__(kThreads) topKKernel(Args x, int32_t chunks, i
 
 // CTA (n, t): slot t's candidates (and slot t-1's, its predecessors) from the chunks' lists; the lattice rows
 // U_t(j) + sum_r (A[a_p, r] g_t[r]) B[b_j, r] for each predecessor p (a_0 the anchor at t = 0, p = 0 only); then
-// per row the choice, into choice[n, t, p] and its q row into qRows[n, t, p, :].
+// per row the choice, into choice[n, t, p] and its q row into qRows[n, t, p, :]. Global loads are issued in batches
+// before their results are stored (a store waits for its load, and the next load would wait behind it).
 __global__ void __launch_bounds__(kThreads) latticeKernel(Args x, int32_t chunks, float const* listValue,
                                                           int32_t const* listIndex, int32_t* choice, float* qRows) {
   const int32_t slot = blockIdx.x, n = slot / x.S, t = slot % x.S, K = x.K;
   const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t anchor = x.anchorIds[n];
   __shared__ float mergeValue[2][kMergeEntries];
   __shared__ int32_t mergeIndex[2][kMergeEntries];
   __shared__ float candValue[2][kMaxK];  // [0]: slot t, [1]: slot t-1
   __shared__ int32_t candIndex[2][kMaxK];
   if (warp < 2 && (warp == 0 || t > 0)) {
     const int64_t from = int64_t(slot - warp) * chunks * K;
-    for (int32_t e = lane; e < chunks * K; e += 32) {
-      mergeValue[warp][e] = listValue[from + e];
-      mergeIndex[warp][e] = listIndex[from + e];
+    float value[kMergeEntries / 32];
+    int32_t index[kMergeEntries / 32];
+#pragma unroll
+    for (int32_t u = 0; u < kMergeEntries / 32; u++) {
+      const int32_t e = lane + 32 * u;
+      value[u] = e < chunks * K ? listValue[from + e] : 0.0f;
+      index[u] = e < chunks * K ? listIndex[from + e] : 0;
+    }
+#pragma unroll
+    for (int32_t u = 0; u < kMergeEntries / 32; u++) {
+      mergeValue[warp][lane + 32 * u] = value[u];
+      mergeIndex[warp][lane + 32 * u] = index[u];
     }
     __syncwarp();
     mergeLists(mergeValue[warp], mergeIndex[warp], chunks, K, candValue[warp], candIndex[warp]);
   }
   __syncthreads();
   if (int32_t(threadIdx.x) < K) x.candIds[int64_t(slot) * K + threadIdx.x] = candIndex[0][threadIdx.x];
-  const int32_t P = t == 0 ? 1 : K;  // predecessors
-  __shared__ float a[kMaxK][kRankTile + 1], b[kMaxK][kRankTile + 1], g[kRankTile];  // +1: no bank conflicts
+  // Rows of a (predecessors) and b (candidates) in tiles of `width` ranks, `stride` apart (odd: no bank conflicts):
+  // K = 16 takes a rank-256 codebook in one round.
+  const int32_t P = t == 0 ? 1 : K;
+  const int32_t stride = (kTileFloats / K - 1) | 1;  // the largest odd number of floats K rows fit in
+  const int32_t tile = min(stride, kMaxTile);
+  __shared__ float a[kTileFloats], b[kTileFloats], g[kMaxTile];
   float acc[kPairsPerThread];
 #pragma unroll
   for (int32_t m = 0; m < kPairsPerThread; m++) acc[m] = 0.0f;
-  for (int32_t r0 = 0; r0 < x.R; r0 += kRankTile) {
-    const int32_t width = min(kRankTile, x.R - r0);
+  for (int32_t r0 = 0; r0 < x.R; r0 += tile) {
+    const int32_t width = min(tile, x.R - r0), count = (P + K) * width;
     __syncthreads();  // the previous tile is consumed
-    for (int32_t e = threadIdx.x; e < (P + K) * kRankTile; e += kThreads) {
-      const int32_t r = e % kRankTile, which = e / kRankTile;
-      if (r >= width) continue;
-      if (which < P) {
-        const int32_t id = t == 0 ? x.anchorIds[n] : candIndex[1][which];
-        a[which][r] = load(x.predecessor, int64_t(id) * x.R + r0 + r, x.codebookType);
-      } else {
-        const int32_t id = candIndex[0][which - P];
-        b[which - P][r] = load(x.successor, int64_t(id) * x.R + r0 + r, x.codebookType);
+    for (int32_t first = threadIdx.x; first < count; first += kThreads * kStageBatch) {
+      float v[kStageBatch];
+#pragma unroll
+      for (int32_t u = 0; u < kStageBatch; u++) {
+        const int32_t e = first + u * kThreads, which = e / width, r = r0 + e % width;
+        v[u] = e >= count ? 0.0f
+             : which < P ? load(x.predecessor, int64_t(t == 0 ? anchor : candIndex[1][which]) * x.R + r,
+                                x.codebookType)
+                         : load(x.successor, int64_t(candIndex[0][which - P]) * x.R + r, x.codebookType);
+      }
+#pragma unroll
+      for (int32_t u = 0; u < kStageBatch; u++) {
+        const int32_t e = first + u * kThreads, which = e / width;
+        if (e < count) (which < P ? a + which * stride : b + (which - P) * stride)[e % width] = v[u];
       }
     }
-    if (int32_t(threadIdx.x) < width) g[threadIdx.x] = x.projected[int64_t(slot) * x.R + r0 + threadIdx.x];
+    for (int32_t r = threadIdx.x; r < width; r += kThreads) g[r] = x.projected[int64_t(slot) * x.R + r0 + r];
     __syncthreads();
 #pragma unroll
     for (int32_t m = 0; m < kPairsPerThread; m++) {
       const int32_t pair = threadIdx.x + m * kThreads, p = pair / K, j = pair % K;
       if (pair < P * K) {
-        for (int32_t r = 0; r < width; r++) acc[m] += (a[p][r] * g[r]) * b[j][r];  // edgeScore's terms, in order
+        for (int32_t r = 0; r < width; r++) acc[m] += (a[p * stride + r] * g[r]) * b[j * stride + r];  // edgeScore's
       }
     }
   }
-  __syncthreads();  // the last tile is consumed: `a` takes the lattice rows
+  __syncthreads();  // the last tile is consumed: `a` takes the lattice rows, `b` their q rows
 #pragma unroll
   for (int32_t m = 0; m < kPairsPerThread; m++) {
     const int32_t pair = threadIdx.x + m * kThreads;
-    if (pair < P * K) a[pair / K][pair % K] = candValue[0][pair % K] + acc[m];
+    if (pair < P * K) a[pair / K * stride + pair % K] = candValue[0][pair % K] + acc[m];
   }
   __syncthreads();
   if (int32_t(threadIdx.x) < P) {
     const int32_t p = threadIdx.x;
-    choice[int64_t(slot) * K + p] = choose(a[p], K, x.temperature[n], x.topP[n], x.uniforms[slot],
-                                           qRows + (int64_t(slot) * K + p) * K);
+    float* q = b + p * stride;
+    choice[int64_t(slot) * K + p] = choose(a + p * stride, K, x.temperature[n], x.topP[n], x.uniforms[slot], q);
+    for (int32_t j = 0; j < K; j++) qRows[(int64_t(slot) * K + p) * K + j] = q[j];
   }
 }
 
-__global__ void walkKernel(Args x, int32_t const* choice, float const* qRows) {
-  const int32_t n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n < x.N) follow(x, n, choice + int64_t(n) * x.S * x.K, qRows + int64_t(n) * x.S * x.K * x.K);
+// One warp per request: follow() spread over the lanes. Every lane follows the choices from the anchor (the same
+// loads), lane t keeps slot t's predecessor and pick; then the lanes write the drafts and copy the path's q rows.
+__global__ void __launch_bounds__(kThreads) walkKernel(Args x, int32_t const* choice, float const* qRows) {
+  const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, n = blockIdx.x * kWarps + warp;
+  __shared__ int32_t path[kWarps][32];
+  if (n >= x.N) return;  // whole warps
+  const int32_t S = x.S, K = x.K;
+  int32_t p = 0, mine = 0, pick = 0;
+  for (int32_t t = 0; t < S; t++) {
+    const int32_t next = choice[(int64_t(n) * S + t) * K + p];
+    if (lane == t) {
+      mine = p;
+      pick = next;
+    }
+    p = next;
+  }
+  path[warp][lane] = mine;
+  __syncwarp();
+  if (lane < S) x.draftIds[int64_t(n) * S + lane] = x.candIds[(int64_t(n) * S + lane) * K + pick];
+  for (int32_t first = lane; first < S * K; first += 32 * kStageBatch) {
+    float v[kStageBatch];
+#pragma unroll
+    for (int32_t u = 0; u < kStageBatch; u++) {
+      const int32_t e = first + 32 * u, t = e / K;
+      v[u] = e < S * K ? qRows[((int64_t(n) * S + t) * K + path[warp][t]) * K + e % K] : 0.0f;
+    }
+#pragma unroll
+    for (int32_t u = 0; u < kStageBatch; u++) {
+      const int32_t e = first + 32 * u;
+      if (e < S * K) x.q[int64_t(n) * S * K + e] = v[u];
+    }
+  }
 }
 
 // Chunks per row: enough top-K CTAs for the GPU at any batch, within the merge's limits.
@@ -252,7 +304,7 @@ cudaError_t launch(Args const& args, void* workspace, cudaStream_t stream) {
     default: return cudaErrorInvalidValue;
   }
   BEAMTRT_LAUNCH(latticeKernel, rows, kThreads, stream)(args, chunks, listValue, listIndex, choice, qRows);
-  BEAMTRT_LAUNCH(walkKernel, (args.N + 63) / 64, 64, stream)(args, choice, qRows);
+  BEAMTRT_LAUNCH(walkKernel, (args.N + kWarps - 1) / kWarps, kThreads, stream)(args, choice, qRows);
   return cudaGetLastError();
 }
 
