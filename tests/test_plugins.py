@@ -171,6 +171,26 @@ def test_selector_cuda_source_on_host_threads_equals_the_host_build(build, host,
     assert torch.equal(got["q"], want["q"])  # the same operations in the same order, on the same host
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found")
+@pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
+def test_selector_cuda_source_is_race_free_and_in_bounds(sanitizer, tmp_path):
+    """plugins/host/sanitize_selector.cpp: the CUDA source on host threads under ThreadSanitizer (a shared-memory
+    access that no barrier orders is a data race: deleting the barrier before the choices is caught) and under
+    AddressSanitizer + UBSan (every input, the workspace and the shared arrays exactly sized)."""
+    exe = tmp_path / "sanitize_selector"
+    built = subprocess.run(["g++", "-std=c++20", "-O1", "-g", f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all",
+                            "-pthread", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas",
+                            f"-I{ROOT / 'plugins' / 'host' / 'emulation'}",
+                            str(ROOT / "plugins" / "host" / "sanitize_selector.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True)
+    if built.returncode != 0 and re.search(r"cannot find .*(tsan|asan|ubsan)", built.stderr):
+        pytest.skip(f"no {sanitizer} sanitizer runtime for g++ here")
+    assert built.returncode == 0, built.stderr[-3000:]
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TSAN_OPTIONS": "halt_on_error=1"})
+    assert done.returncode == 0 and not done.stderr, done.stderr[-4000:]
+
+
 # ---- windowed attention -------------------------------------------------------------------------------------------
 
 def attention_case(seed, io=torch.float32, N=3, L=4, C=6, Hq=8, Hkv=2, D=16, W=8,
