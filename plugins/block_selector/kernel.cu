@@ -37,16 +37,17 @@ __device__ __forceinline__ void warpBest(float& v, int32_t& i) {
   }
 }
 
-// One warp: the K best of `lists` (<= 32) sorted lists of K entries (list l at l * K; -inf / INT32_MAX fill short
-// ones), by K rounds of a warp-wide argmax over the lists' heads. Lane 0 writes the result.
-__device__ void mergeLists(float const* value, int32_t const* index, int32_t lists, int32_t K, float* outValue,
-                           int32_t* outIndex) {
+// One warp: the K best of its lanes' sorted lists, by K rounds of a warp-wide argmax over the lists' heads.
+// entry(h, v, i) sets (v, i) to the lane's entry h and returns true, or returns false when the lane has none.
+// Lane 0 writes the result.
+template <class Entry>
+__device__ void mergeWarp(int32_t K, Entry const& entry, float* outValue, int32_t* outIndex) {
   const int32_t lane = threadIdx.x % 32;
   int32_t head = 0;
   for (int32_t j = 0; j < K; j++) {
-    const bool live = lane < lists && head < K;
-    float v = live ? value[lane * K + head] : -INFINITY;
-    int32_t i = live ? index[lane * K + head] : INT32_MAX;
+    float v = -INFINITY;
+    int32_t i = INT32_MAX;
+    const bool live = entry(head, v, i);
     const int32_t mine = i;
     warpBest(v, i);
     if (live && mine == i) head++;
@@ -55,6 +56,18 @@ __device__ void mergeLists(float const* value, int32_t const* index, int32_t lis
       outIndex[j] = i;
     }
   }
+}
+
+// One warp: the K best of `lists` (<= 32) sorted lists of K entries in shared memory (list l at l * K).
+__device__ void mergeLists(float const* value, int32_t const* index, int32_t lists, int32_t K, float* outValue,
+                           int32_t* outIndex) {
+  const int32_t lane = threadIdx.x % 32;
+  mergeWarp(K, [&](int32_t h, float& v, int32_t& i) {
+    if (lane >= lists || h >= K) return false;
+    v = value[lane * K + h];
+    i = index[lane * K + h];
+    return true;
+  }, outValue, outIndex);
 }
 
 // A thread's top-K behind a floor held in registers: its K-th entry once full, below which nothing gets in.
@@ -125,20 +138,13 @@ __global__ void __launch_bounds__(kThreads) topKKernel(Args x, int32_t chunks, i
   scan<kType>(x, int64_t(row) * x.V, begin, end, keep);
   __shared__ float warpValue[kWarps * kMaxK];
   __shared__ int32_t warpIndex[kWarps * kMaxK];
-  const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int32_t head = 0;
-  for (int32_t j = 0; j < x.K; j++) {  // each warp's K best from its lanes' lists
-    const bool live = head < keep.list.size;
-    float v = live ? keep.list.value[head] : -INFINITY;
-    int32_t i = live ? keep.list.index[head] : INT32_MAX;
-    const int32_t mine = i;
-    warpBest(v, i);
-    if (live && mine == i) head++;
-    if (lane == 0) {
-      warpValue[warp * x.K + j] = v;
-      warpIndex[warp * x.K + j] = i;
-    }
-  }
+  const int32_t warp = threadIdx.x / 32;
+  mergeWarp(x.K, [&](int32_t h, float& v, int32_t& i) {  // each warp's K best from its lanes' lists
+    if (h >= keep.list.size) return false;
+    v = keep.list.value[h];
+    i = keep.list.index[h];
+    return true;
+  }, warpValue + warp * x.K, warpIndex + warp * x.K);
   __syncthreads();
   if (warp == 0) {
     mergeLists(warpValue, warpIndex, kWarps, x.K, listValue + int64_t(blockIdx.x) * x.K,
