@@ -28,6 +28,11 @@ def target():
     return tiny_model(seed=7)
 
 
+def target_on(target, device: str):
+    """The module's CPU target, or a copy of it on `device` (the fixture stays on the CPU)."""
+    return target if device == "cpu" else copy.deepcopy(target).to(device)
+
+
 def drafter_on(path: str, target, monkeypatch) -> TorchDrafter:
     monkeypatch.setenv("BEAMTRT_KERNELS", path)
     drafter = TorchDrafter(make_drafter(target, seed=3))  # W = 16: long answers wrap the ring
@@ -47,7 +52,7 @@ def decode(target, drafter, params: SamplingParams, seed: int = 0):
                          ids=["greedy", "sampled"])
 @pytest.mark.parametrize("device,path", PATHS)
 def test_kernel_path_decodes_like_the_reference(target, device, path, params, monkeypatch):
-    target = target if device == "cpu" else copy.deepcopy(target).to(device)  # the fixture stays on the CPU
+    target = target_on(target, device)
     reference = decode(target, drafter_on("off", target, monkeypatch), params)
     kernels = decode(target, drafter_on(path, target, monkeypatch), params)
     assert kernels == reference
@@ -55,7 +60,7 @@ def test_kernel_path_decodes_like_the_reference(target, device, path, params, mo
 
 @pytest.mark.parametrize("device,path", PATHS)
 def test_draft_steps_agree(target, device, path, monkeypatch):
-    target = target if device == "cpu" else copy.deepcopy(target).to(device)  # the fixture stays on the CPU
+    target = target_on(target, device)
     ref, ker = drafter_on("off", target, monkeypatch), drafter_on(path, target, monkeypatch)
     g = torch.Generator().manual_seed(9)
     for d in (ref, ker):
