@@ -1,4 +1,4 @@
-"""Run the Beam target (speculative decoding arrives with the drafter).   python runtime/run.py --prompt "Hi" """
+"""DFlash2 speculative decoding of Beam, one process or TP ranks.   mpirun -n 4 python runtime/run.py --prompt "Hi" """
 
 import sys
 from pathlib import Path
