@@ -12,6 +12,7 @@ import pytest
 
 from beamtrt.checkpoint.manifest import read_manifest
 from beamtrt.config import BeamConfig, DrafterConfig
+from beamtrt.errors import CheckpointError
 from beamtrt.models.beam import load_beam
 from beamtrt.models.dflash2 import random_drafter, save_drafter
 from beamtrt.models.random_beam import write_random_beam
@@ -137,6 +138,9 @@ def test_validate_catches_a_modified_file(sources, tmp_path):
         f.write(b"\x7f\x7f\x7f\x7f")
     bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     one_line_error(bad, "rank1.safetensors", "sha256 differs")
+    one_line_error(build(sources, out), "files of its stage drafter were changed or removed", "--force")
+    assert build(sources, out, "--force").returncode == 0
+    assert subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120).returncode == 0
 
 
 def _corrupt_copy(sources: Path, tmp_path: Path, edit) -> Path:
@@ -217,6 +221,16 @@ def test_existing_foreign_directory_needs_force(sources, tmp_path):
     assert not (out / "notes.txt").exists()
 
 
+def test_out_that_is_the_working_directory_is_refused(sources, tmp_path):
+    cmd = [sys.executable, str(ROOT / "build/build_engines.py"), "--model", str(sources / "target"), "--drafter",
+           str(sources / "drafter"), "--precision", "bf16", "--tp", "1", "--quiet", "--force"]
+    for out, cwd in ((".", tmp_path), ("..", tmp_path / "sub")):
+        cwd.mkdir(exist_ok=True)
+        proc = subprocess.run([*cmd, "--out", out], capture_output=True, text=True, timeout=300, cwd=cwd)
+        one_line_error(proc, f"--out {out}: is the current directory or holds it")
+    assert [p.name for p in tmp_path.iterdir()] == ["sub"] and not any((tmp_path / "sub").iterdir())
+
+
 def test_out_that_holds_a_source_or_sits_under_a_file_is_refused(sources, tmp_path):
     """--force replaces --out: an --out that is, or contains, the model or the drafter would delete it."""
     src = _corrupt_copy(sources, tmp_path, lambda d: None)
@@ -231,7 +245,6 @@ def test_a_build_loads_only_tensors_it_could_have_written(sources, tmp_path):
     """run.py's loaders read rank files without hashing them: each tensor is checked against the name table (shape,
     dtype), for NaN / Inf and for positive scales as it is read; a manifest lacking what the loaders read is named."""
     from beamtrt.checkpoint.trtllm_files import load_target
-    from beamtrt.errors import CheckpointError
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / "out"
@@ -272,4 +285,58 @@ def test_build_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk on fire"):
         pipeline.build(bc, progress=False)
     assert not (tmp_path / "out").exists()
+    no_leftovers(tmp_path)
+
+
+def test_tokenizer_files_are_inputs_and_outputs_take_the_umask(sources, tmp_path):
+    """A changed chat template changes the target stage (it is copied into the output and tokenizes calibration);
+    outputs get a plain mkdir's and open()'s modes, readable by a tritonserver running as another user."""
+    from beamtrt.checkpoint.hf import _UMASK
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(sources / "target", src)
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    assert build(sources, out, "--model", str(src)).returncode == 0
+    assert (out / "tokenizer" / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert out.stat().st_mode & 0o777 == 0o777 & ~_UMASK
+    assert (out / "manifest.json").stat().st_mode & 0o777 == 0o666 & ~_UMASK
+    (src / "chat_template.jinja").write_text("{{ messages | length }}")
+    one_line_error(build(sources, out, "--model", str(src)), "stage target differs", "--force")
+    forced = build(sources, out, "--model", str(src), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (out / "tokenizer" / "chat_template.jinja").read_text() == "{{ messages | length }}"
+    assert read_manifest(out)["stages"]["drafter"]["status"] == "reused"
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m["stages"].__setitem__("target", "ran"), "'stages.target' is \"ran\""),
+    (lambda m: m["stages"]["target"].__setitem__("files", ["x"]), "'stages.target.files' is"),
+    (lambda m: m["mapping"].__setitem__("tp_size", "2"), "'mapping.tp_size' is \"2\""),
+    (lambda m: m["drafter"].__setitem__("block_size", True), "'drafter.block_size' is true"),
+    (lambda m: m["target"].__setitem__("dir", 5), "'target.dir' is 5"),
+    (lambda m: m.__setitem__("engines", "x"), "'engines' is \"x\""),
+])
+def test_a_manifest_of_the_wrong_types_is_one_line_and_force_replaces_it(sources, tmp_path, edit, needle):
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=needle):
+        read_manifest(out)
+    one_line_error(build(sources, out), needle.split(" is")[0], "--force")
+    assert build(sources, out, "--force").returncode == 0
+    assert read_manifest(out)["stages"]["target"]["status"] == "ran"
+    no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("files", [{"tokenizer_config.json": "{}"}, {"tokenizer.json": "not a tokenizer"}])
+def test_a_broken_tokenizer_fails_calibration_in_one_line(sources, tmp_path, files):
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(sources / "target", src)
+    for name, text in files.items():
+        (src / name).write_text(text)
+    one_line_error(build(sources, out, "--model", str(src), "--precision", "fp8", "--calib-samples", "2"),
+                   "its tokenizer cannot tokenize the calibration prompts")
+    assert not out.exists()
     no_leftovers(tmp_path)

@@ -351,3 +351,30 @@ def test_read_json_errors(tmp_path):
     assert msg.startswith(f"{path}: model config is not valid JSON (") and "at line 3)" in msg
     path.write_text("[1, 2]")
     assert "JSON object" in one_line_error(read_json, path, "model config")
+
+
+def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, monkeypatch):
+    import os
+
+    for name in ("file", "dir"):
+        out = tmp_path / name
+        out.write_text("old") if name == "file" else out.mkdir()
+        tmp = hf.temp_dir(out)
+        assert tmp.stat().st_mode & 0o777 == 0o777 & ~hf._UMASK  # not mkdtemp's 0700
+        (tmp / "new").write_text("new")
+        hf.replace_dir(tmp, out)
+        assert (out / "new").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]
+
+    real = os.replace
+
+    def full_disk(src, dst):  # moving the old output aside (and back) works; moving the new one in fails
+        if ".old-" not in f"{src}{dst}":
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+    monkeypatch.setattr(hf.os, "replace", full_disk)
+    tmp = hf.temp_dir(tmp_path / "dir")
+    with pytest.raises(OSError, match="No space"):
+        hf.replace_dir(tmp, tmp_path / "dir")
+    assert (tmp_path / "dir" / "new").read_text() == "new"  # the previous output is back
+    assert sorted(p.name for p in tmp_path.iterdir() if ".old-" in p.name) == []

@@ -223,6 +223,48 @@ def test_an_os_error_is_one_line(capsys):
     assert capsys.readouterr().err == "error: /some/where: File exists\n"
 
 
+def test_sigterm_unwinds_like_ctrl_c(capsys):
+    """SIGTERM (and SIGHUP) raise where Ctrl-C would: the command's clean-up runs, the exit code is 128 + 15, and
+    the caller's handler is back afterwards."""
+    import os
+    import signal
+    import time
+
+    from beamtrt.cli_util import run_cli
+
+    cleaned = []
+
+    def body():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        finally:
+            cleaned.append(True)
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_cli(body) == 128 + signal.SIGTERM and cleaned == [True]
+    assert capsys.readouterr().err == "terminated\n"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_mid_write_leaves_nothing(tmp_path):
+    """A real process killed with SIGTERM while its temporary output directory exists: nothing is left behind."""
+    import signal
+    import time
+
+    out = tmp_path / "rb"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/make_random_beam.py"), "--out", str(out),
+                             "--hidden-size", "1024", "--layers", "16", "--experts", "32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not any(".tmp-" in p.name for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, "no temporary directory appeared"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and err.strip().endswith("terminated")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--top-k", "9"),
                           "num_experts_per_tok=9")
@@ -237,7 +279,15 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run):
                           "--perturbation")
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--num-experts", "0"),
                           "--num-experts must be >= 1")
+    for bad in ("nan", "inf"):
+        assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", bad),
+                              "--perturbation must be a finite number")
     assert not (tmp_path / "m").exists()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "thesis.txt").write_text("years of work")  # a directory beam-mini did not write is kept
+    assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m")),
+                          "is not a beam-mini directory")
+    assert [p.name for p in (tmp_path / "m").iterdir()] == ["thesis.txt"]
 
 
 def test_random_checkpoint_runs_with_its_own_model(tmp_path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -54,7 +56,12 @@ def set_threads(n: int, flag: str = "--threads") -> None:
 def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path:
     """Checks an output path before the work that fills it: it must not be a directory where a file goes (or the
     reverse), and its nearest existing ancestor must be a writable directory (missing folders are made at write)."""
+    from beamtrt.checkpoint.hf import holds_cwd
+
     p = Path(path)
+    if directory and holds_cwd(p):
+        raise BeamtrtError(f"{flag} {p}: is the current directory or holds it; an output directory is written beside "
+                           "and renamed into place, so choose another")
     if p.exists() and p.is_dir() != directory:
         raise BeamtrtError(f"{flag} {p}: is a {'file' if directory else 'directory'}; "
                            f"expected a {'directory' if directory else 'file'} path")
@@ -76,15 +83,34 @@ def _message(e: BaseException) -> str:
     return lines[0]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C would be so that the same clean-up runs (temporary outputs removed)."""
+
+
+def _terminate(signum: int, frame) -> None:
+    raise Terminated(signum)
+
+
 def run_cli(body: Callable[[], None]) -> int:
+    """Runs one process's command: user errors give one `error:` line and exit 2; Ctrl-C, SIGTERM and SIGHUP unwind
+    through the command's clean-up and exit 128 + the signal's number."""
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
+    saved = {sig: signal.getsignal(sig) for sig in sigs} if main else {}
     try:
+        for sig, handler in saved.items():
+            if handler is signal.SIG_DFL:  # one a host installed (a test runner, an embedding program) stays
+                signal.signal(sig, _terminate)
         body()
     except (BeamtrtError, ValueError, OSError) as e:
         print(f"error: {_message(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
+        return 128 + (e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     return 0
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint import trtllm
-from beamtrt.checkpoint.hf import CheckpointReader, write_json
+from beamtrt.checkpoint.hf import CheckpointReader, replace_dir, temp_dir, write_json
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings
 from beamtrt.errors import CheckpointError, ConfigError
@@ -66,9 +65,10 @@ class Plan:
         self.drafter_dtype = self.drafter_reader.dtype("fc.weight")
         self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
         prompts = bc.calib_prompts or _default_prompts()
-        if bc.needs_calibration:
-            read_chats(prompts)  # a bad prompt file fails here, before any output exists
-        target_files, drafter_files = mf.model_files(bc.model), mf.model_files(bc.drafter)
+        if bc.needs_calibration or bc.calib_prompts:
+            read_chats(prompts)  # a bad prompt file fails here, before any output exists (even one not needed)
+        target_files = mf.model_files(bc.model) + _tokenizer_files(bc.model)  # calibration tokenizes its prompts
+        drafter_files = mf.model_files(bc.drafter)
         drafter_fp8 = bc.drafter_precision == "fp8"
         self.keys = {
             "calibrate": mf.hash_inputs("calibrate", bc.calib_samples, drafter_fp8,
@@ -105,20 +105,23 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
                 and mf.stage_outputs_intact(bc.out, stage)}
     stages = ("calibrate", "target", "drafter") + (("engines",) if plan.engines_why is None else ())
     needed = [n for n in stages if plan.keys.get(n) and n not in reusable]
-    if old and old.get("engines", {}).get("settings", EngineSettings().to_json()) != bc.engine.to_json():
+    if old and (old.get("engines") or {}).get("settings", EngineSettings().to_json()) != bc.engine.to_json():
         needed.append("engines (settings)")  # recorded in the manifest even where no engine is built
     if old is not None and not needed:
         log(f"{bc.out}: up to date (every stage's inputs and outputs match {mf.MANIFEST}); nothing to do")
         from beamtrt.checkpoint.validate import validate
         return validate(bc.out)
     if old is not None and not bc.force and needed:
-        raise ConfigError(f"{bc.out} already exists and was built from other inputs or settings "
-                          f"(stage {needed[0]} differs); pass --force to replace it")
+        was = old.get("stages", {}).get(needed[0]) or {}
+        damaged = was.get("key") is not None and was.get("key") == plan.keys.get(needed[0])  # same inputs, bad files
+        raise ConfigError(f"{bc.out} already exists and " + (
+            f"files of its stage {needed[0]} were changed or removed since it was built" if damaged else
+            f"was built from other inputs or settings (stage {needed[0]} differs)") + "; pass --force to replace it")
     bc.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{bc.out.name}.tmp-", dir=bc.out.parent))
+    tmp = temp_dir(bc.out)
     try:
         summary = _run(plan, tmp, reusable, progress)
-        _replace(tmp, bc.out)
+        replace_dir(tmp, bc.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [line.replace(str(tmp), str(bc.out)) for line in summary]
@@ -138,17 +141,6 @@ def _old_manifest(bc: BuildConfig) -> dict | None:
         if bc.force:
             return {}
         raise
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished build into place; an old output is swapped out and deleted only after the rename."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "x")
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _reuse(name: str, stage: dict, src: Path, dst: Path) -> dict:
@@ -206,7 +198,7 @@ def _calibrate(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
     bc = plan.bc
     if (bc.model / "tokenizer.json").is_file() or (bc.model / "tokenizer_config.json").is_file():
         sequences = cal.tokenize(bc.model, read_chats(bc.calib_prompts or cal.default_prompts_path()),
-                                 bc.calib_samples)
+                                 bc.calib_samples, plan.target_cfg.vocab_size)
         source = str(bc.calib_prompts or "packaged calibration prompts")
     else:
         sequences = cal.random_tokens(plan.target_cfg.vocab_size, bc.calib_samples)
@@ -249,11 +241,16 @@ def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool)
     return write_checkpoint(out, config, specs, bc.tp, items) + _copy_tokenizer(bc.model, out.parent / "tokenizer")
 
 
-def _copy_tokenizer(model: Path, dst: Path) -> list[Path]:
-    """The source's tokenizer and chat template (every file but the config, weights and build markers), so the
-    output is self-contained for the runtime and Triton."""
+def _tokenizer_files(model: Path) -> list[Path]:
+    """The source's tokenizer, chat template and generation config: every file but the config, weights and build
+    markers. Copied into the output, and part of the target stage's inputs."""
     skip = {"config.json", "model.safetensors.index.json", "beam_mini.json"}
-    files = [p for p in sorted(model.iterdir()) if p.is_file() and p.suffix != ".safetensors" and p.name not in skip]
+    return [p for p in sorted(model.iterdir()) if p.is_file() and p.suffix != ".safetensors" and p.name not in skip]
+
+
+def _copy_tokenizer(model: Path, dst: Path) -> list[Path]:
+    """The source's tokenizer files (_tokenizer_files), so the output is self-contained for the runtime and Triton."""
+    files = _tokenizer_files(model)
     if not files:
         return []
     dst.mkdir()

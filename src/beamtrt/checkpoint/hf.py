@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +20,48 @@ from beamtrt.errors import CheckpointError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once, at import: os.umask can only be read by setting it
+
+
+def temp_dir(final: Path) -> Path:
+    """A hidden temporary directory beside `final`, to be renamed into place once complete, with the mode a plain
+    mkdir gives (mkdtemp's 0700 would hide the output from other users, such as a tritonserver's)."""
+    final = Path(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o777 & ~_UMASK)
+    return tmp
+
+
+def holds_cwd(path: Path) -> bool:
+    """Whether `path` is the working directory or one of its ancestors (an output that cannot be renamed away)."""
+    return Path(path).resolve() in (Path.cwd(), *Path.cwd().parents)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a finished temp_dir to `out`. Whatever is at `out` (a directory or a file) is moved aside first and
+    deleted only once the new one is in place; if the move fails, it is put back."""
+    tmp, out = Path(tmp), Path(out)
+    if holds_cwd(out):
+        raise CheckpointError(f"{out}: cannot replace the current directory or one holding it; choose another output")
+    aside = None
+    if out.exists() or out.is_symlink():
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        try:
+            os.replace(out, aside / "x")
+        except BaseException:
+            aside.rmdir()
+            raise
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside / "x", out)
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
 
 def read_json(path: Path, what: str) -> dict:
     """Load a JSON object from `path`; `what` names the file's role in error messages."""
@@ -49,6 +92,7 @@ def write_json(path: str | Path, obj: dict) -> None:
             f.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

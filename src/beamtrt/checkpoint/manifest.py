@@ -44,17 +44,35 @@ def file_hashes(root: Path, files: list[Path]) -> dict[str, str]:
     return {str(f.relative_to(root)): sha256_file(f) for f in files}
 
 
-REQUIRED = {  # what the loaders, the validator and the Triton export read from a manifest
-    "mapping": ("tp_size", "moe_tp_size", "moe_ep_size"),
-    "target": ("dir", "architecture", "source"),
-    "drafter": ("dir", "block_size"),
-    "stages": (),
-    "files": (),
+NULL = type(None)
+REQUIRED = {  # field -> JSON type: what the loaders, the validator and the Triton export read from a manifest
+    "precision": str, "drafter_precision": str, "kv_cache": str,
+    "mapping": dict, "mapping.tp_size": int, "mapping.moe_tp_size": int, "mapping.moe_ep_size": int,
+    "target": dict, "target.dir": str, "target.architecture": str, "target.source": str,
+    "drafter": dict, "drafter.dir": str, "drafter.block_size": int,
+    "stages": dict, "files": dict,
 }
-REQUIRED_VALUES = ("precision", "drafter_precision", "kv_cache")
+OPTIONAL = {  # checked where present
+    "target.tokenizer": (str, NULL), "engines": (dict, NULL), "engines.built": bool, "engines.settings": dict,
+    "engines.target": (str, NULL), "engines.drafter": (str, NULL), "engines.plugin_library": (str, NULL),
+}
+STAGE = {"status": str, "key": (str, NULL), "reason": (str, NULL), "files": (dict, NULL)}  # every stage's fields
+_MISSING = object()
+
+
+def _field(manifest: dict, dotted: str) -> object:
+    value = manifest
+    for key in dotted.split("."):
+        value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+    return value
+
+
+def _fits(value: object, kind) -> bool:
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is int)  # JSON true is not a size
 
 
 def read_manifest(root: Path) -> dict:
+    """A build output's manifest, checked: every field the readers use present and of its JSON type."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory (expected a build/build_engines.py output)")
@@ -64,12 +82,19 @@ def read_manifest(root: Path) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{root / MANIFEST}: format_version {manifest.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}; rebuild with this version of build_engines.py")
-    lacking = [key for key in REQUIRED_VALUES if key not in manifest]
-    for section, keys in REQUIRED.items():
-        value = manifest.get(section)
-        lacking += [f"{section}.{k}" for k in keys if k not in value] if isinstance(value, dict) else [section]
-    if lacking:
-        raise CheckpointError(f"{root / MANIFEST} lacks {lacking[0]!r}: rebuild with build/build_engines.py")
+    fields = [(name, _field(manifest, name), kind, True) for name, kind in REQUIRED.items()]
+    fields += [(name, _field(manifest, name), kind, False) for name, kind in OPTIONAL.items()]
+    for stage, record in manifest.get("stages", {}).items() if isinstance(manifest.get("stages"), dict) else ():
+        fields.append((f"stages.{stage}", record, dict, True))
+        fields += [(f"stages.{stage}.{k}", record.get(k, _MISSING) if isinstance(record, dict) else _MISSING, kind,
+                    k == "status") for k, kind in STAGE.items()]
+    for name, value, kind, required in fields:
+        fix = "rebuild with build/build_engines.py (--force to replace this output)"
+        if value is _MISSING and required:
+            raise CheckpointError(f"{root / MANIFEST} lacks {name!r}: {fix}")
+        if value is not _MISSING and not _fits(value, kind):
+            raise CheckpointError(f"{root / MANIFEST}: {name!r} is {json.dumps(value)[:40]}, not the type its "
+                                  f"readers expect: {fix}")
     return manifest
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import CheckpointWriter, read_json, write_json
+from beamtrt.checkpoint.hf import CheckpointWriter, read_json, replace_dir, temp_dir, write_json
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 
@@ -114,6 +113,9 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     recipe_json = {**asdict(recipe), "pad_heads": list(recipe.pad_heads), "source": GGUF_FILE}
     if not force and (out / MARKER).is_file() and read_json(out / MARKER, MARKER) == recipe_json:
         return out
+    if out.exists() and not (out / MARKER).is_file() and not (out.is_dir() and not any(out.iterdir())):
+        raise CheckpointError(f"{out} exists and is not a beam-mini directory (no {MARKER}): choose another output "
+                              "directory or delete it")
     dtype = getattr(torch, recipe.dtype, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise CheckpointError(f"unknown storage dtype {recipe.dtype!r} (use bfloat16, float16 or float32)")
@@ -123,7 +125,7 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     cfg = mini_config(model.config, recipe, eos_id)
     sd = model.state_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir(out)
     try:
         with CheckpointWriter(tmp, max_shard_bytes=200 * 1024**2) as writer:
             tensors = upcycled_tensors(sd, cfg, recipe)
@@ -138,9 +140,7 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
         tokenizer.save_pretrained(tmp)
         write_json(tmp / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos_id})
         write_json(tmp / MARKER, recipe_json)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

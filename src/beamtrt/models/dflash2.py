@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -610,29 +609,19 @@ def load_drafter(path: str | Path, target: BeamForCausalLM, dtype: torch.dtype |
 def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = False) -> Path:
     """Write config.json (DFlash2DraftModel) + safetensors (+ draft_vocab.json when the drafter has one) to `path`
     atomically (temp dir, then rename)."""
-    from beamtrt.checkpoint.hf import save_state_dict
+    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, temp_dir
 
     out = Path(path)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists: choose another output directory or pass overwrite=True")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = None
+    tmp = temp_dir(out)
     try:
         save_state_dict(tmp, state_tensors(model), overwrite=True)
         model.cfg.save(tmp / "config.json")
         if model.draft_vocab is not None:
             write_draft_vocab(tmp, model.draft_vocab)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old / out.name)
-        tmp.rename(out)
-    except BaseException:
-        if old is not None and not out.exists():
-            (old / out.name).rename(out)  # put the previous checkpoint back
-        raise
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return out

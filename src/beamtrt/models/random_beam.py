@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
+from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, temp_dir
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 from beamtrt.models.beam import hf_tensor_specs
@@ -33,7 +32,7 @@ def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: to
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another output directory or delete it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir(out)
     try:
         tensors = random_tensors(cfg, seed, dtype)
         if progress:

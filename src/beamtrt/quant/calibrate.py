@@ -17,6 +17,7 @@ import torch
 
 from beamtrt.checkpoint.hf import CheckpointReader
 from beamtrt.config import BeamConfig
+from beamtrt.errors import CheckpointError
 
 DEFAULT_PROMPTS = "calib_prompts.jsonl"
 
@@ -25,17 +26,28 @@ def default_prompts_path() -> Path:
     return Path(str(resources.files("beamtrt") / "data" / DEFAULT_PROMPTS))
 
 
-def tokenize(model_dir: str | Path, chats: list[list[dict]], samples: int, max_len: int = 256) -> list[torch.Tensor]:
-    """Chat-formatted token ids of the first `samples` chats (cycled if fewer), each at most max_len tokens."""
+def tokenize(model_dir: str | Path, chats: list[list[dict]], samples: int, vocab_size: int,
+             max_len: int = 256) -> list[torch.Tensor]:
+    """Chat-formatted token ids of the first `samples` chats (cycled if fewer), each at most max_len tokens; a
+    tokenizer that cannot be loaded or gives ids outside the model's vocabulary is a one-line CheckpointError."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    out = []
-    for i in range(samples):
-        chat = chats[i % len(chats)]
-        ids = tok.apply_chat_template(chat, add_generation_prompt=True) if tok.chat_template else tok.encode(
-            "\n".join(m["content"] for m in chat))
-        out.append(torch.tensor(ids[:max_len], dtype=torch.long))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        out = []
+        for i in range(samples):
+            chat = chats[i % len(chats)]
+            ids = tok.apply_chat_template(chat, add_generation_prompt=True) if tok.chat_template else tok.encode(
+                "\n".join(m["content"] for m in chat))
+            out.append(torch.tensor(ids[:max_len], dtype=torch.long))
+    except Exception as e:  # transformers raises anything at all on a broken tokenizer file
+        why = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"{model_dir}: its tokenizer cannot tokenize the calibration prompts "
+                              f"({type(e).__name__}: {why})") from None
+    top = max((int(ids.max()) for ids in out if ids.numel()), default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(f"{model_dir}: its tokenizer gives token id {top}, outside the model's vocab_size "
+                              f"{vocab_size}")
     return out
 
 

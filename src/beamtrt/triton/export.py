@@ -9,12 +9,11 @@ renamed into place at the end, so a failure never leaves a half-written reposito
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from beamtrt.checkpoint.hf import replace_dir, temp_dir
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.errors import BeamtrtError, ConfigError
 from beamtrt.runtime.loader import missing_engines
@@ -153,6 +152,9 @@ def check_build(root: Path) -> dict:
             raise ExportError(f"{root / name} holds {len(ranks)} rank file(s) but the manifest says tp {tp}")
     engines = manifest.get("engines") or {}
     for part in ("target", "drafter") if engines.get("built") else ():
+        if not engines.get(part):
+            raise ExportError(f"{root / MANIFEST}: the engines are marked built but 'engines.{part}' names no "
+                              "directory: rebuild with build/build_engines.py --force")
         missing = [r for r in range(tp) if not (root / engines[part] / f"rank{r}.engine").is_file()]
         if missing:
             raise ExportError(f"{root / engines[part]}: rank{missing[0]}.engine missing (the manifest says built)")
@@ -194,7 +196,7 @@ def export(cfg: ExportConfig) -> list[str]:
     manifest = check_build(root)
     engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
     block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
-    built_block = manifest.get("engines", {}).get("settings", {}).get("block_size")
+    built_block = (manifest.get("engines") or {}).get("settings", {}).get("block_size")
     no_engines = missing_engines(manifest)
     if cfg.backend == "trt" and no_engines:
         raise ExportError(f"--backend trt: the build has no engines ({no_engines})")
@@ -203,8 +205,7 @@ def export(cfg: ExportConfig) -> list[str]:
     settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
                              cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the repository from a tritonserver running as another user
+    tmp = temp_dir(out)
     try:
         if cfg.copy_engines:
             shutil.copytree(root, tmp / COPIED_ENGINE)
@@ -218,8 +219,8 @@ def export(cfg: ExportConfig) -> list[str]:
             _write_model(tmp, model.name, render(python_config(model, parameters[model.name])))
         _write_model(tmp, "ensemble", render(ensemble_config()))
         (tmp / "README.md").write_text(readme(out, root, manifest, settings))
-        summary = check_repository(tmp)
-        _replace(tmp, out)
+        summary = [line.replace(str(tmp), str(out)) for line in check_repository(tmp)]
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [f"{out}: Triton model repository of {root}", *summary,
@@ -232,14 +233,6 @@ def _write_model(repo: Path, name: str, config: str) -> None:
     source = MODELS_SOURCE / name / "1" / "model.py"
     if source.is_file():
         shutil.copy2(source, repo / name / "1" / "model.py")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def readme(out: Path, root: Path, manifest: dict, s: ServeSettings) -> str:
