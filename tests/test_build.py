@@ -340,3 +340,20 @@ def test_a_broken_tokenizer_fails_calibration_in_one_line(sources, tmp_path, fil
                    "its tokenizer cannot tokenize the calibration prompts")
     assert not out.exists()
     no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.__setitem__("precision", "fp8"), "precision bf16 differs from the manifest's precision fp8"),
+    (lambda m: m.__setitem__("kv_cache", "fp8"), "kv_cache auto differs from the manifest's kv_cache fp8"),
+    (lambda m: m["target"].__setitem__("dir", "drafter"), "differs from the manifest's target.architecture"),
+])
+def test_validate_catches_a_manifest_that_contradicts_its_checkpoints(sources, tmp_path, edit, needle):
+    from beamtrt.checkpoint.validate import validate
+
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=needle):
+        validate(out)

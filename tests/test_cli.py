@@ -270,6 +270,8 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
                           "num_experts_per_tok=9")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--heads", "7"),
                           "num_key_value_heads=4")
+    for flag, value in (("--max-shard-gb", "nan"), ("--max-shard-gb", "0"), ("--seed", str(2**70))):
+        assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), flag, value), flag)
     assert not (tmp_path / "x").exists()
 
 

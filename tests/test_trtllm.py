@@ -9,7 +9,7 @@ import torch
 from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, load_target, write_checkpoint
 from beamtrt.config import BeamConfig, DrafterConfig
-from beamtrt.errors import ConfigError
+from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.models.dflash2 import drafter_tensor_specs
 from beamtrt.models.random_beam import random_tensors
 
@@ -127,6 +127,13 @@ def test_vocab_padded_to_a_multiple_of_tp(tmp_path):
 def test_unsplittable_layouts_fail_clearly(tp, ep, message):
     with pytest.raises(ConfigError, match=message):
         trtllm.target_units(SPLITTABLE, trtllm.Mapping(tp, ep))
+
+
+@pytest.mark.parametrize("raw", [{"tp_size": 0}, {"tp_size": 4, "moe_ep_size": 3}, {"tp_size": "x"}, {}])
+def test_a_bad_mapping_in_a_checkpoint_names_the_file_not_a_flag(raw):
+    with pytest.raises(CheckpointError, match=r"^ckpt/config.json: 'mapping' ") as info:
+        trtllm.Mapping.from_json(raw, "ckpt/config.json")
+    assert "--" not in str(info.value)
 
 
 def test_too_many_expert_ways_fail_clearly():

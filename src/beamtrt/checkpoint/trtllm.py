@@ -57,9 +57,13 @@ class Mapping:
     @classmethod
     def from_json(cls, raw: dict, source: str) -> Mapping:
         try:
-            mapping = cls(int(raw["tp_size"]), int(raw.get("moe_ep_size", 1)))
+            tp, ep = int(raw["tp_size"]), int(raw.get("moe_ep_size", 1))
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{source}: 'mapping' needs integer tp_size (and moe_ep_size)") from None
+        if tp < 1 or ep < 1 or tp % ep:
+            raise CheckpointError(f"{source}: 'mapping' has tp_size {tp} and moe_ep_size {ep}: tp_size must be at "
+                                  "least 1 and moe_ep_size divide it")
+        mapping = cls(tp, ep)
         if int(raw.get("pp_size", 1)) != 1 or int(raw.get("moe_tp_size", mapping.moe_tp_size)) != mapping.moe_tp_size:
             raise CheckpointError(f"{source}: unsupported mapping {raw} (pp_size must be 1, moe_tp × moe_ep = tp)")
         return mapping

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         sizes = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in SIZE_FLAGS.items()}
         cfg = BeamConfig(**sizes, mlp_only_layers=tuple(args.dense_layers), use_qk_norm=not args.no_qk_norm)
+        if not 0 < args.max_shard_gb < math.inf:
+            raise ValueError(f"--max-shard-gb must be a finite number > 0, got {args.max_shard_gb}")
+        if not 0 <= args.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
         output_path(args.out, "--out", directory=True)
         out = write_random_beam(args.out, cfg, args.seed, getattr(torch, args.dtype),
                                 int(args.max_shard_gb * 1024**3), progress=True)

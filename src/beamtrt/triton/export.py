@@ -9,6 +9,7 @@ renamed into place at the end, so a failure never leaves a half-written reposito
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -224,7 +225,7 @@ def export(cfg: ExportConfig) -> list[str]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [f"{out}: Triton model repository of {root}", *summary,
-            f"launch: {LAUNCH} --world-size {settings.world_size} --model-repo {out}"]
+            f"launch: {LAUNCH} --world-size {settings.world_size} --model-repo {shlex.quote(str(out))}"]
 
 
 def _write_model(repo: Path, name: str, config: str) -> None:
