@@ -459,9 +459,12 @@ def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, c
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines")
     assert rc == 2 and stderr.count("\n") == 1 and "already exists and is not empty: pass --force" in stderr
     assert (out / "stale.txt").exists()
-    rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines", "--force")
+    rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines",
+                                    "--force")
     assert rc == 0, stderr
     assert not (out / "stale.txt").exists() and (out / export.COPIED_ENGINE / "manifest.json").is_file()
+    assert ".tmp-" not in stdout and f"engines: {out / export.COPIED_ENGINE}" in stdout  # where it now is
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"]
     moved = tmp_path / "elsewhere"
     out.rename(moved)
     assert export.check_repository(moved)  # relative paths: the copy validates where it lands
@@ -487,6 +490,9 @@ def _break_manifest(build: Path, change) -> None:
     (lambda b: (b / "drafter" / "rank0.safetensors").write_bytes(b"0" * 64), "sha256 differs"),
     (lambda b: _break_manifest(b, lambda m: m.update(engines={"built": True, "target": "target/engine",
                                                               "drafter": "drafter/engine"})), "rank0.engine missing"),
+    (lambda b: _break_manifest(b, lambda m: m.update(engines={"built": True, "target": None})),
+     "'engines.target' names no directory"),
+    (lambda b: _break_manifest(b, lambda m: m["mapping"].update(tp_size="2")), "'mapping.tp_size' is \"2\""),
 ])
 def test_export_refuses_a_bad_build_with_one_line(builds, tmp_path, capsys, breakage, needle):
     build = tmp_path / "bf16-tp2"

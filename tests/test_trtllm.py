@@ -179,3 +179,17 @@ def test_fp8_kv_cache_emulated_from_its_scale(tmp_path):
     model(torch.arange(8)[None], cache)
     k = cache.k[0, 0, :, :8]
     assert k.abs().sum() > 0 and torch.equal((k / scale).to(torch.float8_e4m3fn).float() * scale, k)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"quantization": "FP8"}, "'quantization' must be a JSON object, got str"),
+    ({"mapping": {"tp_size": 1}, "beam_config": [1]}, "'beam_config' must be a JSON object, got list"),
+    ({"mapping": {"tp_size": 1}, "architecture": trtllm.DRAFTER_ARCHITECTURE, "dtype": "bfloat16"},
+     "without its drafter_config"),
+])
+def test_a_checkpoint_config_of_the_wrong_shape_is_one_line(tmp_path, config, needle):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=needle):
+        TrtllmCheckpoint(tmp_path).units()

@@ -62,6 +62,10 @@ class TrtllmCheckpoint:
             raise CheckpointError(f"{self.path}: no such TensorRT-LLM checkpoint directory")
         self.config = read_json(self.path / "config.json", "TensorRT-LLM config.json")
         source = str(self.path / "config.json")
+        for key in ("mapping", "quantization", "beam_config", "drafter_config"):
+            if not isinstance(self.config.get(key) or {}, dict):
+                raise CheckpointError(f"{source}: {key!r} must be a JSON object, got "
+                                      f"{type(self.config[key]).__name__}")
         self.mapping = trtllm.Mapping.from_json(self.config.get("mapping") or {}, source)
         algo = (self.config.get("quantization") or {}).get("quant_algo")
         precisions = {v: k for k, v in trtllm.QUANT_ALGO.items()}
@@ -107,13 +111,15 @@ class TrtllmCheckpoint:
         return self.config.get("architecture") == trtllm.DRAFTER_ARCHITECTURE
 
     def beam_config(self) -> BeamConfig:
-        if "beam_config" not in self.config:
+        if not self.config.get("beam_config"):
             raise CheckpointError(f"{self.path / 'config.json'}: not a beamtrt target checkpoint (no beam_config)")
         return BeamConfig.from_dict(self.config["beam_config"], source=str(self.path / "config.json"))
 
     def drafter_config(self) -> DrafterConfig:
         if not self.is_drafter():
             raise CheckpointError(f"{self.path / 'config.json'}: not a {trtllm.DRAFTER_ARCHITECTURE} checkpoint")
+        if not self.config.get("drafter_config"):
+            raise CheckpointError(f"{self.path / 'config.json'}: a drafter checkpoint without its drafter_config")
         return DrafterConfig.from_dict(self.config["drafter_config"], source=str(self.path / "config.json"))
 
     def units(self) -> list[trtllm.Unit]:
