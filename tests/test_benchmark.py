@@ -59,13 +59,17 @@ def test_out_names_three_files_whatever_its_suffix():
     (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
     (["--concurrency", "0"], "must be >= 1"),
     (["--block-size", "1"], "--block-size must be in [2, 32]"),
-    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--threads", "-1"], "--threads must be in [0, "),
+    (["--threads", "100000"], "--threads must be in [0, "),
+    (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+    (["--out", ""], "give a file name stem"),
     (["--engine-dir", "/nonexistent-build"], "no such directory"),
     (["--engine-dir", "/nonexistent-build", "--model", "m"], "cannot be combined"),
     (["--device", "gpu0"], "not a torch device"),
     (["--backend", "trt"], "pass --engine-dir"),
 ])
 def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path):
-    assert main(args + ["--out", str(tmp_path / "b")]) == 2
+    assert main(["--out", str(tmp_path / "b")] + args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+    assert not (tmp_path / "b").exists() and list(tmp_path.iterdir()) == []  # nothing made before the work

@@ -378,3 +378,14 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
         hf.replace_dir(tmp, tmp_path / "dir")
     assert (tmp_path / "dir" / "new").read_text() == "new"  # the previous output is back
     assert sorted(p.name for p in tmp_path.iterdir() if ".old-" in p.name) == []
+
+
+def test_write_json_writes_through_a_link_and_refuses_a_device(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("{}")
+    (tmp_path / "link.json").symlink_to(target)
+    write_json(tmp_path / "link.json", {"a": 1})
+    assert (tmp_path / "link.json").is_symlink() and json.loads(target.read_text()) == {"a": 1}
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        write_json(Path("/dev/null"), {"a": 1})
+    assert Path("/dev/null").is_char_device()

@@ -6,6 +6,7 @@ subprocess tests below run real scripts end to end.
 """
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -126,6 +127,12 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "afile" / "x.json")), "--json",
                           "is a file, not a directory")
     assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path)), "--json", "is a directory")
+    os.mkfifo(tmp_path / "pipe")
+    assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "pipe")), "--json", "not a regular file")
+    assert (tmp_path / "pipe").is_fifo()
+    assert_one_line_error(run("runtime/run.py", "--temperature", "nan"), "temperature=nan")
+    assert_one_line_error(run("runtime/run.py", "--temperature", "inf"), "temperature=inf")
+    assert_one_line_error(run("runtime/run.py", "--seed", str(2**70)), "--seed must be in [0, 2**63)")
     assert_one_line_error(run("runtime/run.py", "--block-size", "33"), "--block-size", "[2, 32]")
     for bad in ("-0.1", "1.5", "nan"):
         assert_one_line_error(run("runtime/run.py", "--draft-threshold", bad), "--draft-threshold", "[0, 1]")
@@ -177,7 +184,8 @@ def test_bad_devices_are_one_line(script, args, run):
     ("runtime/run.py", []), ("scripts/benchmark.py", []), ("scripts/train_drafter.py", []),
     ("scripts/eval_drafter.py", ["--data", "."]), ("scripts/bench_decode.py", []), ("scripts/bench_spec.py", [])])
 def test_negative_threads_are_one_line(script, args, run):
-    assert_one_line_error(run(script, *args, "--threads", "-2"), "--threads must be >= 0")
+    assert_one_line_error(run(script, *args, "--threads", "-2"), "--threads must be in [0, ")
+    assert_one_line_error(run(script, *args, "--threads", "100000"), "--threads must be in [0, ")
 
 
 def test_outputs_that_cannot_be_written_fail_before_the_work(tmp_path, run):
@@ -226,7 +234,6 @@ def test_an_os_error_is_one_line(capsys):
 def test_sigterm_unwinds_like_ctrl_c(capsys):
     """SIGTERM (and SIGHUP) raise where Ctrl-C would: the command's clean-up runs, the exit code is 128 + 15, and
     the caller's handler is back afterwards."""
-    import os
     import signal
     import time
 

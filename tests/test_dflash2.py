@@ -125,6 +125,7 @@ def _bad(**changes):
     (dict(selector_top_k=102), ("selector_top_k=102", "vocab_size=101")),
     (dict(dflash_target_layer_ids=[]), ("target_layer_ids", "empty")),
     (dict(dflash_target_layer_ids=[0, 3]), ("target_layer_ids [3]", "num_target_layers=3")),
+    (dict(dflash_target_layer_ids=[0, 0]), ("target_layer_ids [0, 0]", "a layer twice")),
     (dict(dflash_target_layer_ids="0,2"), ("target_layer_ids", "list")),
     (dict(dflash_mask_token_id=101), ("mask_token_id=101", "vocab_size=101")),
     (dict(sliding_window=0), ("sliding_window", ">= 1")),

@@ -134,6 +134,16 @@ def test_no_spec_equals_plain_decoding(target, prompts, reference):
     assert dec.metrics.summary()["acceptance_length"] == 1.0
 
 
+def test_a_request_longer_than_the_context_is_refused_before_any_work(target, prompts):
+    backend = TorchTarget(target)
+    context = target.cfg.max_position_embeddings
+    dec = SpeculativeDecoder(backend, None)
+    with pytest.raises(ValueError, match=f"request 1: its prompt \\({len(prompts[1])} tokens\\) and max_new_tokens "
+                                         f"{context} exceed the target's context of {context} tokens"):
+        dec.generate([Request(tuple(prompts[0]), 4), Request(tuple(prompts[1]), context)])
+    assert backend.cache is None  # nothing was allocated
+
+
 def test_full_block_accepts_give_bonus_tokens(target, prompts, reference):
     drafter = OracleDrafter([p + r for p, r in zip(prompts[:4], reference[:4])], hit=1.0)
     dec = SpeculativeDecoder(TorchTarget(target), drafter, block_size=8)

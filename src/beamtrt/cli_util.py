@@ -39,9 +39,11 @@ def description(doc: str) -> str:
 
 
 def check_threads(n: int, flag: str = "--threads") -> None:
-    """A --threads value: 0 (torch's default) or a thread count."""
-    if n < 0:
-        raise BeamtrtError(f"{flag} must be >= 0 (0 = torch's default), got {n}")
+    """A --threads value: 0 (torch's default) or a thread count, at most 4 per core (torch crashes far above)."""
+    cores = os.cpu_count() or 1
+    if not 0 <= n <= 4 * cores:
+        raise BeamtrtError(f"{flag} must be in [0, {4 * cores}] (0 = torch's default; this host has {cores} cores), "
+                           f"got {n}")
 
 
 def set_threads(n: int, flag: str = "--threads") -> None:
@@ -62,6 +64,8 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     if directory and holds_cwd(p):
         raise BeamtrtError(f"{flag} {p}: is the current directory or holds it; an output directory is written beside "
                            "and renamed into place, so choose another")
+    if not directory and p.exists() and not p.is_dir() and not p.is_file():
+        raise BeamtrtError(f"{flag} {p}: not a regular file (a device, a pipe or a socket); give a file path")
     if p.exists() and p.is_dir() != directory:
         raise BeamtrtError(f"{flag} {p}: is a {'file' if directory else 'directory'}; "
                            f"expected a {'directory' if directory else 'file'} path")

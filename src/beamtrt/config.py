@@ -302,6 +302,8 @@ class DrafterConfig(_HFConfig):
             _fail(f"selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}")
         if not self.target_layer_ids:
             _fail("target_layer_ids must not be empty")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            _fail(f"target_layer_ids {list(self.target_layer_ids)} name a layer twice")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             _fail(f"target_layer_ids {bad} out of range [0, num_target_layers={self.num_target_layers})")

@@ -183,8 +183,13 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
             raise ValueError(f"--prompts {item!r}: expected FAMILY=FILE.jsonl")
         files[fam] = path
     families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
-    if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1 or args.max_new_tokens < 1:
-        raise ValueError("--concurrency, --num-prompts, --c1-prompts and --max-new-tokens must be >= 1")
+    if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1:
+        raise ValueError("--concurrency, --num-prompts and --c1-prompts must be >= 1")
+    if args.max_new_tokens < 2:
+        raise ValueError(f"--max-new-tokens must be >= 2 (decode speed counts the tokens after the first), got "
+                         f"{args.max_new_tokens}")
+    if Path(args.out).name in ("", ".", ".."):
+        raise ValueError(f"--out {args.out!r}: give a file name stem, e.g. bench/benchmark")
     check_block_size(args.block_size)
     check_draft_threshold(args.draft_threshold)
     if args.engine_dir and (args.model or args.drafter):
@@ -198,7 +203,6 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     manifest = open_build(engine_dir, dist)
     backend, _ = pick_backend(args.backend, manifest)
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # fail before loading models
-    Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
     return Plan(chats, engine_dir, manifest, backend)
 
 
@@ -278,7 +282,7 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
             row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy).acceptance_length, 3)
         result["families"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "concurrency"}), file=sys.stderr, flush=True)
-    write_json(out[".json"], result)
+    write_json(out[".json"], result)  # makes the folder
     table = markdown(result)
     out[".md"].write_text(table)
     chart(result, out[".png"])

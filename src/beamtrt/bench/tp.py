@@ -45,7 +45,7 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
                                f"{proc.stderr.strip().splitlines()[-1].removeprefix('error: ')}")
         s = json.loads(report.read_text())["summary"]
     return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": round(s["acceptance_length"], 3),
-            "steps": s["steps"], "step_s": {k: round(v, 4) for k, v in s["step_s"].items()}}
+            "steps": s["decoder_steps"], "step_s": {k: round(v, 4) for k, v in s["step_s"].items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

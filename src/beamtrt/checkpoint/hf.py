@@ -84,7 +84,9 @@ def read_json(path: Path, what: str) -> dict:
 def write_json(path: str | Path, obj: dict) -> None:
     """Write `obj` as indented JSON, atomically (temp file in the same directory, then os.replace), making missing
     folders: every config, manifest, --json and summary file."""
-    path = Path(path)
+    path = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # a link's target is written, not the link
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file; cannot write JSON there")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -22,6 +22,7 @@ class TargetStep:
 
 class TargetBackend(Protocol):
     vocab_size: int
+    max_seq_len: int  # the longest request, prompt + new tokens
     eos_token_ids: tuple[int, ...]
 
     def allocate(self, slots: int, max_len: int) -> None:

@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", help="a user message, sent through the chat template (repeatable)")
     p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; finite, >= 0 (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[],
                    help="stop a request when its text contains this string (repeatable; the text is cut before it)")
@@ -47,16 +47,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests decoded at once; when one finishes, its cache slot is refilled from the queue "
                         "before the next step (continuous batching); 0 = every prompt at once (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8,
-                   help="tokens per verification block: the anchor + block-1 drafts; on a CPU host blocks of 4, "
-                        "6 and 8 decode about equally fast with --draft-threshold 0.4 (docs/BENCHMARKS.md) "
-                        "(default: %(default)s)")
+                   help="tokens per verification block, in [2, 32]: the anchor + block-1 drafts; on a CPU host "
+                        "blocks of 4, 6 and 8 decode about equally fast with --draft-threshold 0.4 "
+                        "(docs/BENCHMARKS.md) (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the leading drafts of a block whose running product of the drafter's "
                         "confidences is >= P, in [0, 1]: fewer verified rows make a step cheaper where the verify's "
                         "cost grows with its rows (an MoE target on a CPU host: there 0.4 was fastest, "
                         "docs/BENCHMARKS.md); lossless either way; 0 verifies the whole block (default: %(default)s)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random decision (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of every random decision, in [0, 2**63) (default: %(default)s)")
     p.add_argument("--json", help="write per-request outputs and the acceptance summary to this file")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="runtime backend: trt runs the build's TensorRT engines (TensorRT-LLM 1.2 and a GPU), torch "
@@ -64,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "engines and this host can run them, else torch, and says why (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads, at most 4 per core; 0 = torch's default (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="do not stream text; print only the summary")
     return p.parse_args(argv)
 
@@ -86,6 +88,8 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--concurrency must be >= 0, got {args.concurrency}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     if not args.no_spec:
         check_block_size(args.block_size)
         check_draft_threshold(args.draft_threshold)
@@ -224,7 +228,7 @@ def _time_split(decoder, target, drafter, dist) -> dict:
     """Seconds per step in the target, the drafter, communication (collectives, rank 0) and everything else."""
     t, steps = decoder.times, max(decoder.times.steps, 1)
     comm_t, comm_d = getattr(target, "comm_s", 0.0), getattr(drafter, "comm_s", 0.0) if drafter else 0.0
-    return {"steps": t.steps, "world_size": dist.size,
+    return {"decoder_steps": t.steps, "world_size": dist.size,
             "step_s": {"target": (t.target_s - comm_t) / steps, "drafter": (t.drafter_s - comm_d) / steps,
                        "communication": (comm_t + comm_d) / steps, "other": t.other_s / steps},
             "target_s": t.target_s - comm_t, "drafter_s": t.drafter_s - comm_d, "communication_s": comm_t + comm_d,

@@ -99,9 +99,13 @@ class SpeculativeDecoder:
         n = len(requests)
         if n == 0:
             return []
-        for r in requests:
+        context = getattr(self.target, "max_seq_len", None)  # the target's context (None: a backend without one)
+        for i, r in enumerate(requests):
             if not r.prompt_ids or r.max_new_tokens < 1:
                 raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
+            if context is not None and len(r.prompt_ids) + r.max_new_tokens > context:
+                raise ValueError(f"request {i}: its prompt ({len(r.prompt_ids)} tokens) and max_new_tokens "
+                                 f"{r.max_new_tokens} exceed the target's context of {context} tokens")
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
         slots = min(concurrency or n, n)

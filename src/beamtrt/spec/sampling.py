@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,8 @@ class SamplingParams:
     top_k: int = 0            # 0 = no top-k cut
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"bad sampling settings: temperature={self.temperature} (>= 0), "
+        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1 or self.top_k < 0:  # NaN fails too
+            raise ValueError(f"bad sampling settings: temperature={self.temperature} (finite, >= 0), "
                              f"top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0)")
 
     @property

@@ -303,6 +303,23 @@ def load_features(*dirs: Path) -> FeatureSet:
             if first is not None and meta.get(key) != first.get(key):
                 raise BeamtrtError(f"{data}: {what} {meta.get(key)}, the first cache has {first.get(key)}")
         first = first or meta
-        parts += [FeatureSet(**{k: v for k, v in _read(p, "feature shard").items()
-                                if k in ("ids", "taps", "seq_start", "prompt_len", "greedy")}) for p in paths]
+        parts += [_shard(p, meta) for p in paths]
     return concat_features(parts)
+
+
+def _shard(path: Path, meta: dict) -> FeatureSet:
+    """One feature shard, its tensors' shapes checked against each other (and the cache's tap width where known)."""
+    t = _read(path, "feature shard")
+    missing = [k for k in ("ids", "taps", "seq_start", "prompt_len", "greedy") if k not in t]
+    if missing:
+        raise BeamtrtError(f"{path}: corrupt feature shard (no {missing[0]!r} tensor)")
+    ids, taps, start, plen, greedy = t["ids"], t["taps"], t["seq_start"], t["prompt_len"], t["greedy"]
+    width = len(meta["taps"]) * meta["hidden_size"] if meta.get("taps") and meta.get("hidden_size") else None
+    n = plen.shape[0] if plen.dim() == 1 else -1
+    ok = (ids.dim() == 1 and taps.dim() == 2 and taps.shape[0] == ids.shape[0] and width in (None, taps.shape[1])
+          and n >= 0 and greedy.shape == (n,) and start.shape == (n + 1,) and int(start[0]) == 0
+          and int(start[-1]) == ids.shape[0] and bool((start.diff() >= plen).all()))
+    if not ok:
+        raise BeamtrtError(f"{path}: corrupt feature shard (ids {tuple(ids.shape)}, taps {tuple(taps.shape)}, "
+                           f"seq_start {tuple(start.shape)}, prompt_len {tuple(plen.shape)} do not fit together)")
+    return FeatureSet(ids, taps, start, plen, greedy)
