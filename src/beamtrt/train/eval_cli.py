@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default=None, help="target checkpoint (default: beam-mini, made if missing)")
     p.add_argument("--per-kind", type=int, default=32, help="greedy answers scored per kind, the last of each "
                                                            "(default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=8, help="draft block (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="draft block, from 2 up to the drafter's own block size (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device of the target and drafter, e.g. cpu or cuda "
                                                    "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
