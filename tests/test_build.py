@@ -308,6 +308,14 @@ def test_tokenizer_files_are_inputs_and_outputs_take_the_umask(sources, tmp_path
     assert read_manifest(out)["stages"]["drafter"]["status"] == "reused"
 
 
+def _build_and_edit_manifest(sources: Path, out: Path, edit) -> Path:
+    assert build(sources, out).returncode == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda m: m["stages"].__setitem__("target", "ran"), "'stages.target' is \"ran\""),
     (lambda m: m["stages"]["target"].__setitem__("files", ["x"]), "'stages.target.files' is"),
@@ -317,11 +325,7 @@ def test_tokenizer_files_are_inputs_and_outputs_take_the_umask(sources, tmp_path
     (lambda m: m.__setitem__("engines", "x"), "'engines' is \"x\""),
 ])
 def test_a_manifest_of_the_wrong_types_is_one_line_and_force_replaces_it(sources, tmp_path, edit, needle):
-    out = tmp_path / "out"
-    assert build(sources, out).returncode == 0
-    manifest = json.loads((out / "manifest.json").read_text())
-    edit(manifest)
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    out = _build_and_edit_manifest(sources, tmp_path / "out", edit)
     with pytest.raises(CheckpointError, match=needle):
         read_manifest(out)
     one_line_error(build(sources, out), needle.split(" is")[0], "--force")
@@ -350,10 +354,6 @@ def test_a_broken_tokenizer_fails_calibration_in_one_line(sources, tmp_path, fil
 def test_validate_catches_a_manifest_that_contradicts_its_checkpoints(sources, tmp_path, edit, needle):
     from beamtrt.checkpoint.validate import validate
 
-    out = tmp_path / "out"
-    assert build(sources, out).returncode == 0
-    manifest = json.loads((out / "manifest.json").read_text())
-    edit(manifest)
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    out = _build_and_edit_manifest(sources, tmp_path / "out", edit)
     with pytest.raises(CheckpointError, match=needle):
         validate(out)
