@@ -328,6 +328,8 @@ def test_run_generates_coherent_text(beam_mini):
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
+    assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--block-size", "99"),
+                          "--block-size must be in [2, 32]")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--draft-threshold", "2"),
                           "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("scripts/benchmark.py", "--draft-threshold", "-1"), "--draft-threshold", "[0, 1]")

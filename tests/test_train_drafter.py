@@ -265,9 +265,12 @@ def test_distillation_teacher_is_the_target_and_its_term_trains(target, tmp_path
     for row in log:
         assert row["kd"] > 0
         assert row["loss"] == pytest.approx(row["base"] + row["selector"] + 0.5 * row["kd"], abs=1e-4)
-    for bad in (-0.1, float("nan")):
-        with pytest.raises(ValueError, match="--distill must be >= 0"):
-            dataclasses.replace(TINY_RUN, distill=bad)
+    for bad in (-0.1, float("nan"), float("inf")):
+        for field, flag in (("distill", "--distill"), ("selector_weight", "--selector-weight")):
+            with pytest.raises(ValueError, match=f"{flag} must be a finite number >= 0"):
+                dataclasses.replace(TINY_RUN, **{field: bad})
+        with pytest.raises(ValueError, match=r"--lr \(finite\) and --gamma must be positive"):
+            dataclasses.replace(TINY_RUN, lr=bad)
 
 
 def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):

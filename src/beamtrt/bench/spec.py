@@ -12,7 +12,7 @@ import torch
 
 from beamtrt.checkpoint.hf import write_json
 from beamtrt.cli_util import description, output_path, run_cli, set_threads
-from beamtrt.config import check_draft_threshold
+from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
 BENCH_PROMPTS = DEFAULT_PROMPTS[::-1] + (  # the longest answer first: batch 1 runs it
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
-    p.add_argument("--block-size", type=int, default=8, help="verification block (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=8, help="verification block, in [2, 32] (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the drafts whose running product of drafter confidences is >= P (as "
                         "runtime/run.py's flag); 0 = whole blocks (default: %(default)s)")
@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.runtime.loader import load_hf
         from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
-        if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS) or args.block_size < 2:
-            raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}] and --block-size >= 2")
+        if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS):
+            raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}]")
+        check_block_size(args.block_size)
         check_draft_threshold(args.draft_threshold)
         set_threads(args.threads)
         if args.json:

@@ -60,10 +60,11 @@ class TrainConfig:
         if not 2 <= self.eval_block_size <= self.block_size:
             raise ValueError(f"--eval-block-size {self.eval_block_size} must be within [2, --block-size "
                              f"{self.block_size}]")
-        if not self.lr > 0 or not self.gamma > 0:
-            raise ValueError(f"--lr and --gamma must be positive, got {self.lr} and {self.gamma}")
-        if not self.distill >= 0:
-            raise ValueError(f"--distill must be >= 0, got {self.distill}")
+        if not 0 < self.lr < math.inf or not self.gamma > 0:  # γ = inf: no decay over the slots
+            raise ValueError(f"--lr (finite) and --gamma must be positive, got {self.lr} and {self.gamma}")
+        for name, flag in (("distill", "--distill"), ("selector_weight", "--selector-weight")):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{flag} must be a finite number >= 0, got {getattr(self, name)}")
         if self.head_vocab not in HEAD_VOCABS:
             raise ValueError(f"head vocabulary {self.head_vocab!r} is not one of {', '.join(HEAD_VOCABS)}")
 
