@@ -46,6 +46,12 @@ def check_threads(n: int, flag: str = "--threads") -> None:
                            f"got {n}")
 
 
+def check_seed(n: int, flag: str = "--seed") -> None:
+    """A seed torch's generators take: [0, 2**63)."""
+    if not 0 <= n < 2**63:
+        raise BeamtrtError(f"{flag} must be in [0, 2**63), got {n}")
+
+
 def set_threads(n: int, flag: str = "--threads") -> None:
     """--threads N: torch's CPU threads; 0 keeps torch's default."""
     import torch

@@ -60,11 +60,12 @@ STAGE = {"status": str, "key": (str, NULL), "reason": (str, NULL), "files": (dic
 _MISSING = object()
 
 
-def _field(manifest: dict, dotted: str) -> object:
+def field(manifest: dict, dotted: str, default: object = _MISSING) -> object:
+    """manifest["a"]["b"] for "a.b"; `default` where any part is missing."""
     value = manifest
     for key in dotted.split("."):
         value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
-    return value
+    return default if value is _MISSING else value
 
 
 def _fits(value: object, kind) -> bool:
@@ -82,12 +83,11 @@ def read_manifest(root: Path) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{root / MANIFEST}: format_version {manifest.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}; rebuild with this version of build_engines.py")
-    fields = [(name, _field(manifest, name), kind, True) for name, kind in REQUIRED.items()]
-    fields += [(name, _field(manifest, name), kind, False) for name, kind in OPTIONAL.items()]
+    fields = [(name, field(manifest, name), kind, True) for name, kind in REQUIRED.items()]
+    fields += [(name, field(manifest, name), kind, False) for name, kind in OPTIONAL.items()]
     for stage, record in manifest.get("stages", {}).items() if isinstance(manifest.get("stages"), dict) else ():
         fields.append((f"stages.{stage}", record, dict, True))
-        fields += [(f"stages.{stage}.{k}", record.get(k, _MISSING) if isinstance(record, dict) else _MISSING, kind,
-                    k == "status") for k, kind in STAGE.items()]
+        fields += [(f"stages.{stage}.{k}", field(record, k), kind, k == "status") for k, kind in STAGE.items()]
     for name, value, kind, required in fields:
         fix = "rebuild with build/build_engines.py (--force to replace this output)"
         if value is _MISSING and required:

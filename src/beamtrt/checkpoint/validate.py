@@ -48,8 +48,8 @@ def check_checkpoint(path: Path, manifest: dict) -> dict:
 
 
 AGREE = {  # part -> {its checkpoint's summary field: the manifest field it must equal}
-    "target": {"architecture": ("target", "architecture"), "precision": ("precision",), "kv_cache": ("kv_cache",)},
-    "drafter": {"architecture": ("drafter", "architecture"), "precision": ("drafter_precision",)},
+    "target": {"architecture": "target.architecture", "precision": "precision", "kv_cache": "kv_cache"},
+    "drafter": {"architecture": "drafter.architecture", "precision": "drafter_precision"},
 }
 
 
@@ -74,11 +74,11 @@ def validate(root: str | Path) -> list[str]:
              f"(moe_tp {m['moe_tp_size']} × moe_ep {m['moe_ep_size']})"]
     for part in ("target", "drafter"):
         s = check_checkpoint(root / manifest[part]["dir"], manifest)
-        for field, keys in AGREE[part].items():
-            want = manifest[keys[0]] if len(keys) == 1 else manifest[keys[0]].get(keys[1])
-            if s[field] != want:
-                raise CheckpointError(f"{root / manifest[part]['dir'] / 'config.json'}: {field} {s[field]} differs "
-                                      f"from the manifest's {'.'.join(keys)} {want}")
+        for name, dotted in AGREE[part].items():
+            want = mf.field(manifest, dotted, None)
+            if s[name] != want:
+                raise CheckpointError(f"{root / manifest[part]['dir'] / 'config.json'}: {name} {s[name]} differs "
+                                      f"from the manifest's {dotted} {want}")
         lines.append(f"  {part:8s} {s['architecture']}: {s['ranks']} rank file(s) × {s['tensors_per_rank']} tensors, "
                      f"{s['bytes'] / 1e6:.1f} MB, {s['quantized_weights']} quantized weight tensors per rank: OK")
     for name, stage in manifest.get("stages", {}).items():

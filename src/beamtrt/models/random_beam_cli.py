@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from beamtrt.cli_util import output_path, run_cli
+from beamtrt.cli_util import check_seed, output_path, run_cli
 from beamtrt.config import BeamConfig
 from beamtrt.models.random_beam import write_random_beam
 
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = BeamConfig(**sizes, mlp_only_layers=tuple(args.dense_layers), use_qk_norm=not args.no_qk_norm)
         if not 0 < args.max_shard_gb < math.inf:
             raise ValueError(f"--max-shard-gb must be a finite number > 0, got {args.max_shard_gb}")
-        if not 0 <= args.seed < 2**63:
-            raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+        check_seed(args.seed)
         output_path(args.out, "--out", directory=True)
         out = write_random_beam(args.out, cfg, args.seed, getattr(torch, args.dtype),
                                 int(args.max_shard_gb * 1024**3), progress=True)

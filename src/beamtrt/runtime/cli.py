@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import check_threads, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import check_seed, check_threads, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.prompts import read_chats
@@ -88,8 +88,7 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--concurrency must be >= 0, got {args.concurrency}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_seed(args.seed)
     if not args.no_spec:
         check_block_size(args.block_size)
         check_draft_threshold(args.draft_threshold)
