@@ -8,6 +8,12 @@
 # folder, the JSON and the whole log are copied there too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+             echo "Usage: scripts/gpu_check.sh (no arguments; environment: PY, OUT, TensorRT_ROOT)"; exit 0 ;;
+  "") ;;
+  *) echo "error: scripts/gpu_check.sh takes no arguments (got $1; see --help)" >&2; exit 2 ;;
+esac
 if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi

@@ -117,6 +117,16 @@ def test_help_lists_every_flag(script, flags, run):
     assert description.endswith("."), description
 
 
+def test_gpu_check_help_and_bad_argument():
+    """gpu_check.sh takes no arguments: --help explains it without building anything, anything else is refused."""
+    script = str(ROOT / "scripts/gpu_check.sh")
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "Usage: scripts/gpu_check.sh" in proc.stdout and "CMake" in proc.stdout
+    assert "==" not in proc.stdout  # no stage ran
+    assert_one_line_error(subprocess.run([script, "--tp", "4"], capture_output=True, text=True, timeout=30),
+                          "takes no arguments", "--tp")
+
+
 def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--max-new-tokens", "0"), "--max-new-tokens")
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")

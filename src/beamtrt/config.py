@@ -1,4 +1,5 @@
-"""Frozen model configs read from and written to Hugging Face `config.json` (Qwen3-MoE field names)."""
+"""Frozen configs: the models' (Hugging Face `config.json`, Qwen3-MoE field names), the build's and the engines',
+and the block-size and draft-threshold checks."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Checkpoint files: streaming safetensors, TensorRT-LLM checkpoint layout, the build manifest and its validation."""

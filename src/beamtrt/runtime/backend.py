@@ -1,7 +1,7 @@
 """The backend interface the speculative loop drives: a target that verifies blocks and a drafter that drafts them.
 
 Acceptance, sampling and bookkeeping stay in `beamtrt.spec`; a backend only runs networks and owns their caches,
-so every backend (torch today, TensorRT engines later) inherits the same exactness argument.
+so every backend (torch, and the TensorRT engines' trt backend) inherits the same exactness argument.
 """
 
 from __future__ import annotations

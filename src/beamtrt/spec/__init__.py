@@ -1,0 +1,1 @@
+"""Speculative decoding: the selector walk, greedy and rejection-sampling verification, the decode loop, metrics."""
