@@ -6,6 +6,7 @@ subprocess tests below run real scripts end to end.
 """
 
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from beamtrt.config import DrafterConfig
+from beamtrt.config import BeamConfig, DrafterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MAINS = {
@@ -368,6 +369,15 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     assert f"{ids.numel()} of 49152 tokens" in proc.stdout and 1000 < ids.numel() < 49152
     every = training_tokens([cache], 0)
     assert set(ids.tolist()) < set(every.tolist())  # held-out answers bring tokens of their own
+    mixed = tmp_path / "mixed"  # a feature shard without its answers file counts as its answers would
+    mixed.mkdir()
+    shutil.copy2(cache / "answers-00000.safetensors", mixed / "features-00000.safetensors")
+    shutil.copy2(cache / "answers-00001.safetensors", mixed / "answers-00001.safetensors")
+    both = tmp_path / "both"
+    both.mkdir()
+    for name in ("answers-00000.safetensors", "answers-00001.safetensors"):
+        shutil.copy2(cache / name, both / name)
+    assert torch.equal(training_tokens([mixed], 0), training_tokens([both], 0))
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(tmp_path / "gone")), "gone")
     assert_one_line_error(run("scripts/draft_vocab.py", str(tmp_path), "--data", str(cache)), "config.json")
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "-1"),
@@ -390,6 +400,51 @@ def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path,
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(beam_mini),
                               "--drafter", drafter), "features of target layers [0]")
     assert not list(tmp_path.glob("features-*"))  # nothing written into the cache
+
+
+def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_sources):
+    """A tiny end-to-end run (phase 1, training, the drafter saved); then each way a rerun could damage an input, an
+    output or the training state is refused in one line before any work."""
+    import torch
+
+    from beamtrt.models.random_beam import write_random_beam
+
+    target = mini_vocab_sources / "target"
+    small = ["--prompts", "6", "--max-new-tokens", "6", "--gen-batch", "3", "--steps", "2", "--seqs-per-step", "2",
+             "--anchors", "2", "--block-size", "4", "--eval-block-size", "2", "--eval-every", "2", "--layers", "1",
+             "--selector-rank", "4", "--threads", "1", "--quiet", "--prompt-mix", "v1"]
+    data, work, out = tmp_path / "data", tmp_path / "work", tmp_path / "out"
+    paths = ["--target", str(target), "--data", str(data), "--work", str(work)]
+    proc = run("scripts/train_drafter.py", *paths, "--out", str(out), *small)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "config.json").is_file() and json.loads((data / "meta.json").read_text())["target"]
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), *small), "--force")
+    assert run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small).returncode == 0
+    for inside in (data, work, target, tmp_path):  # an input, the training state, or a folder holding them
+        assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(inside), "--force", *small),
+                              "overlaps")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(tmp_path / "notes"), "--force", *small),
+                          "does not hold a drafter")
+    new = ["--out", str(tmp_path / "new")]
+    proc = run("scripts/train_drafter.py", *paths, *new, *small, "--layers", "2")  # after the data's summary line
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("error:") and "another layout" in proc.stderr.splitlines()[-1]
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--extra-data", str(data)),
+                          "same cache twice")
+    for flag, value, needle in (("--seed", "-1", "--seed"), ("--data-seed", str(2**63), "--data-seed"),
+                                ("--block-size", "99", "--block-size"), ("--eval-block-size", "20", "--eval-block"),
+                                ("--max-new-tokens", str(10**12), "context")):
+        assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, flag, value), needle)
+    other = tmp_path / "other-target"  # the same config and tokenizer, other weights
+    write_random_beam(other, BeamConfig.from_file(target / "config.json"), seed=2, dtype=torch.float32)
+    for f in target.iterdir():
+        if not f.name.startswith(("model", "config")):
+            shutil.copy2(f, other / f.name)
+    assert_one_line_error(run("scripts/train_drafter.py", "--target", str(other), "--data", str(data), "--work",
+                              str(tmp_path / "w2"), *new, *small), "made by another target")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "w2").exists()
 
 
 def test_train_drafter_bad_values_are_one_line(tmp_path, run):

@@ -280,9 +280,28 @@ def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):
         train(make_drafter(target), data, dataclasses.replace(TINY_RUN, lr=1e-3), tmp_path, quiet=True)
     with pytest.raises(BeamtrtError, match="other data"):  # more (or other) feature caches than the run began with
         train(make_drafter(target), _features(target, n=7), TINY_RUN, tmp_path, quiet=True)
+    with pytest.raises(BeamtrtError, match="other data"):  # as many sequences and tokens, other ones
+        train(make_drafter(target), _features(target, seed=1), TINY_RUN, tmp_path, quiet=True)
+    with pytest.raises(BeamtrtError, match=r"another layout \(num_hidden_layers differ\)"):  # --layers changed
+        train(make_drafter(target, num_hidden_layers=1), data, TINY_RUN, tmp_path, quiet=True)
+    other = tiny_model(seed=5).requires_grad_(False)  # the same config, other weights
+    with pytest.raises(BeamtrtError, match="another target"):
+        train(make_drafter(other), data, TINY_RUN, tmp_path, quiet=True)
+    torch.save([1, 2], tmp_path / "train_state.pt")
+    with pytest.raises(BeamtrtError, match="not a training state"):
+        train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True)
     (tmp_path / "train_state.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(BeamtrtError, match="corrupt"):
         train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True)
+
+
+def test_divergence_stops_before_the_step(target, tmp_path):
+    """A non-finite loss ends the run with one line; the training state on disk is the last sound one."""
+    cfg = dataclasses.replace(TINY_RUN, lr=1e30, checkpoint_every=1)
+    with pytest.raises(BeamtrtError, match="training diverged at step"):
+        train(make_drafter(target), _features(target), cfg, tmp_path, quiet=True)
+    state = torch.load(tmp_path / "train_state.pt", weights_only=False)
+    assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
 
 
 def test_feature_shards_round_trip_and_corruption(target, tmp_path):
@@ -320,6 +339,57 @@ def test_feature_shards_round_trip_and_corruption(target, tmp_path):
             load_features(tmp_path)
     with pytest.raises(BeamtrtError, match="no feature shards"):
         load_features(tmp_path / "missing")
+    nan_taps = data.taps.clone()
+    nan_taps[3, 1] = float("nan")
+    save_file({"ids": data.ids, "taps": nan_taps, "seq_start": data.seq_start, "prompt_len": data.prompt_len,
+               "greedy": data.greedy}, str(tmp_path / "features-00001.safetensors"))
+    with pytest.raises(BeamtrtError, match="features-00001.safetensors: corrupt feature shard .*NaN"):
+        load_features(tmp_path)
+    save_file({"ids": data.ids, "taps": data.taps, "seq_start": data.seq_start, "prompt_len": data.prompt_len,
+               "greedy": data.greedy}, str(tmp_path / "features-00001.safetensors"))
+    load_features(tmp_path, vocab_size=target.cfg.vocab_size)
+    with pytest.raises(BeamtrtError, match="outside the target's vocabulary of 50"):  # a smaller target's cache
+        load_features(tmp_path, vocab_size=50)
+    with pytest.raises(BeamtrtError, match="made by another target"):
+        (tmp_path / "meta.json").write_text('{"taps": [1, 2], "target": "0123"}')
+        load_features(tmp_path, digest="4567")
+    load_features(tmp_path, digest="0123")
+    for garbage in ("", "[1, 2]", '{"recipe": 3}'):
+        (tmp_path / "meta.json").write_text(garbage)
+        with pytest.raises(BeamtrtError, match="meta.json: (unreadable|not a feature cache)"):
+            load_features(tmp_path)
+
+
+def test_answers_files_are_checked_before_taps_are_rebuilt(target, tmp_path):
+    """A damaged answers file is one line, and no feature shard is written from it."""
+    from safetensors.torch import save_file
+
+    from beamtrt.train.features import rebuild_features
+
+    data = _features(target, n=3)
+    good = {"ids": data.ids.to(torch.int32), "seq_start": data.seq_start, "prompt_len": data.prompt_len,
+            "greedy": data.greedy}
+    seq_start = data.seq_start.clone()
+    seq_start[-1] += 5
+    for bad, message in (({"ids": None}, "no 'ids' tensor"), ({"seq_start": seq_start}, "do not fit together"),
+                         ({"ids": good["ids"] + 1000}, "outside the target's vocabulary")):
+        tensors = {k: v for k, v in (good | bad).items() if v is not None}
+        save_file(tensors, str(tmp_path / "answers-00000.safetensors"))
+        with pytest.raises(BeamtrtError, match=f"answers-00000.safetensors: .*{message}"):
+            rebuild_features(target, TAPS, tmp_path, quiet=True)
+        assert not (tmp_path / "features-00000.safetensors").exists()
+    save_file(good, str(tmp_path / "answers-00000.safetensors"))
+    rebuild_features(target, TAPS, tmp_path, quiet=True)
+    assert torch.equal(load_features(tmp_path).ids, data.ids)
+
+
+def test_every_mix_makes_a_few_prompts():
+    """A mix's smallest shares round to no prompt at all for a handful (v4's 5% of 6); that is not an error."""
+    from beamtrt.train.prompts import MIXES, tagged_prompts
+
+    for mix in MIXES:
+        got = tagged_prompts(6, seed=0, mix=mix)
+        assert 1 <= len(got) <= 6 and len(set(got)) == len(got)
 
 
 def test_training_prompts_are_deterministic_and_not_benchmarks():

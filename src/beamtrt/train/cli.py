@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device
+from beamtrt.cli_util import check_seed, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
 
@@ -61,6 +61,28 @@ def replays_init_batches(init: Path, seed: int, sequences: int, tokens: int) -> 
         return False
 
 
+def check_out(out: Path, force: bool, inputs: list[tuple[str, Path]]) -> None:
+    """The drafter output, before hours of work: not one of the inputs or the training state (nor inside or around
+    one), and replaced only when it holds a drafter and --force says so."""
+    from beamtrt.config import DrafterConfig
+
+    for flag, d in inputs:
+        a, b = out.resolve(), d.resolve()
+        if a == b or a in b.parents or b in a.parents:
+            raise BeamtrtError(f"--out {out}: overlaps {flag} {d}, which writing the drafter would replace; choose "
+                               "another --out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        DrafterConfig.from_file(out / "config.json")
+    except Exception:
+        raise BeamtrtError(f"--out {out}: exists and does not hold a drafter checkpoint; choose another "
+                           "--out") from None
+    if not force:
+        raise BeamtrtError(f"--out {out}: holds a drafter already; pass --force to replace it (every file in it), or "
+                           "choose another --out")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from beamtrt.train.features import DataRecipe
     from beamtrt.train.prompts import MIXES
@@ -78,7 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     io.add_argument("--data", help="feature cache directory (default: checkpoints/<target>-dflash2-data)")
     io.add_argument("--work", help="training state directory, for resuming "
                     "(default: checkpoints/<target>-dflash2-train)")
-    io.add_argument("--out", help="trained drafter output (default: checkpoints/<target>-dflash2)")
+    io.add_argument("--out", help="trained drafter output, a new directory (default: "
+                    "checkpoints/<target>-dflash2-trained; the committed beam-mini drafter is checkpoints/beam-mini-"
+                    "dflash2)")
+    io.add_argument("--force", action="store_true",
+                    help="replace an --out that already holds a drafter (all of that directory)")
     io.add_argument("--init", metavar="DIR",
                     help="start from this drafter checkpoint instead of the recipe's initialization (continued "
                          "training, e.g. on more data; its layout must match --selector-rank; a --layers deeper "
@@ -146,15 +172,21 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
-        from beamtrt.train.features import DataRecipe, build_features, load_features, rebuild_features
+        from beamtrt.train.features import (DataRecipe, build_features, load_features, rebuild_features,
+                                            target_digest)
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, train, write_log
+
+        from beamtrt.config import check_block_size
 
         device = torch_device(args.device)
         set_threads(args.threads)
         for name in ("prompts", "max_new_tokens", "gen_batch", "layers", "selector_rank"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        check_seed(args.seed)
+        check_seed(args.data_seed, "--data-seed")
+        check_block_size(args.block_size)
         cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
                           block_size=args.block_size, eval_block_size=args.eval_block_size, lr=args.lr,
                           gamma=args.gamma, selector_weight=args.selector_weight, seed=args.seed,
@@ -175,22 +207,37 @@ def main(argv: list[str] | None = None) -> int:
         name = target_dir.resolve().name
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
-        out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2"
+        out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2-trained"
         for flag, d in (("--data", data_dir), ("--work", work), ("--out", out)):  # before hours of work
             output_path(d, flag, directory=True)
+        caches = [d.resolve() for d in (*map(Path, args.extra_data), data_dir)]
+        if len(set(caches)) < len(caches):
+            raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
+                               "trained on)")
+        check_out(out, args.force, [("--target", target_dir), ("--data", data_dir), ("--work", work)]
+                  + [("--extra-data", Path(d)) for d in args.extra_data])
 
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)
+        if args.eval_block_size > dcfg.block_size:
+            raise BeamtrtError(f"--eval-block-size {args.eval_block_size} is above the block the drafter is saved "
+                               f"for ({dcfg.block_size})")
+        context = target.cfg.max_position_embeddings
+        if recipe.max_prompt_tokens + recipe.max_new_tokens > context:
+            raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
+                               f"tokens and their answers must fit the target's context of {context} tokens")
+        digest = target_digest(target)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
-        build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet)
+        build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet,
+                       digest=digest)
         if args.data_only:
             print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
             return
         for extra in map(Path, args.extra_data):  # committed answers files get their taps back
-            rebuild_features(target, dcfg.target_layer_ids, extra, quiet=args.quiet)
-        data = load_features(*map(Path, args.extra_data), data_dir)
+            rebuild_features(target, dcfg.target_layer_ids, extra, quiet=args.quiet, digest=digest)
+        data = load_features(*map(Path, args.extra_data), data_dir, digest=digest, vocab_size=target.cfg.vocab_size)
         n_answer = int(sum(int(data.seq_start[i + 1] - data.seq_start[i]) - int(data.prompt_len[i])
                            for i in range(len(data))))
         print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
@@ -201,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                   "draw the same blocks again; pass another --seed for new ones", file=sys.stderr)
         drafter = (start_from(Path(args.init), dcfg, target, cfg.seed) if args.init
                    else init_drafter(dcfg, target, cfg.seed))
-        log = train(drafter, data, cfg, work, quiet=args.quiet)
+        log = train(drafter, data, cfg, work, quiet=args.quiet, digest=digest)
         write_log(work / "train_log.jsonl", log)
 
         save_drafter(drafter.to("cpu", torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16

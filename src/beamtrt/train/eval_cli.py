@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -40,12 +39,11 @@ def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int)
 
 
 def _meta(data_dir: Path) -> dict:
-    """A feature cache's meta.json (its recipe and target layers)."""
-    try:
-        meta = json.loads((data_dir / "meta.json").read_text())
-    except (OSError, ValueError):
-        meta = None
-    if not isinstance(meta, dict) or not {"prompts", "seed"} <= set(meta.get("recipe") or {}):
+    """A feature cache's meta.json, which must hold its recipe (the prompts are regenerated from it)."""
+    from beamtrt.train.features import read_meta
+
+    meta = read_meta(data_dir)
+    if not {"prompts", "seed"} <= set(meta.get("recipe") or {}):
         raise BeamtrtError(f"{data_dir}: no readable meta.json with the cache's recipe")
     return meta
 
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
         from beamtrt.models.dflash2 import load_drafter
-        from beamtrt.train.features import concat_features, load_features, rebuild_features
+        from beamtrt.train.features import concat_features, load_features, rebuild_features, target_digest
 
         if args.per_kind < 1 or args.block_size < 2:
             raise ValueError("--per-kind must be >= 1 and --block-size >= 2")
@@ -118,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         parts, kinds, answers = [], [], Counter()
         taps = list(drafter.cfg.target_layer_ids)
+        digest = target_digest(target)
         for d in map(Path, args.data):  # one cache in memory at a time; keep the answers that can be scored
             cache_taps = _meta(d).get("taps")
             if cache_taps != taps:
                 raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
-            rebuild_features(target, taps, d)  # committed answers files get their taps back (as in training)
-            part = load_features(d)
+            rebuild_features(target, taps, d, digest=digest)  # committed answers files get their taps back
+            part = load_features(d, digest=digest, vocab_size=target.cfg.vocab_size)
             part_kinds = cache_kinds(d, tokenizer, part)
             answers.update(kind for kind, greedy in zip(part_kinds, part.greedy.tolist()) if greedy)
             keep = sorted(i for group in last_greedy(part_kinds, part.greedy, args.per_kind).values() for i in group)

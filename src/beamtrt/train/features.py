@@ -16,6 +16,7 @@ is present but whose features are not gets its taps back from one teacher-forced
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -161,26 +162,59 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
 
 
+def target_digest(target: BeamForCausalLM) -> str:
+    """A short digest of the target's config and weights as loaded: a cache holds one target's answers and taps."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(target.cfg), sort_keys=True, default=str).encode())
+    for name, t in sorted(target.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
+
+
+def read_meta(data: Path) -> dict:
+    """A cache's meta.json (recipe, taps, hidden size, target digest); {} for a cache made before it existed."""
+    path = data / "meta.json"
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BeamtrtError(f"{path}: unreadable cache description ({e.__class__.__name__}); remove the cache, or "
+                           "choose another directory") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("recipe", {}), dict):
+        raise BeamtrtError(f"{path}: not a feature cache's description (expected a JSON object with a recipe)")
+    return meta
+
+
+def check_target(data: Path, meta: dict, digest: str | None) -> None:
+    """A cache records the target that made it (caches made before it did are taken as they are)."""
+    if digest is not None and meta.get("target") not in (None, digest):
+        raise BeamtrtError(f"{data}: made by another target (digest {meta['target']}, this one's {digest}): use the "
+                           "target that made it, or another directory")
+
+
 def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prompts: Sequence[str], out: Path,
-                   recipe: DataRecipe, quiet: bool = False) -> Path:
-    """Fill `out` with feature shards for `prompts` (answering only the shards not yet written); returns `out`."""
+                   recipe: DataRecipe, quiet: bool = False, digest: str | None = None) -> Path:
+    """Fill `out` with feature shards for `prompts` (answering only the shards not yet written); returns `out`.
+    digest: the target's `target_digest` (computed when not given)."""
     from tqdm import tqdm
 
-    out.mkdir(parents=True, exist_ok=True)
+    digest = digest or target_digest(target)
     meta = {"recipe": dataclasses.asdict(recipe), "taps": list(taps), "prompts": len(prompts),
             "hidden_size": target.cfg.hidden_size}
-    meta_path = out / "meta.json"
-    if meta_path.exists():
-        old = json.loads(meta_path.read_text())
+    old = read_meta(out) if out.is_dir() else {}
+    if old:
         old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
         if {k: old.get(k) for k in meta} != meta:
             raise BeamtrtError(f"{out} holds features made with other settings: remove it or choose another --data")
+        check_target(out, old, digest)
     else:
-        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "meta.json").write_text(json.dumps(meta | {"target": digest}, indent=2) + "\n")
     encoded = [ids for ids in (chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
-    rebuild_features(target, taps, out, quiet=quiet)
+    rebuild_features(target, taps, out, quiet=quiet, digest=digest)
     todo = [i for i in range(len(shards)) if not (out / f"features-{i:05d}.safetensors").exists()]
     bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[i]) for i in todo), desc="target answers",
                unit="seq", disable=quiet, dynamic_ncols=True)
@@ -243,19 +277,16 @@ def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
         raise BeamtrtError(f"{path}: corrupt {what} ({e})") from None
 
 
-@torch.no_grad()
-def _meta(data: Path) -> dict:
-    """A cache's meta.json (recipe, taps, hidden size); {} for a cache made before it existed."""
-    return json.loads((data / "meta.json").read_text()) if (data / "meta.json").is_file() else {}
-
-
 def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
-                     rows: int = 8) -> None:
+                     rows: int = 8, digest: str | None = None) -> None:
     """Give every answers file in `data` without a feature shard its taps (one teacher-forced forward per sequence,
-    `rows` sequences at a time), and every feature shard without an answers file its answers file."""
+    `rows` sequences at a time), and every feature shard without an answers file its answers file. digest: the
+    target's `target_digest` (computed when the cache records one and it is not given)."""
     from tqdm import tqdm
 
-    meta = _meta(data)
+    meta = read_meta(data)
+    if "target" in meta:
+        check_target(data, meta, digest or target_digest(target))
     if meta.get("taps", list(taps)) != list(taps):
         raise BeamtrtError(f"{data}: answers made for target layers {meta.get('taps')}, the drafter taps {list(taps)}")
     if meta.get("hidden_size", target.cfg.hidden_size) != target.cfg.hidden_size:
@@ -269,7 +300,8 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     missing = [(a, f) for a, f in missing if not f.exists()]
     if not missing:
         return
-    shards = [(features, _read(answers, "answers file")) for answers, features in missing]
+    shards = [(features, read_sequences(answers, "answers file", target.cfg.vocab_size))
+              for answers, features in missing]
     bar = tqdm(total=sum(len(s["prompt_len"]) for _, s in shards), desc=f"taps from answers ({data.name})",
                unit="seq", disable=quiet, dynamic_ncols=True)
     for features, shard in shards:
@@ -285,41 +317,65 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
             for j, k in enumerate(group):
                 feats[k] = out[j, :len(seqs[k])].to(torch.bfloat16)
             bar.update(len(group))
-        _save({"ids": shard["ids"].long(), "taps": torch.cat([feats[k] for k in range(len(seqs))]).cpu(),
-               "seq_start": shard["seq_start"], "prompt_len": shard["prompt_len"], "greedy": shard["greedy"]},
-              features)
+        try:
+            _save({"ids": shard["ids"].long(), "taps": torch.cat([feats[k] for k in range(len(seqs))]).cpu(),
+                   "seq_start": shard["seq_start"], "prompt_len": shard["prompt_len"], "greedy": shard["greedy"]},
+                  features)
+        except OSError as e:
+            raise BeamtrtError(f"{features}: cannot write the rebuilt taps ({e.strerror or e})") from None
     bar.close()
 
 
-def load_features(*dirs: Path) -> FeatureSet:
-    """Read every shard of one or more feature caches (in the order given) into one FeatureSet."""
+def load_features(*dirs: Path, digest: str | None = None, vocab_size: int | None = None) -> FeatureSet:
+    """Read every shard of one or more feature caches (in the order given) into one FeatureSet; with a target's
+    digest and vocabulary size, caches of another target are refused."""
     parts, first = [], None
     for data in dirs:
         paths = sorted(data.glob("features-*.safetensors"))
         if not paths:
             raise BeamtrtError(f"{data}: no feature shards (features-*.safetensors)")
-        meta = _meta(data)
+        meta = read_meta(data)
+        check_target(data, meta, digest)
         for key, what in (("taps", "features of target layers"), ("hidden_size", "a target hidden size of")):
             if first is not None and meta.get(key) != first.get(key):
                 raise BeamtrtError(f"{data}: {what} {meta.get(key)}, the first cache has {first.get(key)}")
         first = first or meta
-        parts += [_shard(p, meta) for p in paths]
+        parts += [_shard(p, meta, vocab_size) for p in paths]
     return concat_features(parts)
 
 
-def _shard(path: Path, meta: dict) -> FeatureSet:
-    """One feature shard, its tensors' shapes checked against each other (and the cache's tap width where known)."""
-    t = _read(path, "feature shard")
-    missing = [k for k in ("ids", "taps", "seq_start", "prompt_len", "greedy") if k not in t]
+def read_sequences(path: Path, what: str, vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """A feature shard's or answers file's tensors, its sequences checked: ids, seq_start, prompt_len and greedy
+    fit together, and every id is a token of the vocabulary (where its size is given)."""
+    t = _read(path, what)
+    missing = [k for k in ("ids", "seq_start", "prompt_len", "greedy") if k not in t]
     if missing:
-        raise BeamtrtError(f"{path}: corrupt feature shard (no {missing[0]!r} tensor)")
-    ids, taps, start, plen, greedy = t["ids"], t["taps"], t["seq_start"], t["prompt_len"], t["greedy"]
-    width = len(meta["taps"]) * meta["hidden_size"] if meta.get("taps") and meta.get("hidden_size") else None
+        raise BeamtrtError(f"{path}: corrupt {what} (no {missing[0]!r} tensor)")
+    ids, start, plen, greedy = t["ids"], t["seq_start"], t["prompt_len"], t["greedy"]
     n = plen.shape[0] if plen.dim() == 1 else -1
-    ok = (ids.dim() == 1 and taps.dim() == 2 and taps.shape[0] == ids.shape[0] and width in (None, taps.shape[1])
-          and n >= 0 and greedy.shape == (n,) and start.shape == (n + 1,) and int(start[0]) == 0
-          and int(start[-1]) == ids.shape[0] and bool((start.diff() >= plen).all()))
+    ok = (ids.dim() == 1 and n >= 0 and greedy.shape == (n,) and start.shape == (n + 1,)
+          and not any(x.is_floating_point() for x in (ids, start, plen)) and int(start[0]) == 0
+          and int(start[-1]) == ids.shape[0] and bool((plen >= 0).all()) and bool((start.diff() >= plen).all()))
     if not ok:
-        raise BeamtrtError(f"{path}: corrupt feature shard (ids {tuple(ids.shape)}, taps {tuple(taps.shape)}, "
-                           f"seq_start {tuple(start.shape)}, prompt_len {tuple(plen.shape)} do not fit together)")
-    return FeatureSet(ids, taps, start, plen, greedy)
+        raise BeamtrtError(f"{path}: corrupt {what} (ids {tuple(ids.shape)}, seq_start {tuple(start.shape)}, "
+                           f"prompt_len {tuple(plen.shape)}, greedy {tuple(greedy.shape)} do not fit together)")
+    if ids.numel() and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+        raise BeamtrtError(f"{path}: token ids {int(ids.min())}..{int(ids.max())} are outside the target's "
+                           f"vocabulary of {vocab_size}: a cache of another target?")
+    return t
+
+
+def _shard(path: Path, meta: dict, vocab_size: int | None = None) -> FeatureSet:
+    """One feature shard, its sequences checked (read_sequences) and its taps against them (finite; the cache's tap
+    width where known)."""
+    t = read_sequences(path, "feature shard", vocab_size)
+    if "taps" not in t:
+        raise BeamtrtError(f"{path}: corrupt feature shard (no 'taps' tensor)")
+    ids, taps = t["ids"], t["taps"]
+    width = len(meta["taps"]) * meta["hidden_size"] if meta.get("taps") and meta.get("hidden_size") else None
+    if not (taps.dim() == 2 and taps.shape[0] == ids.shape[0] and width in (None, taps.shape[1])):
+        raise BeamtrtError(f"{path}: corrupt feature shard (ids {tuple(ids.shape)}, taps {tuple(taps.shape)} do not "
+                           "fit together)")
+    if not bool(torch.isfinite(taps).all()):
+        raise BeamtrtError(f"{path}: corrupt feature shard (its taps hold NaN or inf values)")
+    return FeatureSet(ids, taps, t["seq_start"], t["prompt_len"], t["greedy"])

@@ -272,6 +272,8 @@ def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES,
     except ImportError:
         raise BeamtrtError("reasoning-gym is not installed: pip install 'beamtrt[train]' "
                            "(or reasoning-gym==0.1.25)") from None
+    if n == 0:  # a small mix's share (reasoning-gym refuses a dataset of size 0)
+        return []
     rng = random.Random(seed)
     out = []
     per_task = -(-n // len(tasks))

@@ -12,6 +12,7 @@ Every random draw comes from a generator seeded by (seed, step), so a resumed ru
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -201,7 +202,11 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
 # ---- data split and anchor draws ------------------------------------------------------------------------------
 
 def _fingerprint(data: FeatureSet) -> dict:
-    return {"sequences": len(data), "tokens": int(data.ids.shape[0])}
+    """The training data's identity in a training state: its size and a digest of every sequence, in order."""
+    h = hashlib.sha256()
+    for t in (data.ids, data.seq_start, data.prompt_len, data.greedy):
+        h.update(t.to(torch.int64).contiguous().numpy())
+    return {"sequences": len(data), "tokens": int(data.ids.shape[0]), "sha256": h.hexdigest()[:16]}
 
 
 def split(data: FeatureSet, cfg: TrainConfig) -> tuple[list[int], list[int]]:
@@ -314,44 +319,74 @@ def eval_ratios(sums: dict[str, float], outside: bool = False) -> dict[str, floa
 # ---- the loop -------------------------------------------------------------------------------------------------
 
 def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
-                log: list[dict], data: FeatureSet) -> None:
+                log: list[dict], data: dict, target: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"step": step, "config": dataclasses.asdict(cfg), "data": _fingerprint(data),
-                "model": drafter.state_dict(), "optimizer": opt.state_dict(), "log": log}, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save({"step": step, "config": dataclasses.asdict(cfg), "data": data, "target": target,
+                    "drafter": dataclasses.asdict(drafter.cfg), "model": drafter.state_dict(),
+                    "optimizer": opt.state_dict(), "log": log}, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports an unwritable file as a RuntimeError
+        raise BeamtrtError(f"{path}: cannot write the training state ({e}); --work must be a writable "
+                           "directory") from None
+
+
+def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer, cfg: TrainConfig, data: dict,
+            target: str) -> tuple[int, list[dict]]:
+    """Load a training state into drafter and opt -> (step, log); one line when it is not one of this run's."""
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=False)  # any device's state
+    except Exception as e:
+        raise BeamtrtError(f"{state_path}: cannot resume, the training state is corrupt ({e.__class__.__name__}); "
+                           "remove it to start over") from None
+    keys = ("step", "config", "data", "target", "drafter", "model", "optimizer", "log")
+    if not isinstance(state, dict) or not all(k in state for k in keys):
+        raise BeamtrtError(f"{state_path}: not a training state of this version (no {', '.join(keys)}); remove it, "
+                           "or use another --work directory, to start over")
+    if state["data"] != data:
+        raise BeamtrtError(f"{state_path} was trained on other data ({state['data']}, now {data}): use the same "
+                           "feature caches in the same order, or another --work directory")
+    if state["target"] != target:
+        raise BeamtrtError(f"{state_path} was trained against another target (digest {state['target']}, this "
+                           f"one's {target}): use the same --target, or another --work directory")
+    if state["drafter"] != dataclasses.asdict(drafter.cfg):
+        diff = [k for k, v in dataclasses.asdict(drafter.cfg).items() if state["drafter"].get(k) != v]
+        raise BeamtrtError(f"{state_path} holds a drafter of another layout ({', '.join(diff)} differ): pass the "
+                           "same --layers and --selector-rank, or another --work directory")
+    if state["config"] != dataclasses.asdict(cfg):
+        raise BeamtrtError(f"{state_path} was written with other training settings: pass the same flags, or "
+                           "remove it (or use another --work directory) to start over")
+    try:
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise BeamtrtError(f"{state_path}: cannot resume, its tensors do not fit this drafter ({e.__class__.__name__})"
+                           "; remove it to start over") from None
+    return state["step"], state["log"]
 
 
 def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Path,
           on_log: Callable[[dict], None] = lambda row: None, quiet: bool = False,
-          stop_after: int | None = None) -> list[dict]:
+          stop_after: int | None = None, digest: str | None = None) -> list[dict]:
     """Train `drafter` (fp32, in place) for cfg.steps, resuming from work/train_state.pt when it exists; its draft
     vocabulary becomes the head slice's tokens (`head_vocab` "seen") or the whole vocabulary ("full").
 
     Returns the log: one row per step (losses, accuracy, τ proxy at the eval block, lr) plus eval rows.
     stop_after: end (after checkpointing) once this many steps are done in total (simulates an interruption).
+    digest: the target's `target_digest` (computed when not given), kept in the training state.
     """
     from tqdm import tqdm
+
+    from beamtrt.train.features import target_digest
 
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "train_state.pt"
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, log = 0, []
+    fingerprint, target = _fingerprint(data), digest or target_digest(drafter.target)
     if state_path.exists():
-        try:
-            state = torch.load(state_path, map_location="cpu", weights_only=False)  # any device's state
-        except Exception as e:
-            raise BeamtrtError(f"{state_path}: cannot resume, the training state is corrupt ({e.__class__.__name__});"
-                               " remove it to start over") from None
-        if state.get("data") != _fingerprint(data):
-            raise BeamtrtError(f"{state_path} was trained on other data ({state.get('data')}, now "
-                               f"{_fingerprint(data)}): use the same feature caches, or another --work directory")
-        if state["config"] != dataclasses.asdict(cfg):
-            raise BeamtrtError(f"{state_path} was written with other training settings: pass the same flags, or "
-                               "remove it (or use another --work directory) to start over")
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, log = state["step"], state["log"]
+        step, log = _resume(state_path, drafter, opt, cfg, fingerprint, target)
     train_ids, held = split(data, cfg)
     head = None
     if cfg.head_vocab == "seen":
@@ -376,6 +411,11 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         loss = base + cfg.selector_weight * sel + (cfg.distill * kd if kd is not None else 0.0)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        if not (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)):  # before the step: state sound
+            raise BeamtrtError(f"training diverged at step {step + 1} (loss {float(loss.detach())}, gradient norm "
+                               f"{grad_norm})"
+                               f"; the last training state in {work} is from before it: lower --lr and start "
+                               "over in another --work directory")
         opt.step()
         step += 1
         loss, base, sel = loss.detach(), base.detach(), sel.detach()
@@ -396,7 +436,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         bar.set_postfix({k: row[k] for k in ("loss", "acc", "tau_proxy") if k in row} |
                         ({"eval_tau": row["eval_tau"]} if "eval_tau" in row else {}))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after:
-            _save_state(state_path, drafter, opt, step, cfg, log, data)
+            _save_state(state_path, drafter, opt, step, cfg, log, fingerprint, target)
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
