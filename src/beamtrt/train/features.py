@@ -240,8 +240,12 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")  # written whole: temporary file, then rename
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    except Exception as e:  # safetensors reports a failed write as its own error type
+        tmp.unlink(missing_ok=True)
+        raise BeamtrtError(f"{path}: cannot write it ({e}); the cache's directory must be writable") from None
 
 
 def _answers_path(features: Path) -> Path:
@@ -317,12 +321,9 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
             for j, k in enumerate(group):
                 feats[k] = out[j, :len(seqs[k])].to(torch.bfloat16)
             bar.update(len(group))
-        try:
-            _save({"ids": shard["ids"].long(), "taps": torch.cat([feats[k] for k in range(len(seqs))]).cpu(),
-                   "seq_start": shard["seq_start"], "prompt_len": shard["prompt_len"], "greedy": shard["greedy"]},
-                  features)
-        except OSError as e:
-            raise BeamtrtError(f"{features}: cannot write the rebuilt taps ({e.strerror or e})") from None
+        _save({"ids": shard["ids"].long(), "taps": torch.cat([feats[k] for k in range(len(seqs))]).cpu(),
+               "seq_start": shard["seq_start"], "prompt_len": shard["prompt_len"], "greedy": shard["greedy"]},
+              features)
     bar.close()
 
 
