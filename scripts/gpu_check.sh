@@ -23,7 +23,11 @@ if [[ -n "${OUT:-}" ]]; then  # everything from here on also goes to $OUT/gpu_ch
   exec > >(tee "$OUT/gpu_check.log") 2>&1
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-"$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+# one line and exit status 2 where this cannot run: no torch for $PY, or no CUDA device it can see
+"$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda',
+  torch.version.cuda)" 2>/dev/null || { echo "error: $PY has no torch: set PY to a python with a CUDA build of torch" >&2; exit 2; }
+"$PY" -c "import torch; raise SystemExit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+  || { echo "error: $PY's torch sees no CUDA device: this check needs a GPU host" >&2; exit 2; }
 SECONDS=0
 status=0  # a failed stage does not stop the later ones: one run shows every result; the exit status is the last failure
 stage() { echo "== $1 (${SECONDS} s)"; shift; "$@" || { status=$?; echo "== FAILED with exit status ${status}: $*"; }; }
@@ -33,6 +37,7 @@ stage "torch extension" "$PY" -c "from beamtrt.native import cuda; cuda.extensio
 stage "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --durations=5 tests/test_plugins.py \
   tests/test_drafter_kernels.py tests/test_train_drafter.py
 mkdir -p bench
+rm -f bench/kernels.json  # a failed benchmark leaves no earlier run's table to be copied as this one's
 stage "kernel micro-benchmark" "$PY" scripts/bench_kernels.py --json bench/kernels.json
 if [[ -n "${OUT:-}" && -f bench/kernels.json ]]; then cp bench/kernels.json "$OUT/"; fi
 echo "gpu check done in ${SECONDS} s (exit status ${status})"

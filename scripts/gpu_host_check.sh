@@ -12,16 +12,22 @@ PY=${PY:-.venv/bin/python}
 TP=1
 PRECISIONS=""
 MAX_NEW=64
+fail() { echo "error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --tp|--precisions|--max-new-tokens) [ $# -ge 2 ] || fail "$1 needs a value (see --help)" ;;
+  esac
   case "$1" in
     --tp) TP="$2"; shift 2 ;;
     --precisions) PRECISIONS="$2"; shift 2 ;;
     --max-new-tokens) MAX_NEW="$2"; shift 2 ;;
-    -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) fail "unknown argument $1 (see --help)" ;;
   esac
 done
-fail() { echo "error: $*" >&2; exit 2; }
+[[ "$TP" =~ ^[1-9][0-9]*$ ]] || fail "--tp must be a positive integer, got $TP"
+[[ "$MAX_NEW" =~ ^[1-9][0-9]*$ ]] || fail "--max-new-tokens must be a positive integer, got $MAX_NEW"
+command -v "$PY" >/dev/null || fail "$PY not found: run make setup in a Python with tensorrt_llm 1.2, or set PY"
 
 "$PY" - <<'EOF' || exit 2
 import sys

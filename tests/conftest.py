@@ -70,7 +70,8 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List 
 @pytest.fixture(scope="session")
 def mini_vocab_sources(tmp_path_factory, beam_mini):
     """A small random Beam target with beam-mini's vocabulary and tokenizer (8 query / 2 KV heads, 8 experts), a
-    random drafter with a draft vocabulary (the even token ids), and prompts.jsonl (PROMPTS)."""
+    random drafter with a draft vocabulary (the even token ids) whose mask token is the last id (as DFlash drafters'
+    are: under tensor parallelism it lies in the last rank's rows), and prompts.jsonl (PROMPTS)."""
     import json
     import shutil
 
@@ -89,7 +90,7 @@ def mini_vocab_sources(tmp_path_factory, beam_mini):
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy2(f, root / "target" / f.name)
     target = load_beam(root / "target")
-    drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=0)
+    drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2))  # mask id: the last token
     drafter = random_drafter(drafter, target, std=0.2)
     drafter.set_draft_vocab(range(0, vocab, 2))  # builds carry it over; every runtime drafts from even ids only
     save_drafter(drafter, root / "drafter")

@@ -63,6 +63,7 @@ def test_writer_context_manager_sets_files(tmp_path):
             writer.add(name, t)
     assert len(writer.files) == 4 and writer.files[-1].name == "model.safetensors.index.json"
     assert all(p.exists() for p in writer.files)
+    assert {p.stat().st_mode & 0o777 for p in writer.files} == {0o666 & ~hf._UMASK}  # not safetensors' 0600
 
 
 @pytest.mark.parametrize(

@@ -119,13 +119,22 @@ def test_help_lists_every_flag(script, flags, run):
 
 
 def test_gpu_check_help_and_bad_argument():
-    """gpu_check.sh takes no arguments: --help explains it without building anything, anything else is refused."""
+    """gpu_check.sh takes no arguments: --help explains it without building anything, anything else is refused, and
+    without a GPU it says so at once; gpu_host_check.sh's flags need values."""
     script = str(ROOT / "scripts/gpu_check.sh")
     proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and "Usage: scripts/gpu_check.sh" in proc.stdout and "CMake" in proc.stdout
     assert "==" not in proc.stdout  # no stage ran
     assert_one_line_error(subprocess.run([script, "--tp", "4"], capture_output=True, text=True, timeout=30),
                           "takes no arguments", "--tp")
+    if not torch.cuda.is_available():  # says so at once instead of building for minutes
+        assert_one_line_error(subprocess.run([script], capture_output=True, text=True, timeout=60,
+                                             env={**os.environ, "PY": sys.executable}), "no CUDA device")
+    host = str(ROOT / "scripts/gpu_host_check.sh")
+    for args, needle in ((["--tp"], "--tp needs a value"), (["--tp", "x"], "positive integer"),
+                         (["--bogus"], "unknown argument")):
+        assert_one_line_error(subprocess.run([host, *args], capture_output=True, text=True, timeout=30), needle)
+    assert "set -euo" not in subprocess.run([host, "--help"], capture_output=True, text=True, timeout=30).stdout
 
 
 def test_run_bad_values_are_one_line(tmp_path, run):
@@ -339,6 +348,8 @@ def test_run_generates_coherent_text(beam_mini):
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
+    assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--max-new-tokens", "1"),
+                          "--max-new-tokens must be >= 2")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--block-size", "99"),
                           "--block-size must be in [2, 32]")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--draft-threshold", "2"),
@@ -347,6 +358,10 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
     assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path), "--size-gb", "0"), "--size-gb")
+    for huge in ("inf", "1e12"):  # more than the disk holds: refused before writing anything
+        assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path / "w"), "--size-gb", huge),
+                              "--size-gb", "GB free")
+    assert not (tmp_path / "w").exists()
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--tp", "0"), "--tp")
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
@@ -460,3 +475,14 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
         bad = run("scripts/train_drafter.py", flag, value, "--steps", "0")
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
         assert f"argument {flag}: invalid choice: '{value}'" in bad.stderr.splitlines()[-1]
+
+
+def test_child_error_finds_the_childs_own_line():
+    """bench_tp.py / bench_convert.py report why a build or a run failed: its error line even when Open MPI's notice
+    follows it, its last line otherwise, and how it ended when it printed nothing (killed)."""
+    from beamtrt.cli_util import child_error
+
+    assert child_error("loading\nerror: rank 1: bad mask\n----\nprterun noticed that process rank 1\x00\n", 2) == \
+        "rank 1: bad mask"
+    assert child_error("Traceback ...\nValueError: boom\n", 1) == "ValueError: boom"
+    assert child_error("", -9) == "killed by signal 9" and child_error("  \n", 3) == "exit status 3, no output"

@@ -52,6 +52,18 @@ def check_seed(n: int, flag: str = "--seed") -> None:
         raise BeamtrtError(f"{flag} must be in [0, 2**63), got {n}")
 
 
+def child_error(stderr: str, returncode: int) -> str:
+    """Why a child command failed, in one line: its own `error:` line (under mpirun, Open MPI's notices follow it),
+    else its last line of output, else how it ended (a rank or build killed, for example, prints nothing)."""
+    lines = [line.strip() for line in stderr.replace("\0", "").splitlines() if line.strip()]
+    mine = [line for line in lines if line.startswith("error:")]
+    if mine:
+        return mine[0].removeprefix("error:").strip()
+    if lines:
+        return lines[-1]
+    return f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}, no output"
+
+
 def set_threads(n: int, flag: str = "--threads") -> None:
     """--threads N: torch's CPU threads; 0 keeps torch's default."""
     import torch

@@ -9,13 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import output_path, run_cli
+from beamtrt.cli_util import child_error, output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,7 +33,7 @@ def source_config(size_gb: float):
 
 
 def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
-    from beamtrt.checkpoint.hf import save_state_dict
+    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, temp_dir
     from beamtrt.config import DrafterConfig
     from beamtrt.models.dflash2 import drafter_tensor_specs
     from beamtrt.models.random_beam import write_random_beam
@@ -47,13 +48,18 @@ def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
         shutil.rmtree(drafter, ignore_errors=True)
     if not (target / "config.json").is_file():
         write_random_beam(target, cfg, progress=True)
-    if not (drafter / "config.json").is_file():
+    if not (drafter / "config.json").is_file():  # written beside, then renamed: an interruption leaves nothing
         dcfg = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(1, cfg.num_hidden_layers - 2),
                                         mask_token_id=0)
         gen = torch.Generator().manual_seed(0)
-        save_state_dict(drafter, ((n, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
-                                  for n, (shape, _, _) in drafter_tensor_specs(dcfg).items()))
-        dcfg.save(drafter / "config.json")
+        tmp = temp_dir(drafter)
+        try:
+            save_state_dict(tmp, ((n, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+                                  for n, (shape, _, _) in drafter_tensor_specs(dcfg).items()), overwrite=True)
+            dcfg.save(tmp / "config.json")
+            replace_dir(tmp, drafter)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target, drafter
 
 
@@ -61,14 +67,15 @@ def run_build(target: Path, drafter: Path, out: Path, precision: str, tp: int) -
     cmd = [sys.executable, str(ROOT / "build" / "build_engines.py"), "--precision", precision, "--model", str(target),
            "--drafter", str(drafter), "--tp", str(tp), "--out", str(out), "--quiet", "--force"]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    err = proc.stderr.read()
-    proc.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise BeamtrtError(f"build failed ({precision}): "
-                              f"{err.strip().splitlines()[-1].removeprefix('error: ') if err.strip() else status}")
+    with tempfile.TemporaryFile("w+") as log:  # not a pipe: a build writing more than a pipe holds would block
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        log.seek(0)
+        err = log.read()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise BeamtrtError(f"build failed ({precision}): {child_error(err, code)}")
     manifest = json.loads((out / "manifest.json").read_text())
     return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024,
             "stage_seconds": {k: v.get("seconds") for k, v in manifest["stages"].items() if v.get("seconds")}}
@@ -90,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--size-gb must be > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
         if args.json:
             output_path(args.json, "--json")
+        room = args.work.absolute()
+        while not room.exists():
+            room = room.parent
+        free = shutil.disk_usage(room).free
+        if not args.size_gb * 1e9 * 2 <= free:  # the sources and one build of them at a time
+            raise BeamtrtError(f"--size-gb {args.size_gb}: needs about {2 * args.size_gb:.3g} GB free under "
+                               f"{args.work}, {free / 1e9:.3g} GB are")
         target, drafter = make_sources(args.work, args.size_gb)
         weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
         results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,

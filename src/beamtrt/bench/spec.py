@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the drafts whose running product of drafter confidences is >= P (as "
                         "runtime/run.py's flag); 0 = whole blocks (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens per request, at least 2: the first comes from the prefill, decode speed from the rest "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
     p.add_argument("--json", help="also write the JSON result here")
@@ -65,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS):
             raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}]")
+        if args.max_new_tokens < 2:
+            raise ValueError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill; decode speed is "
+                             f"measured on the rest), got {args.max_new_tokens}")
         check_block_size(args.block_size)
         check_draft_threshold(args.draft_threshold)
         set_threads(args.threads)
@@ -83,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = profile(lambda: SpeculativeDecoder(target, drafter, args.block_size,
                                                       draft_threshold=args.draft_threshold), requests)
             plain = profile(lambda: SpeculativeDecoder(target, None), requests)
+            rates = spec["decode_tokens_per_s"], plain["decode_tokens_per_s"]  # None: every answer ended at once
             point = {"batch": batch, "spec": spec, "no_spec": plain,
-                     "decode_speedup": round(spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"], 3)}
+                     "decode_speedup": round(rates[0] / rates[1], 3) if all(rates) else None}
             result["results"].append(point)
             print(json.dumps(point), file=sys.stderr, flush=True)
         print(json.dumps(result, indent=2))

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import output_path, run_cli
+from beamtrt.cli_util import child_error, output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -22,11 +22,11 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 def build(precision: str, tp: int, work: Path, model: str | None, drafter: str | None) -> Path:
     out = work / f"{precision}-tp{tp}"
     cmd = [sys.executable, str(ROOT / "build" / "build_engines.py"), "--precision", precision, "--tp", str(tp),
-           "--out", str(out), "--quiet"]
+           "--out", str(out), "--quiet", "--force"]  # --work is this benchmark's: a build of other inputs is replaced
     cmd += [f"--{flag}={path}" for flag, path in (("model", model), ("drafter", drafter)) if path]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
-        raise BeamtrtError(f"build failed: {proc.stderr.strip().splitlines()[-1].removeprefix('error: ')}")
+        raise BeamtrtError(f"build failed: {child_error(proc.stderr, proc.returncode)}")
     return out
 
 
@@ -41,8 +41,7 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         env = {**os.environ, **MPI_ENV} if tp > 1 else {**os.environ, "OMP_NUM_THREADS": "2"}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if proc.returncode != 0:
-            raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): "
-                               f"{proc.stderr.strip().splitlines()[-1].removeprefix('error: ')}")
+            raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {child_error(proc.stderr, proc.returncode)}")
         s = json.loads(report.read_text())["summary"]
     return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": round(s["acceptance_length"], 3),
             "steps": s["decoder_steps"], "step_s": {k: round(v, 4) for k, v in s["step_s"].items()}}
@@ -60,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32],
                    help="concurrent requests (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
-    p.add_argument("--work", type=Path, default=ROOT / "bench" / "tp", help="where builds go (default: bench/tp)")
+    p.add_argument("--work", type=Path, default=ROOT / "bench" / "tp",
+                   help="where builds go; one of other inputs there is replaced (default: bench/tp)")
     p.add_argument("--json", type=Path, help="write the results to this file")
     args = p.parse_args(argv)
 

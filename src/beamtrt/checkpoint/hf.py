@@ -81,6 +81,13 @@ def read_json(path: Path, what: str) -> dict:
     return obj
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with the mode open() would give (it creates its files 0600: unreadable to a
+    tritonserver running as another user)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
 def write_json(path: str | Path, obj: dict) -> None:
     """Write `obj` as indented JSON, atomically (temp file in the same directory, then os.replace), making missing
     folders: every config, manifest, --json and summary file."""
@@ -94,7 +101,7 @@ def write_json(path: str | Path, obj: dict) -> None:
             f.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give (as save_safetensors does)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -291,7 +298,7 @@ class CheckpointWriter:
     def _flush(self) -> None:
         file = self.path / f"model-{len(self._shards) + 1:05d}.partial.safetensors"
         self._written.append(file)
-        save_file(self._buffer, str(file), metadata=self._metadata)
+        save_safetensors(self._buffer, file, self._metadata)
         self._shards.append((file, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 

@@ -218,17 +218,16 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                         "block_size": decoder.block_size, "draft_threshold": decoder.draft_threshold,
                         "no_spec": args.no_spec, "dtype": args.dtype,
                         "concurrency": args.concurrency or len(requests),
-                        **_time_split(decoder, target, drafter, dist)},
+                        **_time_split(decoder, dist)},
         }
         write_json(args.json, report)
 
 
-def _time_split(decoder, target, drafter, dist) -> dict:
-    """Seconds per step in the target, the drafter, communication (collectives, rank 0) and everything else."""
+def _time_split(decoder, dist) -> dict:
+    """Seconds per step in the target, the drafter, communication (rank 0's collectives during the steps) and
+    everything else; the four add up to the steps' time."""
     t, steps = decoder.times, max(decoder.times.steps, 1)
-    comm_t, comm_d = getattr(target, "comm_s", 0.0), getattr(drafter, "comm_s", 0.0) if drafter else 0.0
-    return {"decoder_steps": t.steps, "world_size": dist.size,
-            "step_s": {"target": (t.target_s - comm_t) / steps, "drafter": (t.drafter_s - comm_d) / steps,
-                       "communication": (comm_t + comm_d) / steps, "other": t.other_s / steps},
-            "target_s": t.target_s - comm_t, "drafter_s": t.drafter_s - comm_d, "communication_s": comm_t + comm_d,
-            "other_s": t.other_s}
+    split = {"target": t.target_s - t.target_comm_s, "drafter": t.drafter_s - t.drafter_comm_s,
+             "communication": t.comm_s, "other": t.other_s - (t.comm_s - t.target_comm_s - t.drafter_comm_s)}
+    return {"decoder_steps": t.steps, "world_size": dist.size, "step_s": {k: v / steps for k, v in split.items()}} | {
+        f"{k}_s": v for k, v in split.items()}

@@ -38,11 +38,16 @@ def target_shard_config(cfg: BeamConfig, mapping: trtllm.Mapping) -> BeamConfig:
 
 
 def drafter_shard_config(cfg: DrafterConfig, mapping: trtllm.Mapping) -> DrafterConfig:
+    """The config one rank's drafter shard computes: its heads, its MLP slice, its vocab rows (LM head, codebooks).
+    The mask token stays a whole-vocabulary id (the target's vocab-parallel embedding looks it up), so it is set after
+    the rank-local config is checked, where it may lie beyond this rank's rows."""
     tp = mapping.tp_size
-    return dataclasses.replace(cfg, **_local_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp),
-                               intermediate_size=cfg.intermediate_size // tp,
-                               vocab_size=trtllm.padded_vocab(cfg.vocab_size, tp) // tp,
-                               selector_top_k=min(cfg.selector_top_k, cfg.vocab_size))
+    local = dataclasses.replace(cfg, **_local_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp),
+                                intermediate_size=cfg.intermediate_size // tp,
+                                vocab_size=trtllm.padded_vocab(cfg.vocab_size, tp) // tp,
+                                selector_top_k=min(cfg.selector_top_k, cfg.vocab_size), mask_token_id=0)
+    object.__setattr__(local, "mask_token_id", cfg.mask_token_id)
+    return local
 
 
 def make_shard(cfg: BeamConfig, mapping: trtllm.Mapping, rank: int, dist: Dist):

@@ -52,6 +52,10 @@ class StepTimes:
     target_s: float = 0.0
     drafter_s: float = 0.0
     total_s: float = 0.0
+    # of those, seconds in collectives (tensor-parallel backends count theirs in `comm_s`; 0 in one process)
+    target_comm_s: float = 0.0
+    drafter_comm_s: float = 0.0
+    comm_s: float = 0.0
 
     @property
     def other_s(self) -> float:
@@ -176,7 +180,7 @@ class SpeculativeDecoder:
         """One draft -> verify -> commit step for the active cache slots, sampling with `params` (default the
         decoder's); finished requests free their slot."""
         params = self.params if params is None else params
-        start = time.perf_counter()
+        start, comm0 = time.perf_counter(), self._comm_s()
         slots = torch.tensor(active)
         anchors = self.anchor[slots]  # [N]
         gamma = self.block_size - 1
@@ -185,17 +189,19 @@ class SpeculativeDecoder:
         num_drafts = torch.full((len(active),), gamma)  # [N] drafts proposed per request
         if self.drafter is not None:
             uniforms = None if params.greedy else self._uniforms(len(active), gamma)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), self._comm_s()
             proposal = self.drafter.draft(anchors, self.block_size, slots, params, uniforms)
             self.times.drafter_s += time.perf_counter() - t
+            self.times.drafter_comm_s += self._comm_s() - c
             drafts, cand, q = proposal.draft_ids, proposal.cand_ids, proposal.q
             if self.draft_threshold > 0:
                 num_drafts = proposal_lengths(proposal, self.draft_threshold)
                 width = int(num_drafts.max())  # one rectangle: shorter proposals are padded (their rows are dead)
                 drafts, cand, q = drafts[:, :width], cand[:, :width], None if q is None else q[:, :width]
-        t = time.perf_counter()
+        t, c = time.perf_counter(), self._comm_s()
         out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots, num_drafts + 1, taps=self.taps)
         self.times.target_s += time.perf_counter() - t
+        self.times.target_comm_s += self._comm_s() - c
         if params.greedy:
             result = verify_greedy(drafts, out.logits, num_drafts)
         else:  # γ accept uniforms whatever the cut: the random stream does not depend on the threshold
@@ -207,9 +213,10 @@ class SpeculativeDecoder:
         self.target.crop(slots, self.position[slots])
         self.anchor[slots] = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1)
         if self.drafter is not None:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), self._comm_s()
             self.drafter.append_context(*self._scatter(slots, out.taps, committed))
             self.times.drafter_s += time.perf_counter() - t
+            self.times.drafter_comm_s += self._comm_s() - c
         for s, row, k, drafted in zip(active, result.tokens.tolist(), committed.tolist(), num_drafts.tolist()):
             i = self.owner[s]
             kept = self._commit(i, requests[i], done[i], row[:k], on_tokens)
@@ -220,7 +227,12 @@ class SpeculativeDecoder:
             if done[i].finish_reason:
                 self.release(s, done[i])
         self.times.total_s += time.perf_counter() - start
+        self.times.comm_s += self._comm_s() - comm0
         self.times.steps += 1
+
+    def _comm_s(self) -> float:
+        """Seconds the backends have spent in collectives so far (tensor-parallel rank 0; 0 in one process)."""
+        return getattr(self.target, "comm_s", 0.0) + (getattr(self.drafter, "comm_s", 0.0) if self.drafter else 0.0)
 
     def release(self, slot: int, completion: Completion) -> None:
         """A request finished (or was cancelled): free its slot (reset when the next request is prefilled into it)."""

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from beamtrt.checkpoint.hf import save_safetensors
 from beamtrt.errors import BeamtrtError
 from beamtrt.models.beam import BeamForCausalLM, right_padded
 
@@ -241,7 +242,7 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")  # written whole: temporary file, then rename
     try:
-        save_file(tensors, str(tmp))
+        save_safetensors(tensors, tmp)
         os.replace(tmp, path)
     except Exception as e:  # safetensors reports a failed write as its own error type
         tmp.unlink(missing_ok=True)
