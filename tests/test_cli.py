@@ -299,7 +299,29 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
                           "num_key_value_heads=4")
     for flag, value in (("--max-shard-gb", "nan"), ("--max-shard-gb", "0"), ("--seed", str(2**70))):
         assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), flag, value), flag)
+    for flag, value in (("--layers", "100000000"), ("--vocab-size", "100000000000")):  # measured, not listed
+        assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), flag, value),
+                              "GB checkpoint", "GB free")
     assert not (tmp_path / "x").exists()
+
+
+def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):
+    """A size a host cannot hold is one line: the model's context (bench_decode), or an allocation that fails."""
+    from beamtrt.cli_util import run_cli
+
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "m"), "--context", "10000000",
+                              "--paths", "torch"), "exceed the model's context")
+
+    def huge() -> None:
+        torch.empty(1 << 62, dtype=torch.uint8)
+
+    capsys.readouterr()
+    assert run_cli(huge) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory") and len(err.strip().splitlines()) == 1, err
+
+
 
 
 def test_make_beam_mini_bad_values_are_one_line(tmp_path, run):

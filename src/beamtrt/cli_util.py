@@ -105,6 +105,11 @@ def _message(e: BaseException) -> str:
     return lines[0]
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation the host could not make: Python's MemoryError, torch's CPU allocator or a CUDA OOM."""
+    return isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower()
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP, raised where Ctrl-C would be so that the same clean-up runs (temporary outputs removed)."""
 
@@ -126,6 +131,11 @@ def run_cli(body: Callable[[], None]) -> int:
         body()
     except (BeamtrtError, ValueError, OSError) as e:
         print(f"error: {_message(e)}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
+        if not _out_of_memory(e):
+            raise
+        print(f"error: out of memory ({_message(e) or 'MemoryError'}): ask for smaller sizes", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)

@@ -103,8 +103,8 @@ def measure(model: BeamForCausalLM, probe: GemvProbe, batch: int, context: int, 
             caches[path], tokens[path] = cache, token
     step_times = {path: [] for path in paths}
     probe_times = {name: [] for name in probe.gemvs}
-    per_round = max(1, steps // rounds)
-    for _ in range(rounds):
+    for r in range(rounds):  # `steps` timed steps in all, spread over the rounds
+        per_round = steps // rounds + (r < steps % rounds)
         for _ in range(5):
             for name, seconds in probe.seconds().items():
                 probe_times[name].append(seconds)
@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                   "device": "cpu", "results": []}
         for name in args.dtypes:
             model = load_beam(model_dir, dtype=DTYPES[name])
+            if args.context + args.steps + 2 > model.cfg.max_position_embeddings:  # 2: the warm-up steps
+                raise ValueError(f"--context {args.context} + --steps {args.steps} (+ 2 warm-up steps) exceed the "
+                                 f"model's context of {model.cfg.max_position_embeddings} tokens")
             probe = GemvProbe(DTYPES[name])
             step_bytes = active_weight_bytes(model)
             for batch in args.batches:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import shutil
 
 import torch
 
@@ -27,6 +29,22 @@ SIZE_FLAGS = {
 }
 
 
+def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
+    """The weight bytes of a checkpoint of this config, without listing its tensors (a layer count in the millions
+    would not fit in memory as a list): the embedding and head, plus each layer's, measured on 1- and 2-layer
+    configs of the same shape."""
+    from beamtrt.models.beam import hf_tensor_specs
+
+    def size(layers: int, dense: bool) -> int:
+        c = dataclasses.replace(cfg, num_hidden_layers=layers, mlp_only_layers=tuple(range(layers)) if dense else ())
+        return sum(math.prod(shape) for shape, _, _ in hf_tensor_specs(c).values())
+
+    moe_layer, dense_layer = size(2, False) - size(1, False), size(2, True) - size(1, True)
+    base = size(1, False) - moe_layer
+    n_dense = len({i for i in cfg.mlp_only_layers if i < cfg.num_hidden_layers})
+    return element_size * (base + n_dense * dense_layer + (cfg.num_hidden_layers - n_dense) * moe_layer)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Write a random Beam-architecture Hugging Face checkpoint "
                                 "(config.json + sharded safetensors), streamed tensor by tensor.")
@@ -47,7 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.max_shard_gb < math.inf:
             raise ValueError(f"--max-shard-gb must be a finite number > 0, got {args.max_shard_gb}")
         check_seed(args.seed)
-        output_path(args.out, "--out", directory=True)
+        out = output_path(args.out, "--out", directory=True)
+        need = checkpoint_bytes(cfg, getattr(torch, args.dtype).itemsize)
+        room = out.absolute().parent
+        while not room.exists():
+            room = room.parent
+        if need > shutil.disk_usage(room).free:
+            raise ValueError(f"these sizes make a {need / 1e9:.4g} GB checkpoint; {room} has "
+                             f"{shutil.disk_usage(room).free / 1e9:.4g} GB free")
         out = write_random_beam(args.out, cfg, args.seed, getattr(torch, args.dtype),
                                 int(args.max_shard_gb * 1024**3), progress=True)
         print(f"random Beam checkpoint: {out}")
