@@ -50,8 +50,24 @@ done
 [ -n "$repo" ] || fail "--model-repo is required (a repository written by scripts/export_triton.py)"
 [[ "$world" =~ ^[1-9][0-9]*$ ]] || fail "--world-size must be a positive integer, got '$world'"
 for port in "$http" "$grpc" "$metrics"; do
-  [[ "$port" =~ ^[1-9][0-9]*$ ]] || fail "ports must be positive integers, got '$port'"
+  [[ "$port" =~ ^[1-9][0-9]{0,4}$ ]] || fail "ports must be positive integers, got '$port'"
 done
+top=$((10 * (world - 1)))  # rank r uses port + 10 r: every port of every rank must be valid and distinct
+for port in "$http" "$grpc" "$metrics"; do
+  [ $((port + top)) -le 65535 ] || fail "port $port + 10 x $((world - 1)) ranks is beyond 65535"
+done
+used=" "
+for ((offset = 0; offset <= top; offset += 10)); do
+  for port in $((http + offset)) $((grpc + offset)) $((metrics + offset)); do
+    [[ "$used" == *" $port "* ]] && fail "port $port is given to two servers (--http-port, --grpc-port and \
+--metrics-port must differ, and rank r adds 10 r to each)"
+    used+="$port "
+  done
+done
+if [ -n "$log" ]; then
+  [ -d "$log" ] && fail "--log-file $log is a directory"
+  [ -d "$(dirname "$log")" ] || fail "--log-file $log: no folder $(dirname "$log")"
+fi
 config="$repo/beam_dflash2/config.pbtxt"
 [ -f "$config" ] || fail "$repo is not an exported model repository (no beam_dflash2/config.pbtxt)"
 repo="$(cd "$repo" && pwd)"

@@ -7,6 +7,7 @@ finish reason and the speculative metrics (acceptance length, accepted / drafted
 
 import argparse
 import importlib.util
+import math
 import queue
 import sys
 
@@ -36,12 +37,15 @@ def parse_args(argv=None):
 
 def check(args):
     """The first bad value, as one line (the server checks them too), or None."""
-    bad = [(args.max_tokens < 1, f"--max-tokens must be >= 1, got {args.max_tokens}"),
+    int32 = 2**31 - 1  # the request's tensors are INT32
+    bad = [(not 1 <= args.max_tokens <= int32, f"--max-tokens must be in [1, {int32}], got {args.max_tokens}"),
            (not args.prompt.strip(), "--prompt is empty"),
-           (args.temperature < 0, f"--temperature must be >= 0, got {args.temperature}"),
+           (not 0 <= args.temperature < math.inf,
+            f"--temperature must be a finite number >= 0, got {args.temperature}"),
            (not 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
-           (args.top_k < 0, f"--top-k must be >= 0, got {args.top_k}"),
-           (any(not s for s in args.stop), "--stop needs a non-empty string")]
+           (not 0 <= args.top_k <= int32, f"--top-k must be in [0, {int32}], got {args.top_k}"),
+           (any(not s for s in args.stop), "--stop needs a non-empty string"),
+           (not 0 < args.timeout < math.inf, f"--timeout must be a finite number of seconds > 0, got {args.timeout}")]
     return next((why for failed, why in bad if failed), None)
 
 

@@ -584,6 +584,10 @@ def test_client_sends_what_the_ensemble_declares(builds, tmp_path, capsys):
     assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
     assert client.main(["--top-p", "0"]) == 2
     assert capsys.readouterr().err == "error: --top-p must be in (0, 1], got 0.0\n"
+    for flag, value in (("--timeout", "nan"), ("--timeout", "0"), ("--temperature", "nan"),
+                        ("--max-tokens", "99999999999")):  # refused before connecting (no server at localhost:1)
+        assert client.main(["--url", "localhost:1", flag, value]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {flag} must be")
     assert client.main(["--url", "localhost:1", "--timeout", "5"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -618,7 +622,12 @@ def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
                          (["--model-repo", str(repo)], "--world-size is required"),
                          (["--world-size", "2", "--model-repo", str(tmp_path)], "not an exported model repository"),
                          (["--world-size", "2", "--model-repo", str(repo), "--tritonserver", "/no/tritonserver"],
-                          "tritonserver not found")):
+                          "tritonserver not found"),
+                         (["--world-size", "2", "--model-repo", str(repo), "--http-port", "65535"], "beyond 65535"),
+                         (["--world-size", "2", "--model-repo", str(repo), "--grpc-port", "8010"],  # rank 1's HTTP
+                          "port 8010 is given to two servers"),
+                         (["--world-size", "2", "--model-repo", str(repo), "--log-file", str(tmp_path)],
+                          "is a directory")):
         proc = subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=30)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
     assert "--world-size N --model-repo REPO" in subprocess.run([script, "--help"], capture_output=True,
