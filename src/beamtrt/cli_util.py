@@ -52,6 +52,16 @@ def check_seed(n: int, flag: str = "--seed") -> None:
         raise BeamtrtError(f"{flag} must be in [0, 2**63), got {n}")
 
 
+def free_bytes(path: str | Path) -> int:
+    """Free disk space where `path` would be written (its nearest existing folder)."""
+    import shutil
+
+    room = Path(path).absolute()
+    while not room.exists():
+        room = room.parent
+    return shutil.disk_usage(room).free
+
+
 def child_error(stderr: str, returncode: int) -> str:
     """Why a child command failed, in one line: its own `error:` line (under mpirun, Open MPI's notices follow it),
     else its last line of output, else how it ended (a rank or build killed, for example, prints nothing)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import child_error, output_path, run_cli
+from beamtrt.cli_util import child_error, free_bytes, output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--size-gb must be > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
         if args.json:
             output_path(args.json, "--json")
-        room = args.work.absolute()
-        while not room.exists():
-            room = room.parent
-        free = shutil.disk_usage(room).free
+        free = free_bytes(args.work)
         if not args.size_gb * 1e9 * 2 <= free:  # the sources and one build of them at a time
             raise BeamtrtError(f"--size-gb {args.size_gb}: needs about {2 * args.size_gb:.3g} GB free under "
                                f"{args.work}, {free / 1e9:.3g} GB are")

@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         from transformers import AutoTokenizer
 
+        from beamtrt.config import check_block_size
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
@@ -176,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
                                             target_digest)
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, train, write_log
-
-        from beamtrt.config import check_block_size
 
         device = torch_device(args.device)
         set_threads(args.threads)

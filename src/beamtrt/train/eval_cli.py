@@ -71,7 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "Use caches the drafter was not trained on.")
     p.add_argument("--data", nargs="+", required=True, metavar="DIR",
                    help="feature caches (the --data directories of train_drafter.py)")
-    p.add_argument("--drafter", default=None, help="drafter checkpoint (default: checkpoints/<target name>-dflash2, the committed drafter for beam-mini)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter checkpoint (default: checkpoints/<target name>-dflash2, the committed drafter for "
+                        "beam-mini)")
     p.add_argument("--target", default=None, help="target checkpoint (default: beam-mini, made if missing)")
     p.add_argument("--per-kind", type=int, default=32, help="greedy answers scored per kind, the last of each "
                                                            "(default: %(default)s)")

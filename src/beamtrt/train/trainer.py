@@ -413,9 +413,8 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         if not (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)):  # before the step: state sound
             raise BeamtrtError(f"training diverged at step {step + 1} (loss {float(loss.detach())}, gradient norm "
-                               f"{grad_norm})"
-                               f"; the last training state in {work} is from before it: lower --lr and start "
-                               "over in another --work directory")
+                               f"{grad_norm}); the last training state in {work} is from before it: lower --lr and "
+                               "start over in another --work directory")
         opt.step()
         step += 1
         loss, base, sel = loss.detach(), base.detach(), sel.detach()
