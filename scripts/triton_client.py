@@ -40,7 +40,7 @@ def check(args):
     int32 = 2**31 - 1  # the request's tensors are INT32
     bad = [(not 1 <= args.max_tokens <= int32, f"--max-tokens must be in [1, {int32}], got {args.max_tokens}"),
            (not args.prompt.strip(), "--prompt is empty"),
-           (not 0 <= args.temperature < math.inf,
+           (not 0 <= args.temperature <= np.finfo(np.float32).max,  # sent as FP32
             f"--temperature must be a finite number >= 0, got {args.temperature}"),
            (not 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
            (not 0 <= args.top_k <= int32, f"--top-k must be in [0, {int32}], got {args.top_k}"),

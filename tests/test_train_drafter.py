@@ -383,6 +383,28 @@ def test_answers_files_are_checked_before_taps_are_rebuilt(target, tmp_path):
     assert torch.equal(load_features(tmp_path).ids, data.ids)
 
 
+def test_a_cache_made_before_digests_is_tied_to_the_target_that_rebuilds_its_taps(target, tmp_path):
+    """A committed cache's meta.json names no target; once one target rebuilds its taps, another is refused."""
+    from safetensors.torch import save_file
+
+    from beamtrt.train.features import TAPS_TARGET, rebuild_features, target_digest
+
+    data = _features(target, n=3)
+    save_file({"ids": data.ids.to(torch.int32), "seq_start": data.seq_start, "prompt_len": data.prompt_len,
+               "greedy": data.greedy}, str(tmp_path / "answers-00000.safetensors"))
+    (tmp_path / "meta.json").write_text(json.dumps({"taps": list(TAPS), "hidden_size": target.cfg.hidden_size}))
+    other = tiny_model(seed=5).requires_grad_(False)
+    load_digest, other_digest = target_digest(target), target_digest(other)
+    assert load_digest == target_digest(tiny_model().requires_grad_(False)) != other_digest  # the same on a reload
+    rebuild_features(target, TAPS, tmp_path, quiet=True)
+    assert json.loads((tmp_path / TAPS_TARGET).read_text())["target"] == load_digest
+    load_features(tmp_path, digest=load_digest)
+    with pytest.raises(BeamtrtError, match="made by another target"):
+        load_features(tmp_path, digest=other_digest)
+    with pytest.raises(BeamtrtError, match="made by another target"):
+        rebuild_features(other, TAPS, tmp_path, quiet=True)
+
+
 def test_every_mix_makes_a_few_prompts():
     """A mix's smallest shares round to no prompt at all for a handful (v4's 5% of 6); that is not an error."""
     from beamtrt.train.prompts import MIXES, tagged_prompts

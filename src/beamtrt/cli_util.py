@@ -115,9 +115,12 @@ def _message(e: BaseException) -> str:
     return lines[0]
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    """An allocation the host could not make: Python's MemoryError, torch's CPU allocator or a CUDA OOM."""
-    return isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower()
+def _out_of_memory(e: BaseException) -> str | None:
+    """The one line for an allocation the host could not make (Python's MemoryError, torch's CPU allocator, a CUDA
+    OOM), or None for any other error."""
+    if isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+        return f"out of memory ({_message(e) or 'MemoryError'}): ask for smaller sizes"
+    return None
 
 
 class Terminated(KeyboardInterrupt):
@@ -145,7 +148,7 @@ def run_cli(body: Callable[[], None]) -> int:
     except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
         if not _out_of_memory(e):
             raise
-        print(f"error: out of memory ({_message(e) or 'MemoryError'}): ask for smaller sizes", file=sys.stderr)
+        print(f"error: {_out_of_memory(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
@@ -183,6 +186,11 @@ def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], N
         execute(state, dist)
     except (BeamtrtError, ValueError, OSError) as e:
         print(f"error: rank {dist.rank}: {_message(e)}", file=sys.stderr, flush=True)
+        dist.abort(2)
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        print(f"error: rank {dist.rank}: {_out_of_memory(e)}", file=sys.stderr, flush=True)
         dist.abort(2)
     tp.stop(dist)
     return 0

@@ -32,6 +32,14 @@ def source_config(size_gb: float):
                       num_experts=32, num_experts_per_tok=4, mlp_only_layers=(0,))
 
 
+def _made_layers(target: Path) -> int | None:
+    """The layer count of the sources already in --work (None: none there)."""
+    try:
+        return json.loads((target / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
     from beamtrt.checkpoint.hf import replace_dir, save_state_dict, temp_dir
     from beamtrt.config import DrafterConfig
@@ -40,10 +48,9 @@ def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
 
     target, drafter = work / "target", work / "drafter"
     cfg = source_config(size_gb)
-    made = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else None
-    if made is not None and made.get("num_hidden_layers") != cfg.num_hidden_layers:  # made for another --size-gb
-        print(f"{work}: replacing the {made.get('num_hidden_layers')}-layer sources with {cfg.num_hidden_layers} "
-              "layers", flush=True)
+    made = _made_layers(target)
+    if made is not None and made != cfg.num_hidden_layers:  # made for another --size-gb
+        print(f"{work}: replacing the {made}-layer sources with {cfg.num_hidden_layers} layers", flush=True)
         shutil.rmtree(target)
         shutil.rmtree(drafter, ignore_errors=True)
     if not (target / "config.json").is_file():
@@ -93,14 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> None:
-        if not args.size_gb > 0 or args.tp < 1:
-            raise BeamtrtError(f"--size-gb must be > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
+        if not 0 < args.size_gb < float("inf") or args.tp < 1:
+            raise BeamtrtError(f"--size-gb must be a finite number > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
         if args.json:
             output_path(args.json, "--json")
+        reused = _made_layers(args.work / "target") == source_config(args.size_gb).num_hidden_layers
+        need = args.size_gb * (1 if reused else 2)  # the sources unless make_sources reuses them, one build at a time
         free = free_bytes(args.work)
-        if not args.size_gb * 1e9 * 2 <= free:  # the sources and one build of them at a time
-            raise BeamtrtError(f"--size-gb {args.size_gb}: needs about {2 * args.size_gb:.3g} GB free under "
-                               f"{args.work}, {free / 1e9:.3g} GB are")
+        if not need * 1e9 <= free:
+            raise BeamtrtError(f"--size-gb {args.size_gb}: needs about {need:.3g} GB free under {args.work}, "
+                               f"{free / 1e9:.3g} GB are")
         target, drafter = make_sources(args.work, args.size_gb)
         weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
         results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,

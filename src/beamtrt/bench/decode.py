@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                   "device": "cpu", "results": []}
         for name in args.dtypes:
             model = load_beam(model_dir, dtype=DTYPES[name])
-            if args.context + args.steps + 2 > model.cfg.max_position_embeddings:  # 2: the warm-up steps
-                raise ValueError(f"--context {args.context} + --steps {args.steps} (+ 2 warm-up steps) exceed the "
-                                 f"model's context of {model.cfg.max_position_embeddings} tokens")
+            if args.context + max(args.steps, 2) > model.cfg.max_position_embeddings:  # 2 warm-up steps, cropped
+                raise ValueError(f"--context {args.context} + --steps {args.steps} exceed the model's context of "
+                                 f"{model.cfg.max_position_embeddings} tokens")
             probe = GemvProbe(DTYPES[name])
             step_bytes = active_weight_bytes(model)
             for batch in args.batches:

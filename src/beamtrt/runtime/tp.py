@@ -194,12 +194,12 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
         cfg.check_target(target.full_cfg)
     except ConfigError as err:
         raise ConfigError(f"{ckpt.path / 'config.json'}: {err}") from None
+    if cfg.version == 1:
+        raise CheckpointError(f"{ckpt.path}: DFlash v1 drafters are not supported by the tensor-parallel runtime")
     local = drafter_shard_config(cfg, ckpt.mapping)
     with torch.device("meta"):
         model = DFlash2Drafter(local, target, shard=target.shard)
     model = model.to_empty(device="cpu").to(dtype or target.dtype)
-    if cfg.version == 1:
-        raise CheckpointError(f"{ckpt.path}: DFlash v1 drafters are not supported by the tensor-parallel runtime")
     _load(model, _DRAFTER_TABLE, rank_tensors(ckpt, dist.rank), dist.rank)
     model.set_draft_vocab(read_draft_vocab(ckpt.path, cfg))
     install_emulation(model, ckpt, rank=dist.rank)

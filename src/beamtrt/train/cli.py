@@ -61,16 +61,18 @@ def replays_init_batches(init: Path, seed: int, sequences: int, tokens: int) -> 
         return False
 
 
-def check_out(out: Path, force: bool, inputs: list[tuple[str, Path]]) -> None:
-    """The drafter output, before hours of work: not one of the inputs or the training state (nor inside or around
-    one), and replaced only when it holds a drafter and --force says so."""
+def check_out(out: Path, force: bool, inputs: list[tuple[str, Path]], init: Path | None = None) -> None:
+    """The drafter output (checked before hours of work, and again before it is written): not one of the inputs or
+    the training state, nor inside or around one (--init may be --out itself: it is read before --out is written),
+    and replaced only when it holds a drafter and --force says so."""
     from beamtrt.config import DrafterConfig
 
-    for flag, d in inputs:
-        a, b = out.resolve(), d.resolve()
-        if a == b or a in b.parents or b in a.parents:
-            raise BeamtrtError(f"--out {out}: overlaps {flag} {d}, which writing the drafter would replace; choose "
-                               "another --out")
+    a = out.resolve()
+    for flag, d in inputs + ([("--init", init)] if init else []):
+        b = d.resolve()
+        if (a == b and flag != "--init") or a in b.parents or b in a.parents:
+            raise BeamtrtError(f"--out {out}: overlaps {flag} {d} (the drafter replaces --out whole); choose another "
+                               "--out")
     if not out.is_dir() or not any(out.iterdir()):
         return
     try:
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.train.features import (DataRecipe, build_features, load_features, rebuild_features,
                                             target_digest)
         from beamtrt.train.prompts import training_prompts
-        from beamtrt.train.trainer import TrainConfig, train, write_log
+        from beamtrt.train.trainer import TrainConfig, check_state, train, write_log
 
         device = torch_device(args.device)
         set_threads(args.threads)
@@ -213,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
                                "trained on)")
-        check_out(out, args.force, [("--target", target_dir), ("--data", data_dir), ("--work", work)]
-                  + [("--extra-data", Path(d)) for d in args.extra_data])
+        inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + [
+            ("--extra-data", Path(d)) for d in args.extra_data]
+        init = Path(args.init) if args.init else None
+        check_out(out, args.force, inputs, init)
 
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)
@@ -226,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
                                f"tokens and their answers must fit the target's context of {context} tokens")
         digest = target_digest(target)
+        if (work / "train_state.pt").exists():  # a run to resume: its settings, layout and target, before phase 1
+            check_state(work / "train_state.pt", cfg, dcfg, digest)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
@@ -250,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         log = train(drafter, data, cfg, work, quiet=args.quiet, digest=digest)
         write_log(work / "train_log.jsonl", log)
 
+        check_out(out, args.force, inputs, init)  # again: something may have been put there since the start
         save_drafter(drafter.to("cpu", torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
         write_log(out / "train_log.jsonl", log)
         final = next((row for row in reversed(log) if "eval_tau" in row), {})

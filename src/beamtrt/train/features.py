@@ -187,10 +187,30 @@ def read_meta(data: Path) -> dict:
     return meta
 
 
+TAPS_TARGET = "features-target.json"  # the target whose taps were rebuilt into a cache made before caches recorded
+#                                       theirs (the committed ones): git-ignored like the taps themselves
+
+
+def cache_target(data: Path, meta: dict) -> str | None:
+    """The digest of the target a cache's answers and taps come from: meta.json's, else the one that rebuilt its taps,
+    else None (a cache made before caches recorded it, never rebuilt since)."""
+    if "target" in meta:
+        return meta["target"]
+    path = data / TAPS_TARGET
+    if not path.exists():
+        return None
+    try:
+        return str(json.loads(path.read_text())["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BeamtrtError(f"{path}: unreadable; remove it and the cache's features-*.safetensors (their taps are "
+                           "rebuilt from the answers files)") from None
+
+
 def check_target(data: Path, meta: dict, digest: str | None) -> None:
-    """A cache records the target that made it (caches made before it did are taken as they are)."""
-    if digest is not None and meta.get("target") not in (None, digest):
-        raise BeamtrtError(f"{data}: made by another target (digest {meta['target']}, this one's {digest}): use the "
+    """A cache holds one target's answers and taps: another target's digest is refused."""
+    recorded = cache_target(data, meta)
+    if digest is not None and recorded not in (None, digest):
+        raise BeamtrtError(f"{data}: made by another target (digest {recorded}, this one's {digest}): use the "
                            "target that made it, or another directory")
 
 
@@ -290,7 +310,7 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     from tqdm import tqdm
 
     meta = read_meta(data)
-    if "target" in meta:
+    if cache_target(data, meta) is not None:
         check_target(data, meta, digest or target_digest(target))
     if meta.get("taps", list(taps)) != list(taps):
         raise BeamtrtError(f"{data}: answers made for target layers {meta.get('taps')}, the drafter taps {list(taps)}")
@@ -307,6 +327,8 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
         return
     shards = [(features, read_sequences(answers, "answers file", target.cfg.vocab_size))
               for answers, features in missing]
+    if cache_target(data, meta) is None:  # an older cache: from now on its taps are this target's
+        (data / TAPS_TARGET).write_text(json.dumps({"target": digest or target_digest(target)}) + "\n")
     bar = tqdm(total=sum(len(s["prompt_len"]) for _, s in shards), desc=f"taps from answers ({data.name})",
                unit="seq", disable=quiet, dynamic_ncols=True)
     for features, shard in shards:

@@ -326,14 +326,20 @@ def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer,
                     "drafter": dataclasses.asdict(drafter.cfg), "model": drafter.state_dict(),
                     "optimizer": opt.state_dict(), "log": log}, tmp)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports an unwritable file as a RuntimeError
-        raise BeamtrtError(f"{path}: cannot write the training state ({e}); --work must be a writable "
-                           "directory") from None
+    except BaseException as e:  # the last complete state stays; no partial file beside it
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            raise BeamtrtError(f"{path}: cannot write the training state ({_message(e)})") from None
+        raise
 
 
-def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer, cfg: TrainConfig, data: dict,
-            target: str) -> tuple[int, list[dict]]:
-    """Load a training state into drafter and opt -> (step, log); one line when it is not one of this run's."""
+def _message(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) -> dict:
+    """A training state to resume (what train() saves), checked against this run's settings, drafter layout and
+    target digest: one line when it is not this run's. Its data is checked by train(), once the data is loaded."""
     try:
         state = torch.load(state_path, map_location="cpu", weights_only=False)  # any device's state
     except Exception as e:
@@ -343,19 +349,26 @@ def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimize
     if not isinstance(state, dict) or not all(k in state for k in keys):
         raise BeamtrtError(f"{state_path}: not a training state of this version (no {', '.join(keys)}); remove it, "
                            "or use another --work directory, to start over")
-    if state["data"] != data:
-        raise BeamtrtError(f"{state_path} was trained on other data ({state['data']}, now {data}): use the same "
-                           "feature caches in the same order, or another --work directory")
     if state["target"] != target:
         raise BeamtrtError(f"{state_path} was trained against another target (digest {state['target']}, this "
                            f"one's {target}): use the same --target, or another --work directory")
-    if state["drafter"] != dataclasses.asdict(drafter.cfg):
-        diff = [k for k, v in dataclasses.asdict(drafter.cfg).items() if state["drafter"].get(k) != v]
+    if state["drafter"] != dataclasses.asdict(drafter_cfg):
+        diff = [k for k, v in dataclasses.asdict(drafter_cfg).items() if state["drafter"].get(k) != v]
         raise BeamtrtError(f"{state_path} holds a drafter of another layout ({', '.join(diff)} differ): pass the "
                            "same --layers and --selector-rank, or another --work directory")
     if state["config"] != dataclasses.asdict(cfg):
         raise BeamtrtError(f"{state_path} was written with other training settings: pass the same flags, or "
                            "remove it (or use another --work directory) to start over")
+    return state
+
+
+def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer, cfg: TrainConfig, data: dict,
+            target: str) -> tuple[int, list[dict]]:
+    """Load a training state into drafter and opt -> (step, log); one line when it is not one of this run's."""
+    state = check_state(state_path, cfg, drafter.cfg, target)
+    if state["data"] != data:
+        raise BeamtrtError(f"{state_path} was trained on other data ({state['data']}, now {data}): use the same "
+                           "feature caches in the same order, or another --work directory")
     try:
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
