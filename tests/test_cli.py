@@ -152,6 +152,7 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert (tmp_path / "pipe").is_fifo()
     assert_one_line_error(run("runtime/run.py", "--temperature", "nan"), "temperature=nan")
     assert_one_line_error(run("runtime/run.py", "--temperature", "inf"), "temperature=inf")
+    assert_one_line_error(run("runtime/run.py", "--temperature", "1e-40"), "temperature=1e-40")  # logits / T = inf
     assert_one_line_error(run("runtime/run.py", "--seed", str(2**70)), "--seed must be in [0, 2**63)")
     assert_one_line_error(run("runtime/run.py", "--block-size", "33"), "--block-size", "[2, 32]")
     for bad in ("-0.1", "1.5", "nan"):

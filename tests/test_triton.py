@@ -223,7 +223,8 @@ def test_cancelled_stream_is_released_at_a_step_boundary(server):
 
 
 @pytest.mark.parametrize("fields, needle", [
-    ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be a finite number >= 0"),
+    ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be 0 (greedy) or a finite number"),
+    ({"text_input": "hi", "max_tokens": 4, "temperature": 1e-40}, "temperature must be 0 (greedy) or a finite number"),
     ({"text_input": "hi", "max_tokens": 4, "temperature": float("nan")}, "temperature"),
     ({"text_input": "hi", "max_tokens": 4, "top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in (0, 1]"),
@@ -398,6 +399,14 @@ def test_model_adapters_chain_like_the_ensemble(builds, tmp_path, monkeypatch):
         again = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
         llm.execute([again])  # the server keeps serving
         assert again.sender.done.wait(60) and again.sender.sent[-1].error is None
+        llm.server.decoder.admit = fail  # a failure while a request is prefilled into its slot (out of memory, say)
+        refused = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
+        llm.execute([refused])
+        assert refused.sender.done.wait(60) and refused.sender.sent[-1].error.code == "INTERNAL"
+        del llm.server.decoder.admit
+        last = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
+        llm.execute([last])  # and still serves
+        assert last.sender.done.wait(60) and last.sender.sent[-1].error is None
     finally:
         llm.finalize()
 

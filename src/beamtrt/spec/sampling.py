@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5  # below it logits / T overflows to inf in fp32 and the distribution turns to NaN; 0 is greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -15,9 +18,10 @@ class SamplingParams:
     top_k: int = 0            # 0 = no top-k cut
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1 or self.top_k < 0:  # NaN fails too
-            raise ValueError(f"bad sampling settings: temperature={self.temperature} (finite, >= 0), "
-                             f"top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0)")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf) or not 0 < self.top_p <= 1 \
+                or self.top_k < 0:  # NaN fails too
+            raise ValueError(f"bad sampling settings: temperature={self.temperature} (0 = greedy, or finite and >= "
+                             f"{MIN_TEMPERATURE:g}), top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0)")
 
     @property
     def greedy(self) -> bool:

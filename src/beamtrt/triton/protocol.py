@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from beamtrt.errors import BeamtrtError, CheckpointError
-from beamtrt.spec.sampling import SamplingParams
+from beamtrt.spec.sampling import MIN_TEMPERATURE, SamplingParams
 
 
 class RequestError(BeamtrtError):
@@ -123,8 +123,9 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
     if got["max_tokens"] < 1:
         raise RequestError(f"max_tokens must be >= 1, got {got['max_tokens']}")
     temperature, top_p, top_k = got.get("temperature", 0.0), got.get("top_p", 1.0), got.get("top_k", 0)
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise RequestError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        raise RequestError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
+                           f"{temperature}")
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:

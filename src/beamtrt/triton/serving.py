@@ -343,8 +343,9 @@ class Server:
     def _fail_all(self, message: str) -> None:
         for live in list(self._live.values()):
             live.completion.finish_reason = "error"
-            if live.slot >= 0:
+            if live.slot >= 0 and self.decoder.owner[live.slot] == live.id:  # a failed admission never owned it
                 self.decoder.release(live.slot, live.completion)
+            live.slot = -1
             self._send(live, Delta((), (), -1, "", self._metrics(live.completion), True, "error", message))
         self._waiting.clear()
         self._touched = {}
