@@ -162,6 +162,8 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "bad.jsonl")), "bad.jsonl:2")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "hi"\n')
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "broken.jsonl")), "broken.jsonl:1")
+    (tmp_path / "deep.jsonl").write_text("[" * 100000 + "\n")
+    assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "deep.jsonl")), "deep.jsonl:1", "nested")
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "nope")), "nope", "config.json")
     assert_one_line_error(run("runtime/run.py", "--concurrency", "-1"), "--concurrency")
     assert_one_line_error(run("runtime/run.py", "--engine-dir", str(tmp_path / "none")), "none", "no such directory")
@@ -304,6 +306,19 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
         assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), flag, value),
                               "GB checkpoint", "GB free")
     assert not (tmp_path / "x").exists()
+
+
+def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):
+    """A JSON string may hold U+2028 (str.splitlines would cut the line there); a checkpoint without tokenizer files
+    is one line, not a TypeError from transformers."""
+    from beamtrt.prompts import read_chats
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a\u2028b\u0085c"}, ensure_ascii=False) + "\n",
+                                      encoding="utf-8")
+    assert read_chats(tmp_path / "p.jsonl") == [[{"role": "user", "content": "a\u2028b\u0085c"}]]
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--no-spec", "--prompt", "hi"),
+                          "cannot load the tokenizer")
 
 
 def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from beamtrt.checkpoint.manifest import read_manifest
+from beamtrt.prompts import load_tokenizer
 from beamtrt.triton import export, protocol, serving
 from beamtrt.triton.protocol import Delta, Metrics, RequestError
 from beamtrt.triton.serving import ServeSettings
@@ -111,7 +112,7 @@ def reference(builds, prompts: list, max_tokens: int) -> list:
     from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
     loaded = load_build(builds[1], read_manifest(builds[1]), Dist(None), dtype=torch.float32)
-    tokenizer = protocol.load_tokenizer(loaded.tokenizer_dir)
+    tokenizer = load_tokenizer(loaded.tokenizer_dir)
     decoder = SpeculativeDecoder(loaded.target, loaded.drafter, 8, seed=0)
     ids = [p if isinstance(p, list) else protocol.encode_prompt(tokenizer, p, True) for p in prompts]
     return decoder.generate([Request(tuple(i), max_tokens, frozenset(loaded.target.eos_token_ids)) for i in ids])
@@ -574,7 +575,7 @@ def test_beam_mini_repository_validates(beam_mini, tmp_path):
     assert lines[-1] == f"launch: scripts/launch_triton.sh --world-size 4 --model-repo {repo}"
     for name in ("preprocessing", "beam_dflash2", "postprocessing", "ensemble"):
         assert parse(repo / name / "config.pbtxt").name == name
-    tokenizer = protocol.load_tokenizer(engine / "tokenizer")
+    tokenizer = load_tokenizer(engine / "tokenizer")
     ids = protocol.preprocess(tokenizer, {"text_input": np.array([[b"Hi!"]], dtype=object)}, True)["input_ids"]
     assert tokenizer.decode(ids[0].tolist()).endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
 

@@ -1,17 +1,34 @@
-"""Prompt files: JSONL with one {"prompt": "..."} or {"messages": [{"role", "content"}, ...]} per line."""
+"""Prompt files (JSONL, one {"prompt": "..."} or {"messages": [{"role", "content"}, ...]} per line) and the
+checkpoint tokenizer that encodes them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from beamtrt.errors import BeamtrtError
+from beamtrt.errors import BeamtrtError, CheckpointError
+
+
+def load_tokenizer(path: str | Path):
+    """A checkpoint's tokenizer (transformers' AutoTokenizer), or one line naming the folder: missing or damaged files
+    raise many kinds of errors there (a model folder without tokenizer files: a TypeError)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({_first_line(e)}); a checkpoint needs its "
+                              "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def read_chats(path: str | Path) -> list[list[dict]]:
     """Chats from a JSONL file; each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # JSON strings may hold U+2028 and the like
     except (OSError, UnicodeDecodeError) as e:
         raise BeamtrtError(f"{path}: cannot read the prompts file ({e.__class__.__name__})") from None
     chats = []
@@ -22,6 +39,8 @@ def read_chats(path: str | Path) -> list[list[dict]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise BeamtrtError(f"{path}:{n}: JSON nested too deeply") from None
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             chats.append([{"role": "user", "content": obj["prompt"]}])
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(

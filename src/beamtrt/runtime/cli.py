@@ -11,8 +11,8 @@ from pathlib import Path
 from beamtrt.checkpoint.hf import write_json
 from beamtrt.cli_util import check_seed, check_threads, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size, check_draft_threshold
-from beamtrt.errors import BeamtrtError, CheckpointError
-from beamtrt.prompts import read_chats
+from beamtrt.errors import BeamtrtError
+from beamtrt.prompts import load_tokenizer, read_chats
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
 
@@ -159,16 +159,10 @@ def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
 
 
 def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str, dist) -> None:
-    from transformers import AutoTokenizer
-
     from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
     chats, params = setup.chats, setup.params
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{tokenizer_dir}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})"
-                              ) from None
+    tokenizer = load_tokenizer(tokenizer_dir)
     try:
         prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
     except Exception as e:  # a malformed chat (roles the template rejects)

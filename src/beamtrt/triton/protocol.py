@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
 
-from beamtrt.errors import BeamtrtError, CheckpointError
+from beamtrt.errors import BeamtrtError
 from beamtrt.spec.sampling import MIN_TEMPERATURE, SamplingParams
 
 
@@ -140,15 +139,6 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
 # ---- text ---------------------------------------------------------------------------------------------------------
 
 CONTEXT_TOKENS = 8  # tokens sent before a delta that its text is decoded after (leading-space / byte-merge rules)
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({str(e).strip().splitlines()[0]})") from None
 
 
 def make_decode(tokenizer) -> Callable[[list[int]], str]:

@@ -29,8 +29,9 @@ from beamtrt.errors import ConfigError
 from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
+from beamtrt.prompts import load_tokenizer
 from beamtrt.triton.protocol import (CONTEXT_TOKENS, Delta, Metrics, RequestError, RequestParams, encode_prompt,
-                                     load_tokenizer, make_decode, parse_request, text_delta)
+                                     make_decode, parse_request, text_delta)
 
 
 # ---- how a server runs a build -------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
+        from beamtrt.prompts import load_tokenizer
         from beamtrt.triton import protocol
 
         self.protocol = protocol
-        tokenizer = protocol.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
+        tokenizer = load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
         self.decode = protocol.make_decode(tokenizer)
 
     def execute(self, requests):

@@ -11,10 +11,11 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
+        from beamtrt.prompts import load_tokenizer
         from beamtrt.triton import protocol
 
         self.protocol = protocol
-        self.tokenizer = protocol.load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
+        self.tokenizer = load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
         self.chat_template = params["chat_template"] == "true"
 
     def execute(self, requests):
