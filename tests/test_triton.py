@@ -240,6 +240,7 @@ def test_cancelled_stream_is_released_at_a_step_boundary(server):
     ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "unknown field 'beam_width'"),
     ({"text_input": "hi", "max_tokens": 4, "stream": "yes"}, "stream must be true or false"),
     ({"text_input": "hi", "max_tokens": 4, "stop_words": [""]}, "stop_words must be non-empty"),
+    ({"text_input": "hi", "max_tokens": 4, "stop_words": ["x" * 2000]}, "at most 1024 characters each"),
     ({"text_input": np.array([[b"\xff"]], dtype=object), "max_tokens": 4}, "not valid UTF-8"),
     ({"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[3, 4]], np.int32)},
      "max_tokens must be one value, got 2"),
@@ -524,11 +525,27 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--backend", "trt"], "--backend trt: the build has no engines"),
                          (["--out", str(builds[1] / "repo")], "inside the engine directory"),
                          (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
-                         (["--engine-dir", str(tmp_path / "none")], "none: no such directory")):
+                         (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
+                         (["--seed", str(2**70)], "seed must be in [0, 2**63)"),
+                         (["--max-seq-len", str(10**9)], "above the target's context")):
         argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
         rc, _, stderr = run_export(capsys, *argv)
         assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
     assert (builds[1] / "manifest.json").is_file()
+    package = tmp_path / "site" / "beamtrt"  # a stand-in for the package the models import
+    package.mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export, "PYTHON_PATH", package.parent)
+        for out in (package.parent, package, tmp_path, package / "x"):
+            rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--force")
+            assert rc == 2 and "beamtrt package" in stderr, stderr
+    assert package.is_dir()
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text("{}")
+    assert not export.has_chat_template(tok)
+    (tok / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert export.has_chat_template(tok)
     rc, stdout, _ = run_export(capsys, "--help")
     for flag in ("--engine-dir", "--out", "--copy-engines", "--force", "--backend", "--block-size",
                  "--draft-threshold", "--dtype",

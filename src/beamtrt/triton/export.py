@@ -9,6 +9,7 @@ renamed into place at the end, so a failure never leaves a half-written reposito
 
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
 from dataclasses import dataclass, replace
@@ -134,8 +135,19 @@ def ensemble_config() -> dict:
 
 # ---- the build -------------------------------------------------------------------------------------------------
 
-def check_build(root: Path) -> dict:
-    """The manifest of a build output fit to serve; one-line ExportError / CheckpointError otherwise."""
+def has_chat_template(tokenizer: Path) -> bool:
+    """Whether a tokenizer folder carries a chat template (its own file, or in tokenizer_config.json)."""
+    if (tokenizer / "chat_template.jinja").is_file() or (tokenizer / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((tokenizer / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_build(root: Path, chat_template: bool = True) -> dict:
+    """The manifest of a build output fit to serve (with a chat template where text_input goes through one);
+    one-line ExportError / CheckpointError otherwise."""
     manifest = read_manifest(root)  # names a missing directory or one that is not a build
     try:
         tp, target, drafter = manifest["mapping"]["tp_size"], manifest["target"]["dir"], manifest["drafter"]["dir"]
@@ -145,6 +157,9 @@ def check_build(root: Path) -> dict:
     if not tokenizer or not (root / tokenizer).is_dir():
         raise ExportError(f"{root}: the build has no tokenizer/ (preprocessing needs the target's tokenizer and chat "
                           "template): rebuild from a checkpoint with tokenizer files")
+    if not has_chat_template(root / tokenizer) and chat_template:
+        raise ExportError(f"{root / tokenizer}: the tokenizer has no chat template, which text_input goes through: "
+                          "pass --raw-prompts (text_input sent as raw text), or rebuild from a checkpoint with one")
     for name in (target, drafter):
         if not (root / name).is_dir():
             raise ExportError(f"{root / name}: missing (the manifest lists it)")
@@ -192,9 +207,16 @@ def export(cfg: ExportConfig) -> list[str]:
     if out in root.parents:
         raise ExportError(f"--out {out} holds the engine directory {root}: an export replaces its --out, so choose "
                           "another place")
+    package = PYTHON_PATH / "beamtrt"
+    if out in (PYTHON_PATH, package) or out in PYTHON_PATH.parents or package in out.parents:
+        raise ExportError(f"--out {out}: is or holds the beamtrt package the repository's models import "
+                          f"({package}); choose another place")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:
         raise ExportError(f"{out} already exists and is not empty: pass --force to replace it")
-    manifest = check_build(root)
+    manifest = check_build(root, cfg.chat_template)
+    context = json.loads((root / manifest["target"]["dir"] / "config.json").read_text()).get("max_position_embeddings")
+    if context and cfg.max_seq_len > context:
+        raise ExportError(f"--max-seq-len {cfg.max_seq_len} is above the target's context of {context} tokens")
     engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
     block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
     built_block = (manifest.get("engines") or {}).get("settings", {}).get("block_size")

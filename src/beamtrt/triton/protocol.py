@@ -132,12 +132,16 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
     stop = got.get("stop_words", ())
     if any(not s for s in stop):
         raise RequestError("stop_words must be non-empty strings")
+    if len(stop) > MAX_STOP_WORDS or any(len(s) > MAX_STOP_CHARS for s in stop):  # each is matched at every step
+        raise RequestError(f"stop_words: at most {MAX_STOP_WORDS} of at most {MAX_STOP_CHARS} characters each, got "
+                           f"{len(stop)} of up to {max(map(len, stop))}")
     return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),
                          SamplingParams(temperature, top_p, top_k), stop, got.get("stream", False))
 
 
 # ---- text ---------------------------------------------------------------------------------------------------------
 
+MAX_STOP_WORDS, MAX_STOP_CHARS = 64, 1024  # stop strings are matched on the decode thread, every request each step
 CONTEXT_TOKENS = 8  # tokens sent before a delta that its text is decoded after (leading-space / byte-merge rules)
 
 

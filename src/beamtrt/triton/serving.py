@@ -64,7 +64,8 @@ class ServeSettings:
                   (0 <= self.draft_threshold <= 1, f"draft_threshold must be in [0, 1], got {self.draft_threshold}"),
                   (self.max_slots >= 1, f"max_slots must be >= 1, got {self.max_slots}"),
                   (self.max_seq_len >= self.block_size + 2,
-                   f"max_seq_len must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}")]
+                   f"max_seq_len must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}"),
+                  (0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")]
         bad = next((why for ok, why in checks if not ok), None)
         if bad:
             raise ConfigError(f"serving settings: {bad}")
@@ -204,6 +205,8 @@ class Server:
         self.decoder = SpeculativeDecoder(target, drafter, settings.block_size, seed=settings.seed,
                                           detokenize=self.decode, draft_threshold=settings.draft_threshold)
         self.decoder.start(settings.max_slots, settings.max_seq_len, self._finished)
+        model = getattr(target, "max_seq_len", None)  # the target's own context, where the backend knows it
+        self.context = min(settings.max_seq_len, model or settings.max_seq_len)
         self._inbox: queue.SimpleQueue[_Live | None] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}   # every request not finished (decode thread only)
         self._waiting: deque[_Live] = deque()
@@ -223,10 +226,11 @@ class Server:
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
-        room = self.settings.max_seq_len - self.decoder.block_size - 1
+        room = self.context - self.decoder.block_size - 1
         if len(ids) + params.max_tokens > room:
             raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than this "
-                               f"server's {room} (max_seq_len {self.settings.max_seq_len})")
+                               f"server's {room} (max_seq_len {self.settings.max_seq_len}, the model's context "
+                               f"{getattr(self.decoder.target, 'max_seq_len', None) or 'unknown'})")
         live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids, params.stop), params, on_delta,
                      is_cancelled, _Text(self.decode, params.stop, params.stream))
         with self._lock:
