@@ -11,6 +11,7 @@ import torch
 
 from beamtrt import native
 from beamtrt.config import DrafterConfig
+from beamtrt.errors import DeviceError
 from beamtrt.models.beam import right_padded
 from beamtrt.models.dflash2 import random_drafter
 from conftest import TINY, tiny_model
@@ -104,6 +105,9 @@ def test_hooks_shards_and_the_switch_take_the_pytorch_path(monkeypatch):
     assert not native.usable(model, cache, native.MAX_ROWS + 1)  # prefill-sized inputs stay with PyTorch
     monkeypatch.setenv("BEAMTRT_NATIVE", "0")
     assert not native.usable(model, cache, 1)
+    monkeypatch.setenv("BEAMTRT_NATIVE", "off")  # neither 0 nor 1: said, not taken as on
+    with pytest.raises(DeviceError, match="BEAMTRT_NATIVE=off: expected 0"):
+        native.usable(model, cache, 1)
     monkeypatch.delenv("BEAMTRT_NATIVE")
     model.layers[1].attn.qkv_in = lambda x: x  # emulated quantization / calibration observers need every op
     assert not native.usable(model, cache, 1)
@@ -137,6 +141,25 @@ def test_an_edited_header_rebuilds_the_library(tmp_path, monkeypatch):
     (tmp_path / "inc" / "value.h").write_text("#pragma once\nconstexpr int kValue = 2;\n")
     assert native.compile_library(source, flags, "test").value() == 2
     assert len(list((tmp_path / "cache").rglob("*.so"))) == 2
+
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path, monkeypatch):
+    """A cached library that is not the file its build wrote (truncated, overwritten) is rebuilt, not loaded: a
+    truncated ELF would kill the process with a bus error. The host CPU is part of the cache key (-march=native)."""
+    monkeypatch.setenv("BEAMTRT_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "lib3.cpp"
+    source.write_text('extern "C" int value() { return 3; }\n')
+    flags = ("-O1", "-shared", "-fPIC")
+    assert native.compile_library(source, flags, "test").value() == 3
+    [built] = (tmp_path / "cache").rglob("*.so")
+    good = built.read_bytes()
+    built.write_bytes(good[:len(good) // 2])
+    assert not native._intact(built)
+    source.write_text('extern "C" int value() { return 3; }\n')  # the same content: the same cache entry
+    native.compile_library(source, flags, "test")
+    assert native._intact(built) and built.read_bytes() == good
+    assert "flags" in native.host_cpu() or native.host_cpu().strip()
 
 
 def test_lm_head_keeps_gradients_on_a_few_rows():

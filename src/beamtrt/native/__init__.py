@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from beamtrt.errors import DeviceError
+
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("beam_step.cpp", "draft_step.cpp"))
 MAX_ROWS = 16          # tokens per sequence in a decode or verify step; longer inputs (prefill) use PyTorch's GEMMs,
 #                        faster for many rows. Decode and verify take this path at any batch size, so that a row's bits
@@ -107,10 +109,42 @@ def local_sources(source: Path) -> list[Path]:
     return seen
 
 
+def enabled() -> bool:
+    """BEAMTRT_NATIVE: 1 (the default) runs the CPU steps on the host kernels where they apply, 0 in PyTorch."""
+    value = os.environ.get("BEAMTRT_NATIVE", "1")
+    if value not in ("0", "1"):
+        raise DeviceError(f"BEAMTRT_NATIVE={value}: expected 0 (PyTorch) or 1 (the host kernels, the default)")
+    return value == "1"
+
+
+@lru_cache(maxsize=None)
+def host_cpu() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (a cache shared between hosts, such as a
+    network home, must not hand one CPU's library to another)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.machine() + " " + platform.processor()
+    return "\n".join(next((line for line in info if line.startswith(key)), "") for key in ("model name", "flags"))
+
+
+def _intact(library: Path) -> bool:
+    """Whether a cached library is the file its build wrote (the sha256 beside it): a damaged one would crash the
+    process that loads it (a truncated ELF is a bus error, not an exception)."""
+    try:
+        return (library.with_name(library.name + ".sha256").read_text().strip()
+                == hashlib.sha256(library.read_bytes()).hexdigest())
+    except OSError:
+        return False
+
+
 def compile_library(sources: Path | Sequence[Path], flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
     """Build `sources` (one file or several) into a shared library in cache_dir() once per content (the sources and
-    their local includes) and flags (compiled aside, then renamed: never half a file); None, after one line on stderr,
-    where it cannot be built."""
+    their local includes), flags and host CPU (compiled aside, then renamed: never half a file; a cached one that no
+    longer matches the hash written beside it is built again); None, after one line on stderr, where it cannot be
+    built or loaded."""
     sources = (sources,) if isinstance(sources, Path) else tuple(sources)
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -118,10 +152,10 @@ def compile_library(sources: Path | Sequence[Path], flags: tuple[str, ...], what
         return None
     files = dict.fromkeys(path for source in sources for path in local_sources(source))  # each once, in order
     content = b"".join(path.read_bytes() for path in files)
-    digest = hashlib.sha256(content + " ".join((compiler,) + flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(content + " ".join((compiler,) + flags).encode() + host_cpu().encode()).hexdigest()[:16]
     target = cache_dir() / f"{sources[0].stem}-{digest}.so"
-    if not target.exists():
-        try:
+    try:
+        if not _intact(target):
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
@@ -130,11 +164,14 @@ def compile_library(sources: Path | Sequence[Path], flags: tuple[str, ...], what
                 if done.returncode != 0:
                     lines = done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"]
                     raise RuntimeError(lines[0])
-                os.replace(out, target)
-        except (OSError, RuntimeError) as e:
-            print(f"beamtrt: building {what} failed ({e}); they are not available", file=sys.stderr)
-            return None
-    return ctypes.CDLL(str(target))
+                check = Path(tmp) / (target.name + ".sha256")
+                check.write_text(hashlib.sha256(out.read_bytes()).hexdigest() + "\n")
+                os.replace(out, target)  # the library first: a hash beside a stale library fails _intact
+                os.replace(check, target.with_name(check.name))
+        return ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as e:
+        print(f"beamtrt: building {what} failed ({e}); they are not available", file=sys.stderr)
+        return None
 
 
 @lru_cache(maxsize=None)
@@ -206,7 +243,7 @@ def usable(model, cache, tokens_per_row: int) -> bool:
     would (up to fp32 rounding)."""
     if tokens_per_row > MAX_ROWS:
         return False
-    if os.environ.get("BEAMTRT_NATIVE", "1") == "0" or model.shard is not None:
+    if not enabled() or model.shard is not None:
         return False
     if model.dtype not in DTYPES or model.device.type != "cpu" or cache.k.dtype != model.dtype:
         return False
@@ -228,7 +265,7 @@ def gemm_usable(weight: torch.Tensor, rows: int, any_rows: bool = False) -> bool
     """Whether `gemm` can take a [rows, K] x weightᵀ product: at most MAX_ROWS rows (the drafter's LM head on its
     block rows; PyTorch's GEMMs are faster for more), or any number with `any_rows`."""
     return ((any_rows or rows <= MAX_ROWS) and weight.device.type == "cpu" and weight.dtype in DTYPES
-            and weight.is_contiguous() and os.environ.get("BEAMTRT_NATIVE", "1") != "0" and available())
+            and weight.is_contiguous() and enabled() and available())
 
 
 def descriptor(model) -> _Descriptor:
@@ -336,7 +373,7 @@ def draft_usable(drafter, cache) -> bool:
     """Whether draft_step.cpp can run this drafter's block and append as the PyTorch reference does (up to fp32
     rounding): on CPU, fp32 or bf16 throughout (the target's embedding and the ring too), no hooks or shards, the
     windowed-attention plugin kernel not chosen instead (BEAMTRT_KERNELS=host)."""
-    if os.environ.get("BEAMTRT_NATIVE", "1") == "0" or drafter.kernels is not None:
+    if not enabled() or drafter.kernels is not None:
         return False
     embed = drafter.target.embed.weight
     if drafter.dtype not in DTYPES or drafter.device.type != "cpu" or embed.dtype != drafter.dtype:

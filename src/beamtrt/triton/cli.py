@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-slots", type=int, default=8,
                    help="requests decoded at once; more wait in beam_dflash2's queue (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=4096,
-                   help="the most tokens one request may need: prompt + max_tokens + block size + 1 (default: %(default)s)")
+                   help="the most tokens one request may need: prompt + max_tokens + block size + 1, at most the "
+                        "target's context (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
     p.add_argument("--raw-prompts", action="store_true",
                    help="send text_input to the model as raw text instead of a user message in the chat template")
