@@ -199,7 +199,8 @@ def test_drafter_target_mismatch(sources, tmp_path, field, value, needles):
     (["--tp", "3"], ["TP 3 does not divide the target's 4 attention heads"]),
     (["--tp", "4", "--moe-ep", "4", "--precision", "bf16"], []),  # 4 experts over 4 ranks: fine
     (["--tp", "2", "--moe-ep", "3"], ["--moe-ep 3 must divide --tp 2"]),
-    (["--calib-samples", "0"], ["--calib-samples must be at least 1"]),
+    (["--calib-samples", "0"], ["--calib-samples must be in [1, 4096]"]),
+    (["--calib-samples", "1000000000"], ["--calib-samples must be in [1, 4096]"]),
     (["--precision", "fp8", "--calib-prompts", "/nonexistent/p.jsonl"], ["p.jsonl: cannot read the prompts file"]),
 ])
 def test_bad_layouts(sources, tmp_path, args, needles):

@@ -453,6 +453,7 @@ class DrafterConfig(_HFConfig):
         return out
 
 
+MAX_CALIB_SAMPLES = 4096  # modelopt's LLM quantization examples default to 512
 MAX_BLOCK_SIZE = 32  # the selector plugin walks at most 31 drafts
 
 
@@ -517,8 +518,8 @@ class BuildConfig:
             _fail(f"unknown KV-cache precision {self.kv_cache!r} (choose auto or fp8)")
         if self.drafter_precision not in ("bf16", "fp8"):
             _fail(f"unknown drafter precision {self.drafter_precision!r} (choose bf16 or fp8)")
-        if self.calib_samples < 1:
-            _fail(f"--calib-samples must be at least 1, got {self.calib_samples}")
+        if not 1 <= self.calib_samples <= MAX_CALIB_SAMPLES:  # all of them run through each layer, held in memory
+            _fail(f"--calib-samples must be in [1, {MAX_CALIB_SAMPLES}], got {self.calib_samples}")
         out = self.out.resolve()
         sources = (("--model", self.model), ("--drafter", self.drafter), ("--calib-prompts", self.calib_prompts))
         for flag, src in sources:

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "chat-formatted through the model's template (default: the packaged general-purpose set, "
                         "not taken from any benchmark)")
     p.add_argument("--calib-samples", type=int, default=32,
-                   help="calibration sequences (prompts are cycled if fewer) (default: %(default)s)")
+                   help="calibration sequences, at most 4096 (prompts are cycled if fewer) (default: %(default)s)")
     p.add_argument("--out", type=Path, help="output directory (default: engines/<precision>-tp<N>, which "
                    "runtime/run.py then runs by default)")
     p.add_argument("--force", action="store_true",
