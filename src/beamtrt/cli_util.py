@@ -52,14 +52,19 @@ def check_seed(n: int, flag: str = "--seed") -> None:
         raise BeamtrtError(f"{flag} must be in [0, 2**63), got {n}")
 
 
+def existing(path: str | Path) -> Path:
+    """`path` (absolute) if it exists, else its nearest existing ancestor: where writing it would start."""
+    found = Path(path).absolute()
+    while not found.exists():
+        found = found.parent
+    return found
+
+
 def free_bytes(path: str | Path) -> int:
     """Free disk space where `path` would be written (its nearest existing folder)."""
     import shutil
 
-    room = Path(path).absolute()
-    while not room.exists():
-        room = room.parent
-    return shutil.disk_usage(room).free
+    return shutil.disk_usage(existing(path)).free
 
 
 def child_error(stderr: str, returncode: int) -> str:
@@ -97,9 +102,7 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     if p.exists() and p.is_dir() != directory:
         raise BeamtrtError(f"{flag} {p}: is a {'file' if directory else 'directory'}; "
                            f"expected a {'directory' if directory else 'file'} path")
-    ancestor = p.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = existing(p.absolute().parent)
     if not ancestor.is_dir():
         raise BeamtrtError(f"{flag} {p}: {ancestor} is a file, not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
@@ -107,7 +110,7 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     return p
 
 
-def _message(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
     """One line for a user error; an OSError names its path (a folder that is a file, no space, no permission)."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
@@ -119,7 +122,7 @@ def _out_of_memory(e: BaseException) -> str | None:
     """The one line for an allocation the host could not make (Python's MemoryError, torch's CPU allocator, a CUDA
     OOM), or None for any other error."""
     if isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
-        return f"out of memory ({_message(e) or 'MemoryError'}): ask for smaller sizes"
+        return f"out of memory ({error_line(e) or 'MemoryError'}): ask for smaller sizes"
     return None
 
 
@@ -143,12 +146,12 @@ def run_cli(body: Callable[[], None]) -> int:
                 signal.signal(sig, _terminate)
         body()
     except (BeamtrtError, ValueError, OSError) as e:
-        print(f"error: {_message(e)}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
-        if not _out_of_memory(e):
+        if (line := _out_of_memory(e)) is None:
             raise
-        print(f"error: {_out_of_memory(e)}", file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
@@ -180,17 +183,17 @@ def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], N
         state = setup(dist)
     except (BeamtrtError, ValueError, OSError) as e:
         if dist.rank == 0:
-            print(f"error: {_message(e)}", file=sys.stderr, flush=True)
+            print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
         return 2
     try:
         execute(state, dist)
     except (BeamtrtError, ValueError, OSError) as e:
-        print(f"error: rank {dist.rank}: {_message(e)}", file=sys.stderr, flush=True)
+        print(f"error: rank {dist.rank}: {error_line(e)}", file=sys.stderr, flush=True)
         dist.abort(2)
     except (MemoryError, RuntimeError) as e:
-        if not _out_of_memory(e):
+        if (line := _out_of_memory(e)) is None:
             raise
-        print(f"error: rank {dist.rank}: {_out_of_memory(e)}", file=sys.stderr, flush=True)
+        print(f"error: rank {dist.rank}: {line}", file=sys.stderr, flush=True)
         dist.abort(2)
     tp.stop(dist)
     return 0

@@ -520,10 +520,11 @@ class BuildConfig:
             _fail(f"unknown drafter precision {self.drafter_precision!r} (choose bf16 or fp8)")
         if not 1 <= self.calib_samples <= MAX_CALIB_SAMPLES:  # all of them run through each layer, held in memory
             _fail(f"--calib-samples must be in [1, {MAX_CALIB_SAMPLES}], got {self.calib_samples}")
-        out = self.out.resolve()
+        from beamtrt.checkpoint.hf import holds
+
         sources = (("--model", self.model), ("--drafter", self.drafter), ("--calib-prompts", self.calib_prompts))
         for flag, src in sources:
-            if src is not None and (src.resolve() == out or out in src.resolve().parents):
+            if src is not None and holds(self.out, src):
                 _fail(f"--out {self.out} holds the {flag} input {src}: a build replaces its --out, so choose another")
 
     @property

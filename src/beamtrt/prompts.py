@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from beamtrt.cli_util import error_line
 from beamtrt.errors import BeamtrtError, CheckpointError
 
 
@@ -17,12 +18,8 @@ def load_tokenizer(path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({_first_line(e)}); a checkpoint needs its "
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({error_line(e)}); a checkpoint needs its "
                               "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def read_chats(path: str | Path) -> list[list[dict]]:

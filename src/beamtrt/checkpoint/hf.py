@@ -33,9 +33,15 @@ def temp_dir(final: Path) -> Path:
     return tmp
 
 
+def holds(outer: Path, inner: Path) -> bool:
+    """Whether `outer` is `inner` or one of its ancestors (links resolved): replacing `outer` would replace `inner`."""
+    outer, inner = Path(outer).resolve(), Path(inner).resolve()
+    return outer == inner or outer in inner.parents
+
+
 def holds_cwd(path: Path) -> bool:
     """Whether `path` is the working directory or one of its ancestors (an output that cannot be renamed away)."""
-    return Path(path).resolve() in (Path.cwd(), *Path.cwd().parents)
+    return holds(path, Path.cwd())
 
 
 def replace_dir(tmp: Path, out: Path) -> None:

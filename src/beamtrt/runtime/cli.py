@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", help="a user message, sent through the chat template (repeatable)")
     p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else finite and >= 1e-5 (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; else finite and >= 1e-5 (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[],

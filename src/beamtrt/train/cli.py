@@ -65,12 +65,12 @@ def check_out(out: Path, force: bool, inputs: list[tuple[str, Path]], init: Path
     """The drafter output (checked before hours of work, and again before it is written): not one of the inputs or
     the training state, nor inside or around one (--init may be --out itself: it is read before --out is written),
     and replaced only when it holds a drafter and --force says so."""
+    from beamtrt.checkpoint.hf import holds
     from beamtrt.config import DrafterConfig
 
-    a = out.resolve()
     for flag, d in inputs + ([("--init", init)] if init else []):
-        b = d.resolve()
-        if (a == b and flag != "--init") or a in b.parents or b in a.parents:
+        around, inside = holds(d, out), holds(out, d)
+        if (around or inside) and not (flag == "--init" and around and inside):  # --init may be --out itself
             raise BeamtrtError(f"--out {out}: overlaps {flag} {d} (the drafter replaces --out whole); choose another "
                                "--out")
     if not out.is_dir() or not any(out.iterdir()):

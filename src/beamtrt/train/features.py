@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 import torch
 from safetensors.torch import load_file
 
-from beamtrt.checkpoint.hf import save_safetensors
+from beamtrt.checkpoint.hf import read_json, save_safetensors, write_json
 from beamtrt.errors import BeamtrtError
 from beamtrt.models.beam import BeamForCausalLM, right_padded
 
@@ -177,13 +177,9 @@ def read_meta(data: Path) -> dict:
     path = data / "meta.json"
     if not path.exists():
         return {}
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise BeamtrtError(f"{path}: unreadable cache description ({e.__class__.__name__}); remove the cache, or "
-                           "choose another directory") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("recipe", {}), dict):
-        raise BeamtrtError(f"{path}: not a feature cache's description (expected a JSON object with a recipe)")
+    meta = read_json(path, "feature cache description")
+    if not isinstance(meta.get("recipe", {}), dict):
+        raise BeamtrtError(f"{path}: not a feature cache's description (its recipe is not a JSON object)")
     return meta
 
 
@@ -223,15 +219,14 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     digest = digest or target_digest(target)
     meta = {"recipe": dataclasses.asdict(recipe), "taps": list(taps), "prompts": len(prompts),
             "hidden_size": target.cfg.hidden_size}
-    old = read_meta(out) if out.is_dir() else {}
+    old = read_meta(out)
     if old:
         old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
         if {k: old.get(k) for k in meta} != meta:
             raise BeamtrtError(f"{out} holds features made with other settings: remove it or choose another --data")
         check_target(out, old, digest)
     else:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "meta.json").write_text(json.dumps(meta | {"target": digest}, indent=2) + "\n")
+        write_json(out / "meta.json", meta | {"target": digest})
     encoded = [ids for ids in (chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
@@ -328,7 +323,7 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     shards = [(features, read_sequences(answers, "answers file", target.cfg.vocab_size))
               for answers, features in missing]
     if cache_target(data, meta) is None:  # an older cache: from now on its taps are this target's
-        (data / TAPS_TARGET).write_text(json.dumps({"target": digest or target_digest(target)}) + "\n")
+        write_json(data / TAPS_TARGET, {"target": digest or target_digest(target)})
     bar = tqdm(total=sum(len(s["prompt_len"]) for _, s in shards), desc=f"taps from answers ({data.name})",
                unit="seq", disable=quiet, dynamic_ncols=True)
     for features, shard in shards:

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from beamtrt.cli_util import error_line
 from beamtrt.errors import BeamtrtError
 from beamtrt.models.dflash2 import DFlash2Drafter
 from beamtrt.spec.selector import walk_greedy
@@ -329,12 +330,8 @@ def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer,
     except BaseException as e:  # the last complete state stays; no partial file beside it
         tmp.unlink(missing_ok=True)
         if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            raise BeamtrtError(f"{path}: cannot write the training state ({_message(e)})") from None
+            raise BeamtrtError(f"{path}: cannot write the training state ({error_line(e)})") from None
         raise
-
-
-def _message(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) -> dict:

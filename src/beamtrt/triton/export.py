@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from beamtrt.checkpoint.hf import replace_dir, temp_dir
+from beamtrt.checkpoint.hf import holds, replace_dir, temp_dir
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.errors import BeamtrtError, ConfigError
 from beamtrt.runtime.loader import missing_engines
@@ -202,13 +202,13 @@ class ExportConfig:
 def export(cfg: ExportConfig) -> list[str]:
     """Write and validate the repository at cfg.out; returns summary lines."""
     root, out = cfg.engine_dir.resolve(), cfg.out.resolve()
-    if out == root or root in out.parents:
+    if holds(root, out):
         raise ExportError(f"--out {out} is inside the engine directory; choose another place")
-    if out in root.parents:
+    if holds(out, root):
         raise ExportError(f"--out {out} holds the engine directory {root}: an export replaces its --out, so choose "
                           "another place")
     package = PYTHON_PATH / "beamtrt"
-    if out in (PYTHON_PATH, package) or out in PYTHON_PATH.parents or package in out.parents:
+    if holds(out, package) or holds(package, out):
         raise ExportError(f"--out {out}: is or holds the beamtrt package the repository's models import "
                           f"({package}); choose another place")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:

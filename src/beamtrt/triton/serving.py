@@ -26,10 +26,10 @@ import torch
 
 from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.errors import ConfigError
+from beamtrt.prompts import load_tokenizer
 from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
-from beamtrt.prompts import load_tokenizer
 from beamtrt.triton.protocol import (CONTEXT_TOKENS, Delta, Metrics, RequestError, RequestParams, encode_prompt,
                                      make_decode, parse_request, text_delta)
 
@@ -205,8 +205,8 @@ class Server:
         self.decoder = SpeculativeDecoder(target, drafter, settings.block_size, seed=settings.seed,
                                           detokenize=self.decode, draft_threshold=settings.draft_threshold)
         self.decoder.start(settings.max_slots, settings.max_seq_len, self._finished)
-        model = getattr(target, "max_seq_len", None)  # the target's own context, where the backend knows it
-        self.context = min(settings.max_seq_len, model or settings.max_seq_len)
+        self.model_context = getattr(target, "max_seq_len", None)  # where the backend knows it
+        self.context = min(settings.max_seq_len, self.model_context or settings.max_seq_len)
         self._inbox: queue.SimpleQueue[_Live | None] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}   # every request not finished (decode thread only)
         self._waiting: deque[_Live] = deque()
@@ -230,7 +230,7 @@ class Server:
         if len(ids) + params.max_tokens > room:
             raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than this "
                                f"server's {room} (max_seq_len {self.settings.max_seq_len}, the model's context "
-                               f"{getattr(self.decoder.target, 'max_seq_len', None) or 'unknown'})")
+                               f"{self.model_context or 'unknown'})")
         live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids, params.stop), params, on_delta,
                      is_cancelled, _Text(self.decode, params.stop, params.stream))
         with self._lock:
