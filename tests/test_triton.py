@@ -540,6 +540,15 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
             rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--force")
             assert rc == 2 and "beamtrt package" in stderr, stderr
     assert package.is_dir()
+    bare = tmp_path / "bare"  # the build with its tokenizer's chat template removed
+    shutil.copytree(builds[1], bare)
+    tokenizer = bare / read_manifest(bare)["target"]["tokenizer"]
+    (tokenizer / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(bare), "--out", str(tmp_path / "repo"))
+    assert rc == 2 and stderr.count("\n") == 1 and "has no chat template" in stderr and "--raw-prompts" in stderr
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer_config.json").write_text("{}")
