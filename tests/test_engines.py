@@ -284,3 +284,17 @@ def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window, vo
             torch.testing.assert_close(rings[i][0], cache.k[i], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(rings[i][1], cache.v[i], atol=1e-5, rtol=1e-5)
         start += counts
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
+def test_a_failed_plugin_build_names_its_first_error(tmp_path, monkeypatch):
+    """build_engines.py builds the plugin library with CMake; a compile failure is reported by its first error line,
+    not by make's closing 'Error 2'. Here a TensorRT tree with NvInfer.h and nothing else."""
+    root = tmp_path / "tensorrt"
+    (root / "include").mkdir(parents=True)
+    (root / "include" / "NvInfer.h").write_text("#pragma once\n")
+    monkeypatch.setattr(engine, "cuda_archs", lambda: "90")  # no GPU here to ask
+    with pytest.raises(engine.EngineError, match=r"^building the plugin library failed \(cmake --build\): \S+"
+                                                 r"plugin_base\.h:\d+:\d+: fatal error: NvInferRuntime\.h: No such file"):
+        engine.build_plugin_library(tmp_path / "out", str(root))
+    assert not (tmp_path / "out").exists()

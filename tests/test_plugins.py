@@ -285,6 +285,30 @@ def test_cuda_kernels_compile_for_hopper_and_blackwell(build):
     assert "TensorRT headers not found" in log or "TensorRT headers in" in log  # CMake says what it did
 
 
+TENSORRT_ROOTS = [r for r in os.environ.get("BEAMTRT_TENSORRT_ROOTS", "").split(os.pathsep) if r]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or not TENSORRT_ROOTS,
+                    reason="needs nvcc and TensorRT headers: BEAMTRT_TENSORRT_ROOTS=DIR[:DIR...], trees whose include/ "
+                           "has NvInfer.h (none in CI)")
+@pytest.mark.parametrize("root", TENSORRT_ROOTS or ["-"])
+def test_plugin_library_builds_against_tensorrt_headers(root, tmp_path):
+    """The TensorRT glue as build_engines.py builds it, warnings as errors, against each header tree given (TensorRT
+    10.x for TensorRT-LLM 1.2.x, 11.x), exporting TensorRT's two plugin-library entry points."""
+    out = tmp_path / "_build"
+    log = []
+    for cmd in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(out), f"-DTensorRT_ROOT={root}",
+                 "-DBEAMTRT_CUDA_ARCHS=90"],  # one architecture: the glue does not depend on it
+                ["cmake", "--build", str(out), "--target", "beamtrt_plugins", "-j", str(os.cpu_count() or 2)]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        log.append(done.stdout + done.stderr)
+        assert done.returncode == 0, "\n".join(log)[-4000:]
+    assert "TensorRT headers in" in log[0]
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(out / "libbeamtrt_plugins.so")], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert {"getCreators", "setLoggerFinder"} <= set(symbols)
+
+
 @pytest.fixture(scope="module")
 def torch_ext(build, tmp_path_factory):
     """plugins/torch_ext built with this host's torch against the CUDA kernels' static library: it links and loads

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -128,6 +129,14 @@ def cuda_archs() -> str:
     return ";".join(f"{major}{minor}{'a' if major >= 9 else ''}" for major, minor in archs)
 
 
+def first_error(log: str) -> str:
+    """The line of a compiler or CMake log that says what failed: its first error, else its last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror\b", line, re.IGNORECASE)
+              and not line.startswith(("make", "gmake", "cc1plus"))]
+    return errors[0] if errors else lines[-1] if lines else "(no output)"
+
+
 def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
     """cmake-build plugins/ (target beamtrt_plugins) and copy the library into out_dir; returns its path."""
     root = tensorrt_root or os.environ.get("TRT_ROOT", "/usr/local/tensorrt")
@@ -140,8 +149,8 @@ def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
                     ["cmake", "--build", tmp, "--target", "beamtrt_plugins", "-j"]):
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
-                last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-                raise EngineError(f"building the plugin library failed ({' '.join(cmd[:2])}): {last[0]}")
+                raise EngineError(f"building the plugin library failed ({' '.join(cmd[:2])}): "
+                                  f"{first_error(done.stdout + done.stderr)}")
         out_dir.mkdir(parents=True, exist_ok=True)
         lib = out_dir / "libbeamtrt_plugins.so"
         shutil.copy2(Path(tmp) / "libbeamtrt_plugins.so", lib)
