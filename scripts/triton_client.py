@@ -1,7 +1,7 @@
 """Stream a completion from an exported Beam Triton repository over gRPC.   python scripts/triton_client.py --help
 
 A standalone example: it needs only `pip install "tritonclient[grpc]"` (not beamtrt), so it runs on any client host.
-It sends one request to the `ensemble` (or straight to `beam_dflash2`), prints the text as it streams in, then the
+It sends one request to `beam_dflash2` (or through the `ensemble`), prints the text as it streams in, then the
 finish reason and the speculative metrics (acceptance length, accepted / drafted tokens) on stderr.
 """
 
@@ -19,9 +19,10 @@ OUTPUTS = ("text_output", "finish_reason", "acceptance_length", "accepted_draft_
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Stream a completion from Triton (scripts/launch_triton.sh) over gRPC.")
     p.add_argument("--url", default="localhost:8001", help="rank 0's gRPC endpoint (default: %(default)s)")
-    p.add_argument("--model", choices=("ensemble", "beam_dflash2"), default="ensemble",
-                   help="the ensemble (preprocessing -> beam_dflash2 -> postprocessing) or beam_dflash2 alone "
-                        "(default: %(default)s)")
+    p.add_argument("--model", choices=("beam_dflash2", "ensemble"), default="beam_dflash2",
+                   help="beam_dflash2 alone (same text; Ctrl-C stops the request on the server) or the ensemble "
+                        "(preprocessing -> beam_dflash2 -> postprocessing, as TensorRT-LLM's clients call it; Triton "
+                        "does not pass a cancellation on to its running step) (default: %(default)s)")
     p.add_argument("--prompt", default="Write a haiku about GPUs.", help="the user message (default: %(default)r)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -113,7 +114,9 @@ def main(argv=None):
     try:
         last = stream(args, sys.stdout)
     except KeyboardInterrupt:
-        print("\ninterrupted (the request was cancelled)", file=sys.stderr)
+        print("\ninterrupted (the request was cancelled)" if args.model == "beam_dflash2" else
+              "\ninterrupted (Triton does not pass the cancellation on to the ensemble's running beam_dflash2 step: "
+              "the server decodes this request to --max-tokens)", file=sys.stderr)
         return 130
     except Exception as e:  # the server's or the connection's error, one line
         print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)

@@ -613,10 +613,12 @@ def test_client_sends_what_the_ensemble_declares(builds, tmp_path, capsys):
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
-    declared = {t.name: (TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)], t.optional)
-                for t in export.parse_config(tmp_path / "repo" / "ensemble" / "config.pbtxt").input}
     sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x"]))
-    assert {t.name(): t.datatype() for t in sent} == {k: v[0] for k, v in declared.items()}
+    for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids)
+        declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]
+                    for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}
+        assert {t.name(): t.datatype() for t in sent} == {k: v for k, v in declared.items() if k != "input_ids"}
+    assert client.parse_args([]).model == "beam_dflash2"  # the model that sees a cancellation (docs/TRITON.md)
     assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
     assert client.main(["--top-p", "0"]) == 2
     assert capsys.readouterr().err == "error: --top-p must be in (0, 1], got 0.0\n"
