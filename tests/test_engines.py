@@ -298,3 +298,24 @@ def test_a_failed_plugin_build_names_its_first_error(tmp_path, monkeypatch):
                                                  r"plugin_base\.h:\d+:\d+: fatal error: NvInferRuntime\.h: No such file"):
         engine.build_plugin_library(tmp_path / "out", str(root))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("style", ["TRT_{}_ENTERPRISE", "NV_TENSORRT_{}"])  # 10.14 and later / earlier headers
+def test_plugin_headers_of_another_tensorrt_major_are_refused(tmp_path, monkeypatch, style):
+    """A plugin library built against another major version's headers crashes TensorRT when it logs (ILogger's layout
+    changed between 10 and 11): refused before CMake runs, naming both versions."""
+    include = tmp_path / "tensorrt" / "include"
+    include.mkdir(parents=True)
+    (include / "NvInfer.h").write_text("#pragma once\n")
+    (include / "NvInferVersion.h").write_text("".join(f"#define {style.format(part)} {value}\n"
+                                                      for part, value in zip(("MAJOR", "MINOR", "PATCH"), (11, 1, 0))))
+    assert engine.header_version(include.parent) == (11, 1, 0)
+    monkeypatch.setattr(engine, "runtime_version", lambda: (10, 14, 1))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("CMake ran"))
+    with pytest.raises(engine.EngineError, match=r"^the TensorRT headers in \S+ are 11\.1\.0 but this process runs "
+                                                 r"TensorRT 10\.14\.1: "):
+        engine.build_plugin_library(tmp_path / "out", str(include.parent))
+    monkeypatch.setattr(engine, "runtime_version", lambda: None)  # no tensorrt module: nothing to compare
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "error: stop here"))
+    with pytest.raises(engine.EngineError, match="error: stop here"):
+        engine.build_plugin_library(tmp_path / "out", str(include.parent))

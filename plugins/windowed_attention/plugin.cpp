@@ -45,6 +45,23 @@ int32_t WindowedAttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept {
   return outputIndex == kRingKOut ? kRingK : outputIndex == kRingVOut ? kRingV : -1;  // the ring is updated in place
 }
 
+// The ring's slot count must be the window the plugin was built for (logged when not; slots < 0: not known yet).
+static bool ringFits(int64_t slots, int32_t window) noexcept {
+  if (slots < 0 || slots == window) return true;
+  logError(std::string(WindowedAttentionPlugin::kName) + ": the ring has " + std::to_string(slots) +
+           " slots, the plugin was built for " + std::to_string(window));
+  return false;
+}
+
+// The ring's slot count is static in the network: a mismatch fails the build here instead of every enqueue.
+int32_t WindowedAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
+                                                 DynamicPluginTensorDesc const*, int32_t) noexcept {
+  if (nbInputs != kInputs) return -1;
+  for (int32_t i : {kRingK, kRingV})
+    if (in[i].desc.dims.nbDims == 4 && !ringFits(in[i].desc.dims.d[2], mAttributes.window)) return -1;
+  return 0;
+}
+
 int32_t WindowedAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs,
                                                     DataType const* inputTypes, int32_t nbInputs) const noexcept {
   if (nbInputs != kInputs || nbOutputs != kOutputs) return -1;
@@ -94,11 +111,7 @@ int32_t WindowedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, Plug
   args.Hkv = int32_t(k.d[2]);
   args.C = int32_t(ctx.d[1]);
   args.W = int32_t(ring.d[2]);
-  if (args.W != mAttributes.window) {
-    logError(std::string(kName) + ": the ring has " + std::to_string(args.W) + " slots, the plugin was built for " +
-             std::to_string(mAttributes.window));
-    return -1;
-  }
+  if (!ringFits(args.W, mAttributes.window)) return -1;
   args.ioType = toDType(inputDesc[kQ].type);
   args.cacheType = toDType(inputDesc[kRingK].type);
   args.cacheScale = mAttributes.kv_cache_fp8 ? mAttributes.kv_scale : 1.0f;

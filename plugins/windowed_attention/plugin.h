@@ -25,6 +25,8 @@ class WindowedAttentionPlugin : public PluginBase<WindowedAttentionPlugin, Windo
   static bool valid(Attributes const& attributes);
 
   int32_t getAliasedInput(int32_t outputIndex) noexcept override;
+  int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out,
+                          int32_t nbOutputs) noexcept override;
   int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
                              int32_t nbInputs) const noexcept override;
   int32_t getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const* shapeInputs,

@@ -137,12 +137,38 @@ def first_error(log: str) -> str:
     return errors[0] if errors else lines[-1] if lines else "(no output)"
 
 
+def header_version(root: Path) -> tuple[int, ...] | None:
+    """(major, minor, patch) of the TensorRT headers under root/include, or None where NvInferVersion.h says none."""
+    try:
+        text = (root / "include" / "NvInferVersion.h").read_text()
+    except OSError:
+        return None
+    parts = [re.search(rf"#define\s+(?:TRT|NV_TENSORRT)_{part}(?:_ENTERPRISE)?\s+(\d+)", text)
+             for part in ("MAJOR", "MINOR", "PATCH")]
+    return tuple(int(m.group(1)) for m in parts) if all(parts) else None
+
+
+def runtime_version() -> tuple[int, ...] | None:
+    """(major, minor, patch) of the tensorrt module this process would load, or None without one."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return None
+    return tuple(int(x) for x in re.findall(r"\d+", trt.__version__)[:3]) or None
+
+
 def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
     """cmake-build plugins/ (target beamtrt_plugins) and copy the library into out_dir; returns its path."""
     root = tensorrt_root or os.environ.get("TRT_ROOT", "/usr/local/tensorrt")
     if not (Path(root) / "include" / "NvInfer.h").is_file():
         raise EngineError(f"no TensorRT headers in {root}/include (pass --tensorrt-root or set TRT_ROOT): the "
                           "drafter engine needs the beamtrt plugin library")
+    headers, runtime = header_version(Path(root)), runtime_version()
+    if headers and runtime and headers[0] != runtime[0]:  # ILogger / ILoggerFinder changed layout between majors
+        raise EngineError(f"the TensorRT headers in {root}/include are {'.'.join(map(str, headers))} but this "
+                          f"process runs TensorRT {'.'.join(map(str, runtime))}: a plugin library built against "
+                          "another major version's headers crashes when it logs (pass --tensorrt-root of the same "
+                          "release)")
     with tempfile.TemporaryDirectory(prefix="beamtrt-plugins-") as tmp:
         for cmd in (["cmake", "-S", str(PLUGINS_SOURCE), "-B", tmp, f"-DTensorRT_ROOT={root}",
                      f"-DBEAMTRT_CUDA_ARCHS={cuda_archs()}"],

@@ -80,9 +80,7 @@ def _add(network, spec: PluginSpec, tensors: list, values: dict):
     plugin = creator.create_plugin(spec.name, trt.PluginFieldCollection(fields), trt.TensorRTPhase.BUILD)
     if plugin is None:
         raise PluginError(f"{spec.name}: TensorRT refused the attributes {values} (see its log)")
-    layer = network.add_plugin_v3(tensors, [], plugin)
-    layer.name = spec.name
-    return layer
+    return network.add_plugin_v3(tensors, [], plugin)  # unnamed: TensorRT rejects repeated layer names
 
 
 def add_block_selector(network, logits, projected, anchor_ids, predecessor_codebook, successor_codebook,
@@ -96,6 +94,6 @@ def add_windowed_attention(network, q, k, v, context_k, context_v, start, count,
                            kv_scale: float | None = None, softmax_scale: float = 0.0):
     """-> the plugin layer; outputs out [N, L, Hq, D], ring_k, ring_v (the updated rings, aliasing the inputs);
     kv_scale set = fp8 ring."""
-    values = {"window": window, "kv_cache_fp8": int(kv_scale is not None), "kv_scale": kv_scale or 1.0,
-              "softmax_scale": softmax_scale}
+    values = {"window": window, "kv_cache_fp8": int(kv_scale is not None),
+              "kv_scale": 1.0 if kv_scale is None else kv_scale, "softmax_scale": softmax_scale}
     return _add(network, WINDOWED_ATTENTION, [q, k, v, context_k, context_v, start, count, ring_k, ring_v], values)
