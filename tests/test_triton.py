@@ -608,7 +608,7 @@ def test_beam_mini_repository_validates(beam_mini, tmp_path):
 
 # ---- the scripts -----------------------------------------------------------------------------------------------
 
-def test_client_sends_what_the_ensemble_declares(builds, tmp_path, capsys):
+def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("triton_client", ROOT / "scripts" / "triton_client.py")
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
