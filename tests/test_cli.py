@@ -519,11 +519,16 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
 
 
 def test_child_error_finds_the_childs_own_line():
-    """bench_tp.py / bench_convert.py report why a build or a run failed: its error line even when Open MPI's notice
-    follows it, its last line otherwise, and how it ended when it printed nothing (killed)."""
+    """bench_tp.py / bench_convert.py / the plugin library build report why a build or a run failed: its error line
+    even when Open MPI's notice follows it, a compiler's or CMake's first error before make's closing lines, its last
+    line otherwise, and how it ended when it printed nothing (killed)."""
     from beamtrt.cli_util import child_error
 
     assert child_error("loading\nerror: rank 1: bad mask\n----\nprterun noticed that process rank 1\x00\n", 2) == \
         "rank 1: bad mask"
     assert child_error("Traceback ...\nValueError: boom\n", 1) == "ValueError: boom"
+    assert child_error("[ 50%] Building\nk.cpp:5:10: fatal error: x.h: No such file\ncc1plus: all warnings\n"
+                       "gmake: *** [all] Error 2\n", 2) == "k.cpp:5:10: fatal error: x.h: No such file"
+    assert child_error("CMake Error at CMakeLists.txt:3 (find_package): no CUDA\n-- Configuring incomplete\n", 1) == \
+        "CMake Error at CMakeLists.txt:3 (find_package): no CUDA"
     assert child_error("", -9) == "killed by signal 9" and child_error("  \n", 3) == "exit status 3, no output"

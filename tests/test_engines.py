@@ -294,8 +294,9 @@ def test_a_failed_plugin_build_names_its_first_error(tmp_path, monkeypatch):
     (root / "include").mkdir(parents=True)
     (root / "include" / "NvInfer.h").write_text("#pragma once\n")
     monkeypatch.setattr(engine, "cuda_archs", lambda: "90")  # no GPU here to ask
-    with pytest.raises(engine.EngineError, match=r"^building the plugin library failed \(cmake --build\): \S+"
-                                                 r"plugin_base\.h:\d+:\d+: fatal error: NvInferRuntime\.h: No such file"):
+    with pytest.raises(engine.EngineError,
+                       match=r"^building the plugin library failed \(cmake --build\): \S+plugin_base\.h:\d+:\d+: "
+                             r"fatal error: NvInferRuntime\.h: No such file"):
         engine.build_plugin_library(tmp_path / "out", str(root))
     assert not (tmp_path / "out").exists()
 
@@ -310,12 +311,14 @@ def test_plugin_headers_of_another_tensorrt_major_are_refused(tmp_path, monkeypa
     (include / "NvInferVersion.h").write_text("".join(f"#define {style.format(part)} {value}\n"
                                                       for part, value in zip(("MAJOR", "MINOR", "PATCH"), (11, 1, 0))))
     assert engine.header_version(include.parent) == (11, 1, 0)
-    monkeypatch.setattr(engine, "runtime_version", lambda: (10, 14, 1))
+    monkeypatch.setattr(engine, "tensorrt_version", lambda: (10, 14, 1))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("CMake ran"))
     with pytest.raises(engine.EngineError, match=r"^the TensorRT headers in \S+ are 11\.1\.0 but this process runs "
                                                  r"TensorRT 10\.14\.1: "):
         engine.build_plugin_library(tmp_path / "out", str(include.parent))
-    monkeypatch.setattr(engine, "runtime_version", lambda: None)  # no tensorrt module: nothing to compare
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "error: stop here"))
-    with pytest.raises(engine.EngineError, match="error: stop here"):
+    monkeypatch.setattr(engine, "tensorrt_version", lambda: None)  # no tensorrt module: nothing to compare
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "CMake Error at CMakeLists.txt:1 (project): stop here\n-- Configuring incomplete"))
+    with pytest.raises(engine.EngineError,
+                       match=r"\(cmake -S\): CMake Error at CMakeLists\.txt:1 \(project\): stop here$"):
         engine.build_plugin_library(tmp_path / "out", str(include.parent))

@@ -21,19 +21,25 @@ from beamtrt.spec.selector import draft_probs, greedy_q, walk_greedy, walk_sampl
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cmake(out: Path, *configure: str, target: str | None = None) -> list[str]:
+    """plugins/ configured into `out` (with `configure` flags) and built (`target`, else everything): the two steps'
+    logs; fails the test with the log's end when a step fails."""
+    log = []
+    build = ["cmake", "--build", str(out), "-j", str(os.cpu_count() or 2)] + (["--target", target] if target else [])
+    for cmd in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(out), *configure], build):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        log.append(done.stdout + done.stderr)
+        assert done.returncode == 0, "\n".join(log)[-4000:]
+    return log
+
+
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     """plugins/ configured and built by CMake as the README says (the CUDA kernels too, where nvcc is found)."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake not found")
     out = tmp_path_factory.mktemp("plugins") / "_build"
-    log = []
-    jobs = str(os.cpu_count() or 2)
-    for cmd in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(out)], ["cmake", "--build", str(out), "-j", jobs]):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        log.append(done.stdout + done.stderr)
-        assert done.returncode == 0, "\n".join(log)[-4000:]
-    return out, "\n".join(log)
+    return out, "\n".join(cmake(out))
 
 
 @pytest.fixture(scope="module")
@@ -296,13 +302,8 @@ def test_plugin_library_builds_against_tensorrt_headers(root, tmp_path):
     """The TensorRT glue as build_engines.py builds it, warnings as errors, against each header tree given (TensorRT
     10.x for TensorRT-LLM 1.2.x, 11.x), exporting TensorRT's two plugin-library entry points."""
     out = tmp_path / "_build"
-    log = []
-    for cmd in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(out), f"-DTensorRT_ROOT={root}",
-                 "-DBEAMTRT_CUDA_ARCHS=90"],  # one architecture: the glue does not depend on it
-                ["cmake", "--build", str(out), "--target", "beamtrt_plugins", "-j", str(os.cpu_count() or 2)]):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        log.append(done.stdout + done.stderr)
-        assert done.returncode == 0, "\n".join(log)[-4000:]
+    log = cmake(out, f"-DTensorRT_ROOT={root}", "-DBEAMTRT_CUDA_ARCHS=90",  # one arch: the glue has none
+                target="beamtrt_plugins")
     assert "TensorRT headers in" in log[0]
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(out / "libbeamtrt_plugins.so")], capture_output=True,
                              text=True, check=True).stdout.split()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -69,11 +70,16 @@ def free_bytes(path: str | Path) -> int:
 
 def child_error(stderr: str, returncode: int) -> str:
     """Why a child command failed, in one line: its own `error:` line (under mpirun, Open MPI's notices follow it),
-    else its last line of output, else how it ended (a rank or build killed, for example, prints nothing)."""
+    else a compiler's or CMake's first error (`file:line: error: ...`, `CMake Error at ...`: make's closing lines
+    follow it), else its last line of output, else how it ended (a rank or build killed, for example, prints
+    nothing)."""
     lines = [line.strip() for line in stderr.replace("\0", "").splitlines() if line.strip()]
     mine = [line for line in lines if line.startswith("error:")]
     if mine:
         return mine[0].removeprefix("error:").strip()
+    tools = [line for line in lines if re.search(r": (fatal )?error:|^CMake Error", line)]
+    if tools:
+        return tools[0]
     if lines:
         return lines[-1]
     return f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}, no output"

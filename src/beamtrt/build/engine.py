@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from beamtrt.cli_util import child_error
 from beamtrt.config import BeamConfig, EngineSettings
 from beamtrt.errors import DeviceError
 
@@ -129,14 +130,6 @@ def cuda_archs() -> str:
     return ";".join(f"{major}{minor}{'a' if major >= 9 else ''}" for major, minor in archs)
 
 
-def first_error(log: str) -> str:
-    """The line of a compiler or CMake log that says what failed: its first error, else its last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"\berror\b", line, re.IGNORECASE)
-              and not line.startswith(("make", "gmake", "cc1plus"))]
-    return errors[0] if errors else lines[-1] if lines else "(no output)"
-
-
 def header_version(root: Path) -> tuple[int, ...] | None:
     """(major, minor, patch) of the TensorRT headers under root/include, or None where NvInferVersion.h says none."""
     try:
@@ -148,13 +141,13 @@ def header_version(root: Path) -> tuple[int, ...] | None:
     return tuple(int(m.group(1)) for m in parts) if all(parts) else None
 
 
-def runtime_version() -> tuple[int, ...] | None:
-    """(major, minor, patch) of the tensorrt module this process would load, or None without one."""
+def tensorrt_version() -> tuple[int, ...] | None:
+    """(major, minor, patch) of the installed TensorRT, or None when it is not importable here."""
     try:
-        import tensorrt as trt
-    except ImportError:
+        import tensorrt
+    except Exception:  # not installed, or its import fails without its libraries
         return None
-    return tuple(int(x) for x in re.findall(r"\d+", trt.__version__)[:3]) or None
+    return tuple(int(x) for x in re.findall(r"\d+", str(getattr(tensorrt, "__version__", "")))[:3]) or None
 
 
 def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
@@ -163,7 +156,7 @@ def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
     if not (Path(root) / "include" / "NvInfer.h").is_file():
         raise EngineError(f"no TensorRT headers in {root}/include (pass --tensorrt-root or set TRT_ROOT): the "
                           "drafter engine needs the beamtrt plugin library")
-    headers, runtime = header_version(Path(root)), runtime_version()
+    headers, runtime = header_version(Path(root)), tensorrt_version()
     if headers and runtime and headers[0] != runtime[0]:  # ILogger / ILoggerFinder changed layout between majors
         raise EngineError(f"the TensorRT headers in {root}/include are {'.'.join(map(str, headers))} but this "
                           f"process runs TensorRT {'.'.join(map(str, runtime))}: a plugin library built against "
@@ -176,7 +169,7 @@ def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise EngineError(f"building the plugin library failed ({' '.join(cmd[:2])}): "
-                                  f"{first_error(done.stdout + done.stderr)}")
+                                  f"{child_error(done.stdout + done.stderr, done.returncode)}")
         out_dir.mkdir(parents=True, exist_ok=True)
         lib = out_dir / "libbeamtrt_plugins.so"
         shutil.copy2(Path(tmp) / "libbeamtrt_plugins.so", lib)

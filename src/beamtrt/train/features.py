@@ -305,7 +305,8 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     from tqdm import tqdm
 
     meta = read_meta(data)
-    if cache_target(data, meta) is not None:
+    recorded = cache_target(data, meta)
+    if recorded is not None:
         check_target(data, meta, digest or target_digest(target))
     if meta.get("taps", list(taps)) != list(taps):
         raise BeamtrtError(f"{data}: answers made for target layers {meta.get('taps')}, the drafter taps {list(taps)}")
@@ -322,7 +323,7 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
         return
     shards = [(features, read_sequences(answers, "answers file", target.cfg.vocab_size))
               for answers, features in missing]
-    if cache_target(data, meta) is None:  # an older cache: from now on its taps are this target's
+    if recorded is None:  # an older cache: from now on its taps are this target's
         write_json(data / TAPS_TARGET, {"target": digest or target_digest(target)})
     bar = tqdm(total=sum(len(s["prompt_len"]) for _, s in shards), desc=f"taps from answers ({data.name})",
                unit="seq", disable=quiet, dynamic_ncols=True)

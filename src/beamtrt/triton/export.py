@@ -157,7 +157,7 @@ def check_build(root: Path, chat_template: bool = True) -> dict:
     if not tokenizer or not (root / tokenizer).is_dir():
         raise ExportError(f"{root}: the build has no tokenizer/ (preprocessing needs the target's tokenizer and chat "
                           "template): rebuild from a checkpoint with tokenizer files")
-    if not has_chat_template(root / tokenizer) and chat_template:
+    if chat_template and not has_chat_template(root / tokenizer):
         raise ExportError(f"{root / tokenizer}: the tokenizer has no chat template, which text_input goes through: "
                           "pass --raw-prompts (text_input sent as raw text), or rebuild from a checkpoint with one")
     for name in (target, drafter):
