@@ -14,6 +14,7 @@ import torch
 
 from beamtrt.build import drafter_net, engine
 from beamtrt.build.pipeline import build
+from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.manifest import read_manifest
 from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings
@@ -132,6 +133,34 @@ def test_unsupported_targets_are_named():
     assert engine.unsupported(QWEN3) is None and engine.unsupported(MIXTRAL) is None
     assert "soft-caps" in engine.unsupported(dataclasses.replace(QWEN3, final_logit_softcapping=30.0))
     assert "dense and MoE" in engine.unsupported(dataclasses.replace(QWEN3, mlp_only_layers=(0,)))
+    assert engine.unsupported(SHARED) is None
+    no_shared = dataclasses.replace(SHARED, shared_expert_intermediate_size=0)  # still Qwen2-MoE: it has a qkv bias
+    assert "Qwen2-MoE without a shared expert" in engine.unsupported(no_shared)
+
+
+def test_target_config_has_what_qwen_layers_read():
+    """TensorRT-LLM's QWenDecoderLayer reads config.seq_length, which QWenConfig only sets from a Hugging Face
+    config: a checkpoint without it fails before any weight loads."""
+    config = trtllm.target_config(QWEN3, trtllm.Mapping(), "bf16", "auto", torch.bfloat16)
+    assert config["seq_length"] == QWEN3.max_position_embeddings and config["use_logn_attn"] is False
+
+
+def test_moe_block_scales_are_renamed_before_tensorrt_llm_preprocesses_them():
+    fp8 = torch.float8_e4m3fn
+    stack = torch.rand(4, 256, 8).to(fp8)  # [E, out, in / 16]
+    dense = torch.rand(256, 8).to(fp8)
+    weights = {"transformer.layers.0.mlp.fc.weights_scaling_factor": stack,
+               "transformer.layers.0.mlp.fc.weights_scaling_factor_2": torch.ones(4),
+               "transformer.layers.0.attention.qkv.weights_scaling_factor": dense}
+    out = engine.moe_block_scales(dict(weights), lambda t: t.view(torch.uint8).flip(-1).flatten())
+    p = "transformer.layers.0.mlp.fc."
+    assert set(out) == {p + "weights_block_scaling_factor", p + "weights_block_scaling_factor_interleaved",
+                        p + "weights_scaling_factor_2", "transformer.layers.0.attention.qkv.weights_scaling_factor"}
+    assert out[p + "weights_block_scaling_factor"] is stack
+    interleaved = out[p + "weights_block_scaling_factor_interleaved"]
+    assert interleaved.shape == stack.shape and interleaved.dtype == fp8
+    assert torch.equal(interleaved.view(torch.uint8), stack.view(torch.uint8).flip(-1))
+    assert out["transformer.layers.0.attention.qkv.weights_scaling_factor"] is dense  # 2-D: TensorRT-LLM's own
 
 
 def _rank_names(path: Path, rank: int) -> set[str]:

@@ -11,6 +11,7 @@ folders because TensorRT-LLM's `Engine.save` writes a config.json of its own bes
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from beamtrt.checkpoint import trtllm
 from beamtrt.cli_util import child_error
 from beamtrt.config import BeamConfig, EngineSettings
 from beamtrt.errors import DeviceError
@@ -67,7 +69,23 @@ def unsupported(cfg: BeamConfig) -> str | None:
         return "the target mixes dense and MoE layers, which this engine stage does not build yet"
     if cfg.attention_bias:
         return "the target has an o_proj bias, which TensorRT-LLM's Qwen attention does not"
+    if trtllm.target_architecture(cfg)[1] == "qwen2_moe" and not cfg.shared_expert_intermediate_size:
+        return "the target exports as Qwen2-MoE without a shared expert, which TensorRT-LLM's Qwen2-MoE layer " \
+               "always has"
     return None
+
+
+def moe_block_scales(weights: dict, interleave) -> dict:
+    """A `from_checkpoint` hook for NVFP4 targets: each expert stack's block scales [E, out, in / 16] become the
+    `weights_block_scaling_factor` (+ `_interleaved`, by `interleave`, shape kept) that TensorRT-LLM's MoE layer
+    loads. Some TensorRT-LLM revisions' NVFP4 preprocessing unpacks every `weights_scaling_factor` as 2-D and fails
+    on these; renamed first, it leaves them alone (and does the same as revisions that handle them)."""
+    for name in [n for n, t in weights.items() if n.endswith(".weights_scaling_factor") and t.ndim == 3]:
+        scale = weights.pop(name)
+        block = name.replace("weights_scaling_factor", "weights_block_scaling_factor")
+        weights[block] = scale
+        weights[block + "_interleaved"] = interleave(scale).reshape(scale.shape).view(scale.dtype)
+    return weights
 
 
 def precision_unsupported(precision: str, kv_cache: str = "auto") -> str | None:
@@ -216,7 +234,12 @@ def build_target(ckpt_dir: Path, out_dir: Path, rank: int, precision: str, taps:
     if arch not in MODEL_MAP:
         raise EngineError(f"TensorRT-LLM {trtllm_version()} has no model class for {arch}")
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    model = MODEL_MAP[arch].from_checkpoint(str(ckpt_dir), rank=rank)
+    hook = None
+    if precision == "nvfp4":
+        def interleave(scale):  # TensorRT-LLM's own swizzle of FP4 block scales (its MoE weight wrapper's call)
+            return torch.ops.trtllm.block_scale_interleave(scale.view(torch.uint8).cpu().contiguous())
+        hook = functools.partial(moe_block_scales, interleave=interleave)
+    model = MODEL_MAP[arch].from_checkpoint(str(ckpt_dir), rank=rank, preprocess_weights_hook=hook)
     mark_taps(model, taps, config["dtype"])
     build_config = BuildConfig(
         max_batch_size=settings.max_batch_size, max_input_len=settings.max_seq_len,

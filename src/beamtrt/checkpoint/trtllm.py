@@ -302,6 +302,8 @@ def target_config(cfg: BeamConfig, mapping: Mapping, precision: str, kv_cache: s
         "intermediate_size": cfg.moe_intermediate_size if arch == "MixtralForCausalLM" else cfg.intermediate_size,
         "norm_epsilon": cfg.rms_norm_eps, "position_embedding_type": "rope_gpt_neox",
         "max_position_embeddings": cfg.max_position_embeddings, "rotary_base": cfg.rope_theta,
+        "seq_length": cfg.max_position_embeddings,  # QWenDecoderLayer reads it (logn scaling, off: use_logn_attn)
+        "use_logn_attn": False,
         "rotary_scaling": cfg.rope_scaling, "use_parallel_embedding": True, "embedding_sharding_dim": 0,
         "share_embedding_table": False, "tie_word_embeddings": cfg.tie_word_embeddings,
         "mapping": mapping.to_json(), "quantization": quant,
