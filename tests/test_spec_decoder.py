@@ -222,3 +222,55 @@ def test_continuous_batching_refills_slots(target, prompts, reference, concurren
 
 def assert_done(c) -> None:
     assert c.finish_reason in ("stop", "length")
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor standing in for one in an accelerator's memory: bringing more than a few ids of it to the host
+    (`.cpu()`, `.tolist()`, `.item()`, `.numpy()`) fails, as a copy of logits or taps would cost there. (`.to(device)`
+    passes: the test's drafter lives on the host, where on a GPU it would share the target's device.)"""
+
+    HOST_LIMIT = 256  # elements: emitted ids and counts may come back, [N, T, V] logits and [N, T, F] taps may not
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        to_host = func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy)
+        if to_host and args[0].numel() > cls.HOST_LIMIT:
+            raise AssertionError(f"a {tuple(args[0].shape)} tensor was copied to the host")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class DeviceModel:
+    """The target model with its outputs (logits, taps) marked as device memory."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        out.logits = out.logits.as_subclass(OnDevice)
+        out.taps = [t.as_subclass(OnDevice) for t in out.taps]
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verification_runs_where_the_logits_are(target, prompts, reference, temperature):
+    """On a GPU the target's logits stay there: the torch backend returns them as the model made them, the decoder
+    verifies next to them and brings back only the emitted ids (a host copy of [N, 9, V] logits a step, and a
+    vocabulary-wide softmax and sort on the host for sampling, would dwarf a step). Checked on the CPU with outputs
+    that refuse large host copies; the tokens are those of the plain CPU run."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from beamtrt.spec.sampling import SamplingParams
+    from test_dflash2 import make_drafter
+
+    def decode(model):
+        dec = SpeculativeDecoder(TorchTarget(model), TorchDrafter(make_drafter(target, seed=3)), block_size=4,
+                                 params=SamplingParams(temperature, 0.9), seed=5, draft_threshold=0.2)
+        return [c.output_ids for c in dec.generate([Request(tuple(p), MAX_NEW) for p in prompts[:6]])]
+
+    got = decode(DeviceModel(target))
+    assert got == decode(target)
+    if temperature == 0:
+        assert got == reference[:6]

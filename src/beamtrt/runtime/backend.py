@@ -16,6 +16,8 @@ from beamtrt.spec.sampling import SamplingParams
 
 @dataclass
 class TargetStep:
+    """A target pass's outputs, on the backend's device: the decoder verifies there and brings back only the
+    emitted ids (a few bytes a request), never the logits."""
     logits: torch.Tensor        # [N, T, V] fp32 (T = 1 when only the last row was asked for)
     taps: torch.Tensor | None   # [N, T, n_taps * H] residual stream after the tapped layers, or None
 
@@ -41,6 +43,7 @@ class TargetBackend(Protocol):
 
 @dataclass
 class DraftStep:
+    """A drafter's proposal, on its device or the host (the decoder moves it to the target's logits)."""
     draft_ids: torch.Tensor     # [N, S] long, the walked drafts (S = block - 1)
     cand_ids: torch.Tensor      # [N, S, K] long, the candidates of each draft slot
     q: torch.Tensor | None      # [N, S, K] fp32, the exact row each draft was drawn from; None for a greedy walk

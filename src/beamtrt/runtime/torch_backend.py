@@ -29,8 +29,8 @@ class TorchTarget:
         every = len(slots) == self.cache.batch and bool((slots == torch.arange(len(slots))).all())
         out = self.model(ids.to(device), self.cache, None if num_tokens is None else num_tokens.to(device),
                          taps=taps, last_only=last_only, slots=None if every else slots.to(device))
-        tapped = torch.cat(out.taps, dim=-1).cpu() if taps else None
-        return TargetStep(out.logits.cpu(), tapped)
+        tapped = torch.cat(out.taps, dim=-1) if taps else None  # both stay on the model's device
+        return TargetStep(out.logits, tapped)
 
     def crop(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
         device = self.model.device
@@ -80,8 +80,8 @@ class TorchDrafter:
             out.logits.contiguous(), selector.hidden_projection(out.hidden).float().contiguous(),
             anchor_ids.to(device, torch.int32), selector.predecessor_codebook.detach(),
             selector.successor_codebook.detach(), temperature, top_p, uniforms.to(device), top_k=top_k)
-        q = q.cpu()  # greedy requests: the temperature-1 rows, for the confidence only
-        return DraftStep(drafts.long().cpu(), cand.long().cpu(), None if params.greedy else q, draft_confidence(q))
+        # on the device, where the decoder verifies; greedy requests' q: the temperature-1 rows, for the confidence
+        return DraftStep(drafts.long(), cand.long(), None if params.greedy else q, draft_confidence(q))
 
     def reset(self, slots: list[int]) -> None:
         self.drafter.reset(self.cache, slots)

@@ -168,9 +168,10 @@ class TrtTarget:
             if logits is None:
                 logits = step.logits.new_zeros(N, 1, step.logits.shape[-1])
                 tapped = None if step.taps is None else step.taps.new_zeros(N, T, step.taps.shape[-1])
-            logits[rows] = step.logits
+            on_gpu = rows.to(step.logits.device)
+            logits[on_gpu] = step.logits
             if tapped is not None:
-                tapped[rows, begin:begin + step.taps.shape[1]] = step.taps
+                tapped[on_gpu, begin:begin + step.taps.shape[1]] = step.taps
         return TargetStep(logits, tapped)
 
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, taps: tuple[int, ...],
@@ -194,7 +195,8 @@ class TrtTarget:
             feeds["all_reduce_workspace"] = self.workspace
         out = self.engine.run(feeds)
         self.lengths[slots] = past + num
-        logits = out["logits"].float()[:, :self.vocab_size].cpu()  # [rows asked for, V]
+        logits = out["logits"].float()[:, :self.vocab_size]  # [rows asked for, V], left on the GPU (verified there)
+        valid = valid.to(logits.device)
         if last_only:
             full = logits.view(N, 1, -1)
         else:
@@ -206,7 +208,7 @@ class TrtTarget:
             if missing:
                 raise EngineError(f"the target engine has no output for tapped layer {missing[0]} (rebuild it "
                                   "with this drafter)")
-            packed = torch.cat([out[TAP_OUTPUT.format(i)] for i in taps], dim=-1).cpu()  # [tokens, n_taps * H]
+            packed = torch.cat([out[TAP_OUTPUT.format(i)] for i in taps], dim=-1)  # [tokens, n_taps * H], GPU
             tapped = packed.new_zeros(N, T, packed.shape[-1])
             tapped[valid] = packed
         return TargetStep(full, tapped)
@@ -263,15 +265,15 @@ class TrtDrafter:
         self.pending = [[] for _ in self.pending]
         for rows, counts in chunks:  # the last chunk's call drafts; earlier calls only append (drafts unused)
             out = self._step(rows, counts, anchor_ids, slots, params, uniforms)
-        pick = slots.cpu()
-        drafts, cand = out["draft_ids"].long().cpu()[pick], out["cand_ids"].long().cpu()[pick]
-        q = out["q"].float().cpu()[pick]  # greedy requests: the temperature-1 rows, for the confidence only
+        pick = slots.cuda()  # the outputs stay on the GPU, where the decoder verifies
+        drafts, cand = out["draft_ids"].long()[pick], out["cand_ids"].long()[pick]
+        q = out["q"].float()[pick]  # greedy requests: the temperature-1 rows, for the confidence only
         return DraftStep(drafts, cand, None if params.greedy else q, draft_confidence(q))
 
     def _step(self, rows: list, counts: torch.Tensor, anchor_ids, slots, params: SamplingParams, uniforms) -> dict:
         c, n = self.cfg, len(rows)
         C = max(1, int(counts.max()))
-        taps = torch.zeros(n, C, c.num_taps * c.target_hidden_size, dtype=self.dtype)
+        taps = torch.zeros(n, C, c.num_taps * c.target_hidden_size, dtype=self.dtype, device="cuda")
         for s, r in enumerate(rows):
             if counts[s]:
                 taps[s, :counts[s]] = r.to(self.dtype)

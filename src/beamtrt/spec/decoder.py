@@ -157,7 +157,8 @@ class SpeculativeDecoder:
         out = self.target.forward(ids, slots, lengths, taps=self.taps, last_only=True)
         if self.drafter is not None:
             self.drafter.append_context(*self._scatter(slots, out.taps, lengths))
-        first = sample(out.logits[:, -1], params, None if params.greedy else self._uniforms(len(admitted)))
+        uniforms = None if params.greedy else self._uniforms(len(admitted)).to(out.logits.device)
+        first = sample(out.logits[:, -1], params, uniforms).cpu()  # sampled where the logits are; M ids come back
         self.anchor[slots] = first
         self.position[slots] = lengths
         for (s, i), token in zip(admitted, first.tolist()):
@@ -168,9 +169,10 @@ class SpeculativeDecoder:
 
     def _scatter(self, slots: torch.Tensor, taps: torch.Tensor, counts: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for some slots -> the drafter's every-slot layout: taps [slots, T, F] (zeros elsewhere), counts."""
+        """Rows for some slots -> the drafter's every-slot layout: taps [slots, T, F] (zeros elsewhere), counts.
+        The taps stay on the target's device."""
         full = taps.new_zeros(len(self.owner), *taps.shape[1:])
-        full[slots] = taps
+        full[slots.to(taps.device)] = taps
         n = torch.zeros(len(self.owner), dtype=torch.long)
         n[slots] = counts
         return full, n
@@ -199,25 +201,34 @@ class SpeculativeDecoder:
                 width = int(num_drafts.max())  # one rectangle: shorter proposals are padded (their rows are dead)
                 drafts, cand, q = drafts[:, :width], cand[:, :width], None if q is None else q[:, :width]
         t, c = time.perf_counter(), self._comm_s()
-        out = self.target.forward(torch.cat([anchors[:, None], drafts], dim=1), slots, num_drafts + 1, taps=self.taps)
+        block = torch.cat([anchors[:, None].to(drafts.device), drafts], dim=1)  # [N, 1 + drafts]
+        out = self.target.forward(block, slots, num_drafts.cpu() + 1, taps=self.taps)
         self.times.target_s += time.perf_counter() - t
         self.times.target_comm_s += self._comm_s() - c
+        # Verify where the target left its logits (a GPU's: only the emitted ids come back to the host, never the
+        # [N, 1 + drafts, V] logits); the drafter's outputs and the host's uniforms are small and move there.
+        device = out.logits.device
+        drafts, num_drafts = drafts.to(device), num_drafts.to(device)
         if params.greedy:
             result = verify_greedy(drafts, out.logits, num_drafts)
         else:  # γ accept uniforms whatever the cut: the random stream does not depend on the threshold
             u_accept = self._uniforms(len(active), gamma)[:, :drafts.shape[1]]
-            result = verify_sampled(drafts, cand, q, target_probs(out.logits, params), u_accept,
-                                    self._uniforms(len(active)), num_drafts)
-        committed = result.num_accepted + 1  # [N]
+            cand, q = (None if x is None else x.to(device) for x in (cand, q))
+            result = verify_sampled(drafts, cand, q, target_probs(out.logits, params), u_accept.to(device),
+                                    self._uniforms(len(active)).to(device), num_drafts)
+        # one transfer: [N, γ' + 1] tokens, then num_accepted and num_drafts
+        host = torch.cat([result.tokens, result.num_accepted[:, None], num_drafts[:, None]], dim=1).cpu()
+        tokens, num_accepted, num_drafts = host[:, :-2], host[:, -2], host[:, -1]
+        committed = num_accepted + 1  # [N]
         self.position[slots] += committed
         self.target.crop(slots, self.position[slots])
-        self.anchor[slots] = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1)
+        self.anchor[slots] = tokens.gather(1, num_accepted[:, None]).squeeze(1)
         if self.drafter is not None:
             t, c = time.perf_counter(), self._comm_s()
             self.drafter.append_context(*self._scatter(slots, out.taps, committed))
             self.times.drafter_s += time.perf_counter() - t
             self.times.drafter_comm_s += self._comm_s() - c
-        for s, row, k, drafted in zip(active, result.tokens.tolist(), committed.tolist(), num_drafts.tolist()):
+        for s, row, k, drafted in zip(active, tokens.tolist(), committed.tolist(), num_drafts.tolist()):
             i = self.owner[s]
             kept = self._commit(i, requests[i], done[i], row[:k], on_tokens)
             self.metrics.record_step(i, k - 1, kept, drafted)
