@@ -260,6 +260,23 @@ def test_drafter_context_chunks():
     assert skipped.tolist() == [0, 0] and [c.tolist() for _, c in calls] == [[0, 0]]
 
 
+def test_engines_refuse_more_requests_than_they_were_built_for():
+    """An engine's single optimization profile stops at its --max-batch-size: both backends refuse more cache slots
+    with one line naming the remedy, before allocating anything."""
+    from types import SimpleNamespace
+
+    from beamtrt.runtime.trt_backend import EngineError, TrtDrafter, TrtTarget
+
+    target, drafter = object.__new__(TrtTarget), object.__new__(TrtDrafter)  # no engine: the checks come first
+    target.max_batch_size, target.max_seq_len = 4, 100
+    drafter.cfg = SimpleNamespace(max_batch_size=4)
+    with pytest.raises(EngineError, match=r"^5 requests at once exceed the target engine's --max-batch-size 4: "
+                                          r"decode at most 4 at once \(run.py --concurrency"):
+        target.allocate(5, 10)
+    with pytest.raises(EngineError, match="exceed the drafter engine's --max-batch-size 4"):
+        drafter.allocate(5)
+
+
 @pytest.mark.parametrize("window, vocab", [(4096, None), (5, None), (4096, list(range(1, 128, 5)))])
 def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window, vocab):
     """drafter_net's own code, run with PyTorch stand-ins for TensorRT-LLM's functional API and the plugins' host

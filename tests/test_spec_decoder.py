@@ -274,3 +274,18 @@ def test_verification_runs_where_the_logits_are(target, prompts, reference, temp
     assert got == decode(target)
     if temperature == 0:
         assert got == reference[:6]
+
+
+def test_requests_beyond_the_targets_batch_wait_their_turn(target, prompts, reference):
+    """Without a concurrency limit the decoder takes every request at once, up to what the target holds (a TensorRT
+    engine's --max-batch-size); the rest queue for the slots that free up."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from test_dflash2 import make_drafter
+
+    class SmallTarget(TorchTarget):
+        max_batch_size = 3
+
+    dec = SpeculativeDecoder(SmallTarget(target), TorchDrafter(make_drafter(target, seed=3)), block_size=4)
+    out = dec.generate([Request(tuple(p), MAX_NEW) for p in prompts[:7]])
+    assert len(dec.owner) == dec.target.cache.batch == 3
+    assert [c.output_ids for c in out] == reference[:7]

@@ -188,9 +188,12 @@ def _build_class(api):  # noqa: C901 (one network, read top to bottom)
             self.cfg, self.rank, self.weights = cfg, rank, weights
             self.tp_group = list(range(cfg.tp_size))
             self.dt = trt.bfloat16 if cfg.dtype == "bfloat16" else trt.float16
+            self.consts: dict = {}
 
-        def w(self, name: str):  # every weight is a build-time constant of the network
-            return const(self.weights[name])
+        def w(self, name: str):  # every weight is one build-time constant of the network, however often it is used
+            if name not in self.consts:
+                self.consts[name] = const(self.weights[name])
+            return self.consts[name]
 
         # ---- inputs: N requests, C new context rows, B block rows, S = B - 1 draft slots ---------------------
         def prepare_inputs(self) -> dict:

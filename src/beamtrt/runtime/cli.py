@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop a request when its text contains this string (repeatable; the text is cut before it)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests decoded at once; when one finishes, its cache slot is refilled from the queue "
-                        "before the next step (continuous batching); 0 = every prompt at once (default: %(default)s)")
+                        "before the next step (continuous batching); 0 = every prompt at once, or as many as a "
+                        "TensorRT engine's --max-batch-size (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8,
                    help="tokens per verification block, in [2, 32]: the anchor + block-1 drafts; on a CPU host "
                         "blocks of 4, 6 and 8 decode about equally fast with --draft-threshold 0.4 "
@@ -212,7 +213,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
             "summary": {**summary, "tokens_per_s": n_tokens / elapsed, "tokens": n_tokens, "seconds": elapsed,
                         "block_size": decoder.block_size, "draft_threshold": decoder.draft_threshold,
                         "no_spec": args.no_spec, "dtype": args.dtype,
-                        "concurrency": args.concurrency or len(requests),
+                        "concurrency": len(decoder.owner),  # the cache slots it decoded with
                         **_time_split(decoder, dist)},
         }
         write_json(args.json, report)

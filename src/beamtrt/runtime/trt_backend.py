@@ -102,6 +102,14 @@ def pack(ids: torch.Tensor, num: torch.Tensor, past: torch.Tensor, last_only: bo
             "host_context_lengths": num, "sequence_length": past + num, "host_past_key_value_lengths": past + num}
 
 
+def check_batch(slots: int, max_batch_size: int, engine: str) -> None:
+    """An engine runs at most its build's --max-batch-size requests at once."""
+    if slots > max_batch_size:
+        raise EngineError(f"{slots} requests at once exceed the {engine} engine's --max-batch-size {max_batch_size}: "
+                          f"decode at most {max_batch_size} at once (run.py --concurrency, the Triton export's "
+                          "--max-slots) or rebuild with a larger one")
+
+
 def _trt_dtype(dtype: torch.dtype):
     from tensorrt_llm._utils import torch_dtype_to_trt
 
@@ -126,6 +134,7 @@ class TrtTarget:
         self.head_size = pretrained["head_size"]
         self.tokens_per_block = build["plugin_config"]["tokens_per_block"]
         self.max_seq_len = build["max_seq_len"]
+        self.max_batch_size = build["max_batch_size"]  # requests decoded at once (the decoder keeps to it)
         kv_fp8 = (pretrained.get("quantization") or {}).get("kv_cache_quant_algo") == "FP8"
         self.kv_dtype = torch.float8_e4m3fn if kv_fp8 else {"bfloat16": torch.bfloat16, "float16": torch.float16,
                                                             "float32": torch.float32}[pretrained["dtype"]]
@@ -136,6 +145,7 @@ class TrtTarget:
         self._ipc, self.workspace = all_reduce_workspace(tp, rank)
 
     def allocate(self, slots: int, max_len: int) -> None:
+        check_batch(slots, self.max_batch_size, "target")
         if max_len > self.max_seq_len:
             raise EngineError(f"requests of up to {max_len} tokens exceed the engine's --max-seq-len "
                               f"{self.max_seq_len}")
@@ -242,6 +252,7 @@ class TrtDrafter:
 
     def allocate(self, slots: int) -> None:
         c = self.cfg
+        check_batch(slots, c.max_batch_size, "drafter")
         shape = (slots, c.local_kv_heads, c.window, c.head_dim)
         self.rings = [(torch.zeros(shape, dtype=self.dtype, device="cuda"),
                        torch.zeros(shape, dtype=self.dtype, device="cuda")) for _ in range(c.num_layers)]

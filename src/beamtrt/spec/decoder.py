@@ -97,9 +97,10 @@ class SpeculativeDecoder:
                  concurrency: int | None = None,
                  on_finish: Callable[[int, Completion], None] | None = None) -> list[Completion]:
         """Serve every request until each hits a stop or its max_new_tokens, at most `concurrency` at a time
-        (default: all at once). Continuous batching: a finished request's cache slot is refilled from the queue
-        (prefilled) before the next step. on_tokens(request index, tokens) sees every committed token,
-        on_finish(request index, completion) every request as it finishes."""
+        (default: all at once, or as many as the target holds: a TensorRT engine's --max-batch-size). Continuous
+        batching: a finished request's cache slot is refilled from the queue (prefilled) before the next step.
+        on_tokens(request index, tokens) sees every committed token, on_finish(request index, completion) every
+        request as it finishes."""
         n = len(requests)
         if n == 0:
             return []
@@ -112,7 +113,7 @@ class SpeculativeDecoder:
                                  f"{r.max_new_tokens} exceed the target's context of {context} tokens")
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-        slots = min(concurrency or n, n)
+        slots = min(concurrency or getattr(self.target, "max_batch_size", n), n)
         self.start(slots, max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + self.block_size + 1,
                    on_finish)
         done = [Completion() for _ in requests]
