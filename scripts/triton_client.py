@@ -16,8 +16,14 @@ import numpy as np
 OUTPUTS = ("text_output", "finish_reason", "acceptance_length", "accepted_draft_tokens", "draft_tokens")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, as every beamtrt command (the usage stays in --help)
+        sys.stderr.write(f"error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Stream a completion from Triton (scripts/launch_triton.sh) over gRPC.")
+    p = ArgumentParser(description="Stream a completion from Triton (scripts/launch_triton.sh) over gRPC.")
     p.add_argument("--url", default="localhost:8001", help="rank 0's gRPC endpoint (default: %(default)s)")
     p.add_argument("--model", choices=("beam_dflash2", "ensemble"), default="beam_dflash2",
                    help="beam_dflash2 alone (same text; Ctrl-C stops the request on the server) or the ensemble "

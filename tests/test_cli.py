@@ -511,11 +511,39 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
-    # argparse rejects these (usage, then one error line); --steps 0 fails fast should a choice ever become valid
+    # argparse rejects these (one line too); --steps 0 fails fast should a choice ever become valid
     for flag, value in (("--prompt-mix", "v-none"), ("--head-vocab", "some")):
-        bad = run("scripts/train_drafter.py", flag, value, "--steps", "0")
-        assert bad.returncode == 2 and "Traceback" not in bad.stderr
-        assert f"argument {flag}: invalid choice: '{value}'" in bad.stderr.splitlines()[-1]
+        assert_one_line_error(run("scripts/train_drafter.py", flag, value, "--steps", "0"),
+                              f"argument {flag}: invalid choice: '{value}'")
+
+
+@pytest.mark.parametrize("command, required", [("build/build_engines.py", ["--precision", "bf16"]),
+                                               ("runtime/run.py", []), ("scripts/benchmark.py", []),
+                                               ("scripts/export_triton.py", ["--engine-dir", "x", "--out", "y"]),
+                                               ("scripts/triton_client.py", [])])
+def test_a_bad_flag_is_one_line_without_the_usage(command, required):
+    """argparse's own errors (here an unknown flag) take the one-line form too: the usage block stays in --help."""
+    proc = run_script(command, *required, "--no-such-flag")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: unrecognized arguments: --no-such-flag (see {Path(command).name} --help)"], proc.stderr
+
+
+def test_a_message_after_a_progress_bar_starts_its_own_line(capsys):
+    """A bar still drawing when a command fails or is interrupted is closed first: the message is the last line, whole."""
+    from tqdm import tqdm
+
+    from beamtrt.cli_util import run_cli
+
+    def fail(exc):
+        def body():
+            tqdm(total=10, desc="work").update(3)  # left open, as a bar is when its loop raises
+            raise exc
+        return body
+
+    assert run_cli(fail(ValueError("disk full"))) == 2
+    assert capsys.readouterr().err.endswith("]\nerror: disk full\n")
+    assert run_cli(fail(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err.endswith("]\ninterrupted\n")
 
 
 def test_child_error_finds_the_childs_own_line():

@@ -84,6 +84,18 @@ def test_world_size_must_match_the_build(sources, tmp_path_factory):
                       "(or without mpirun, as one process)"]
 
 
+def test_the_wrapper_reports_a_user_error_in_one_line(sources, tmp_path_factory):
+    """scripts/mpirun drops Open MPI's closing banner for ranks that exited with status 2 (a user error they reported
+    in one line), and argparse's errors are printed by rank 0 only: one line, however many ranks."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
+    for args, line in ((["--engine-dir", str(engine)], f"error: {engine} was built for tp 4 but 2 ranks are running: "
+                        "start it with mpirun -n 4 (or without mpirun, as one process)"),
+                       (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag (see run.py --help)")):
+        proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, str(ROOT / "runtime/run.py"),
+                               *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
+
+
 def test_failure_on_one_rank_ends_the_job(sources, tmp_path_factory):
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
     start = time.perf_counter()

@@ -193,3 +193,26 @@ def test_a_checkpoint_config_of_the_wrong_shape_is_one_line(tmp_path, config, ne
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=needle):
         TrtllmCheckpoint(tmp_path).units()
+
+
+def test_an_interrupt_while_rank_files_are_synced_leaves_nothing_and_stays_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C while the second rank file is being synced: the first is already closed, and aborting must not close
+    its descriptor again (that raised EBADF in place of the interrupt, or could close another file's descriptor)."""
+    import os
+
+    from beamtrt.checkpoint import stream
+
+    specs = {"w": ((2, 3), torch.float32)}
+    items = [(r, "w", torch.ones(2, 3), None) for r in range(2)]
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(fd)
+
+    monkeypatch.setattr(stream.os, "fsync", fsync)
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(tmp_path, {}, specs, 2, items)
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 from beamtrt.errors import BeamtrtError
 
 T = TypeVar("T")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with this project's error form: a bad flag or value is one `error:` line and exit 2 (the usage stays
+    in --help), printed once under mpirun (by rank 0: every rank parses the same arguments)."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")) == "0":
+            sys.stderr.write(f"error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
 
 
 def torch_device(name: str, flag: str = "--device"):
@@ -132,6 +143,15 @@ def _out_of_memory(e: BaseException) -> str | None:
     return None
 
 
+def _end_bars() -> None:
+    """Close the progress bars still drawing, so that the line printed next starts on its own and stays the last."""
+    if "tqdm" in sys.modules:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP, raised where Ctrl-C would be so that the same clean-up runs (temporary outputs removed)."""
 
@@ -152,14 +172,17 @@ def run_cli(body: Callable[[], None]) -> int:
                 signal.signal(sig, _terminate)
         body()
     except (BeamtrtError, ValueError, OSError) as e:
+        _end_bars()
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
         if (line := _out_of_memory(e)) is None:
             raise
+        _end_bars()
         print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
+        _end_bars()
         print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
         return 128 + (e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
     finally:
@@ -194,11 +217,13 @@ def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], N
     try:
         execute(state, dist)
     except (BeamtrtError, ValueError, OSError) as e:
+        _end_bars()
         print(f"error: rank {dist.rank}: {error_line(e)}", file=sys.stderr, flush=True)
         dist.abort(2)
     except (MemoryError, RuntimeError) as e:
         if (line := _out_of_memory(e)) is None:
             raise
+        _end_bars()
         print(f"error: rank {dist.rank}: {line}", file=sys.stderr, flush=True)
         dist.abort(2)
     tp.stop(dist)

@@ -10,12 +10,11 @@ scripts/gpu_host_check.sh calls it per precision.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from beamtrt.cli_util import description, run_cli
+from beamtrt.cli_util import ArgumentParser, description, run_cli
 from beamtrt.errors import BeamtrtError
 
 
@@ -56,7 +55,7 @@ def table(result: dict, title: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m beamtrt.bench.backends", description=description(__doc__))
+    p = ArgumentParser(prog="python -m beamtrt.bench.backends", description=description(__doc__))
     p.add_argument("runs", nargs="+", help="NAME=PATH of a runtime/run.py --json report; the first is the reference")
     p.add_argument("--title", default="", help="heading of the markdown table")
     p.add_argument("--json", help="also write the comparison to this file")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import check_threads, description, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import ArgumentParser, check_threads, description, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
@@ -123,7 +123,7 @@ def chart(result: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from beamtrt.bench.prompt_sets import LOADERS
 
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
     p.add_argument("--engine-dir", metavar="DIR",

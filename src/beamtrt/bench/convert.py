@@ -3,7 +3,6 @@ source MB/s of the conversion stage and end to end, and the peak RSS of the buil
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import child_error, free_bytes, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, child_error, free_bytes, output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -89,7 +88,7 @@ def run_build(target: Path, drafter: Path, out: Path, precision: str, tp: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Benchmark build_engines.py conversion speed and peak memory on a random "
+    p = ArgumentParser(description="Benchmark build_engines.py conversion speed and peak memory on a random "
                                             "Beam-architecture checkpoint (generated once into --work).")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "convert", help="work directory (default: bench/convert)")
     p.add_argument("--size-gb", type=float, default=4.5, help="source checkpoint size in GB (default: %(default)s)")

@@ -8,7 +8,6 @@ streaming weights. Both step paths (the fused host kernel and eager PyTorch) are
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -21,7 +20,7 @@ import torch
 
 from beamtrt import native
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import description, output_path, run_cli, set_threads
+from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli, set_threads
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
@@ -119,7 +118,7 @@ def measure(model: BeamForCausalLM, probe: GemvProbe, batch: int, context: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help="Beam-layout checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES),
                    help="compute dtypes (default: %s)" % " ".join(DTYPES))

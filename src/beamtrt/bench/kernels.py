@@ -5,14 +5,13 @@ logits it must read set its floor), at DFlash2's serving shapes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import description, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli
 from beamtrt.errors import DeviceError
 
 
@@ -80,7 +79,7 @@ def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, re
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = ArgumentParser(description=description(__doc__))
     p.add_argument("--repeats", type=int, default=50, help="timed runs per point (default: %(default)s)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)

@@ -3,7 +3,6 @@ context append) and everything else (selector walk, verification, commit), with 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -11,7 +10,7 @@ import time
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import description, output_path, run_cli, set_threads
+from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli, set_threads
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
@@ -43,7 +42,7 @@ def profile(decoder_factory, requests) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")

@@ -3,7 +3,6 @@ speculation, on builds of one model (JSON: tokens/s, acceptance length, time per
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -11,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import child_error, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, child_error, output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -48,7 +47,7 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Decode tokens/s with and without speculation at TP 1/2/4 and several "
+    p = ArgumentParser(description="Decode tokens/s with and without speculation at TP 1/2/4 and several "
                                             "concurrencies (each TP a separate build of the same model; JSON).")
     p.add_argument("--model", help="Hugging Face target (default: beam-mini)")
     p.add_argument("--drafter", help="its DFlash2 drafter (default: as build_engines.py picks it: beam-mini's, for "

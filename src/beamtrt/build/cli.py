@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from beamtrt.cli_util import output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, output_path, run_cli
 
 ENGINES = Path(__file__).resolve().parents[3] / "engines"
 LAST_BUILD = ENGINES / ".last-build"  # the last successful build into engines/ (runtime/run.py's default)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Calibrate, quantize (NVFP4 / FP8 / BF16) and shard a Beam target and its DFlash2 drafter into "
                     "TensorRT-LLM checkpoints, then build engines where TensorRT-LLM and a GPU exist. Without "
                     "--model / --drafter it uses beam-mini and its drafter, created on first use.")

@@ -135,13 +135,19 @@ class StreamingSafetensors:
         self._pending[name] -= data.nbytes
 
     def close(self) -> None:
-        os.fsync(self._fd)
-        os.close(self._fd)
+        fd, self._fd = self._fd, None  # closed once, however close() ends (abort() after it must not close it again)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         unwritten = [name for name, left in self._pending.items() if left]
         if unwritten:
             raise CheckpointError(f"{self.path}: internal error: {len(unwritten)} tensor(s) not fully written, "
                                   f"first {unwritten[0]!r}")
 
     def abort(self) -> None:
-        os.close(self._fd)
+        """Delete the file (closing it first unless close() already did: its descriptor may be another's by now)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         self.path.unlink(missing_ok=True)

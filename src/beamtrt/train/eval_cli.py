@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import output_path, run_cli, set_threads, torch_device
+from beamtrt.cli_util import ArgumentParser, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
 
@@ -65,7 +65,7 @@ def cache_kinds(data_dir: Path, tokenizer, data) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Score a drafter on feature caches made by scripts/train_drafter.py: the acceptance length "
                     "speculative decoding would reach on their greedy answers (the training eval), by prompt kind. "
                     "Use caches the drafter was not trained on.")

@@ -8,12 +8,11 @@ New runs of scripts/train_drafter.py store it themselves; this is for drafters t
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-from beamtrt.cli_util import description, run_cli
+from beamtrt.cli_util import ArgumentParser, description, run_cli
 from beamtrt.errors import BeamtrtError
 
 
@@ -40,7 +39,7 @@ def training_tokens(dirs: list[Path], eval_sequences: int) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = ArgumentParser(description=description(__doc__))
     p.add_argument("drafter", help="the drafter checkpoint directory to write draft_vocab.json into")
     p.add_argument("--data", nargs="+", required=True,
                    help="its training caches in the order it was trained on them: --extra-data ..., then --data")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from beamtrt.cli_util import run_cli
+from beamtrt.cli_util import ArgumentParser, run_cli
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Write a build_engines.py output as a Triton Inference Server model repository: preprocessing "
                     "(chat template + tokenizer), beam_dflash2 (decoupled Python model running the beamtrt runtime, "
                     "leader mode over the build's TP ranks), postprocessing (detokenizer) and the ensemble chaining "
