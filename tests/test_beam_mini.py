@@ -7,6 +7,7 @@ import torch
 
 from beamtrt.checkpoint.hf import CheckpointReader
 from beamtrt.config import BeamConfig
+from beamtrt.errors import CheckpointError
 from beamtrt.models.beam import load_beam
 from beamtrt.models.beam_mini import MARKER, MiniRecipe, build_beam_mini
 from beamtrt.runtime.generate import generate
@@ -90,6 +91,10 @@ def test_default_recipe_greedy_is_coherent(beam_mini):
 def test_build_is_idempotent_and_atomic(beam_mini, smollm2, monkeypatch):
     before = {p.name: p.stat().st_mtime_ns for p in beam_mini.iterdir()}
     build_beam_mini(beam_mini, source=smollm2, progress=False)  # same recipe: nothing rewritten
+    assert {p.name: p.stat().st_mtime_ns for p in beam_mini.iterdir()} == before
+    with pytest.raises(CheckpointError, match=r"holds beam-mini of another recipe \(dtype bfloat16 -> float32\): "
+                                              r"pass --force to replace it"):
+        build_beam_mini(beam_mini, MiniRecipe(dtype="float32"), source=smollm2, progress=False)
     assert {p.name: p.stat().st_mtime_ns for p in beam_mini.iterdir()} == before
 
     def boom(*args, **kwargs):

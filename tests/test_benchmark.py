@@ -63,6 +63,7 @@ def test_out_names_three_files_whatever_its_suffix():
     (["--threads", "100000"], "--threads must be in [0, "),
     (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
     (["--out", ""], "give a file name stem"),
+    (["--out", "/tmp"], "not a directory: the files are OUT.json, OUT.md and OUT.png"),
     (["--engine-dir", "/nonexistent-build"], "no such directory"),
     (["--engine-dir", "/nonexistent-build", "--model", "m"], "cannot be combined"),
     (["--device", "gpu0"], "not a torch device"),

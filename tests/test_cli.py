@@ -560,3 +560,15 @@ def test_child_error_finds_the_childs_own_line():
     assert child_error("CMake Error at CMakeLists.txt:3 (find_package): no CUDA\n-- Configuring incomplete\n", 1) == \
         "CMake Error at CMakeLists.txt:3 (find_package): no CUDA"
     assert child_error("", -9) == "killed by signal 9" and child_error("  \n", 3) == "exit status 3, no output"
+
+
+def test_a_drafter_for_another_target_is_refused_before_the_target_loads(tmp_path, run, monkeypatch):
+    """The drafter's config is checked against the target's config before any weight is read (on a large target
+    the load takes minutes)."""
+    import beamtrt.models.beam as beam
+
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target's weights were loaded"))
+    drafter = ROOT / "checkpoints" / "beam-mini-dflash2"
+    assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--drafter", str(drafter),
+                              "--prompt", "hi"), f"{drafter / 'config.json'}: drafter ")

@@ -527,11 +527,13 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
                          (["--seed", str(2**70)], "seed must be in [0, 2**63)"),
-                         (["--max-seq-len", str(10**9)], "above the target's context")):
+                         (["--max-seq-len", str(10**9)], "above the target's context"),
+                         (["--out", str(tmp_path / "a-file"), "--force"], "is a file; expected a directory path")):
+        (tmp_path / "a-file").write_text("keep me")  # --force replaces a repository, never a file
         argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
         rc, _, stderr = run_export(capsys, *argv)
         assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
-    assert (builds[1] / "manifest.json").is_file()
+    assert (builds[1] / "manifest.json").is_file() and (tmp_path / "a-file").read_text() == "keep me"
     package = tmp_path / "site" / "beamtrt"  # a stand-in for the package the models import
     package.mkdir(parents=True)
     with pytest.MonkeyPatch.context() as mp:

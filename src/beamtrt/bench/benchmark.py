@@ -188,8 +188,9 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     if args.max_new_tokens < 2:
         raise ValueError(f"--max-new-tokens must be >= 2 (decode speed counts the tokens after the first), got "
                          f"{args.max_new_tokens}")
-    if Path(args.out).name in ("", ".", ".."):
-        raise ValueError(f"--out {args.out!r}: give a file name stem, e.g. bench/benchmark")
+    if Path(args.out).name in ("", ".", "..") or Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r}: give a file name stem, e.g. bench/benchmark (not a directory: the "
+                         "files are OUT.json, OUT.md and OUT.png)")
     check_block_size(args.block_size)
     check_draft_threshold(args.draft_threshold)
     if args.engine_dir and (args.model or args.drafter):

@@ -111,8 +111,13 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     """
     out = Path(out)
     recipe_json = {**asdict(recipe), "pad_heads": list(recipe.pad_heads), "source": GGUF_FILE}
-    if not force and (out / MARKER).is_file() and read_json(out / MARKER, MARKER) == recipe_json:
-        return out
+    if not force and (out / MARKER).is_file():
+        built = read_json(out / MARKER, MARKER)
+        if built == recipe_json:
+            return out
+        changed = ", ".join(f"{k} {built.get(k)} -> {v}" for k, v in recipe_json.items() if built.get(k) != v)
+        raise CheckpointError(f"{out} holds beam-mini of another recipe ({changed}): pass --force to replace it "
+                              "(builds and drafters made from it would no longer match), or choose another --out")
     if out.exists() and not (out / MARKER).is_file() and not (out.is_dir() and not any(out.iterdir())):
         raise CheckpointError(f"{out} exists and is not a beam-mini directory (no {MARKER}): choose another output "
                               "directory or delete it")

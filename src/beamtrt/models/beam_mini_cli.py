@@ -21,7 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"),
                    help="storage dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the router and the perturbation (default: %(default)s)")
-    p.add_argument("--force", action="store_true", help="rebuild even if --out already holds this recipe")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild even if --out already holds this recipe, or replace a beam-mini of another recipe")
     return p.parse_args(argv)
 
 

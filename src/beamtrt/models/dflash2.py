@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from beamtrt import native
-from beamtrt.config import DrafterConfig
+from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.models.beam import MLP, ActHook, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _hook, _rotate, linear
 
@@ -586,16 +586,22 @@ def write_draft_vocab(directory: str | Path, ids: torch.Tensor) -> None:
     (Path(directory) / DRAFT_VOCAB_FILE).write_text(text + "\n", encoding="utf-8")
 
 
+def drafter_config_for(path: str | Path, target_cfg: BeamConfig) -> DrafterConfig:
+    """A drafter checkpoint's config, checked against the target it is to run on (a mismatch names the file)."""
+    cfg = DrafterConfig.from_file(Path(path) / "config.json")
+    try:
+        cfg.check_target(target_cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{Path(path) / 'config.json'}: {err}") from None
+    return cfg
+
+
 def load_drafter(path: str | Path, target: BeamForCausalLM, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> DFlash2Drafter:
     """Load a DFlash 2 (or DFlash v1, upgraded with identity convs and a zero selector) checkpoint directory."""
     from beamtrt.checkpoint.hf import CheckpointReader
 
-    cfg = DrafterConfig.from_file(Path(path) / "config.json")
-    try:
-        cfg.check_target(target.cfg)
-    except ConfigError as err:  # name the checkpoint
-        raise ConfigError(f"{Path(path) / 'config.json'}: {err}") from None
+    cfg = drafter_config_for(path, target.cfg)
     v1 = cfg.version == 1
     specs = drafter_tensor_specs(cfg, v1=v1)
     with CheckpointReader(path) as reader:

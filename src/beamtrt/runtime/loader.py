@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.config import DrafterConfig
+from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 
 BACKENDS = ("auto", "torch", "trt")
@@ -114,11 +114,14 @@ def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: to
     """The torch backends for a Hugging Face target (default beam-mini, created if missing) and its drafter."""
     from beamtrt.models.beam import load_beam
     from beamtrt.models.beam_mini import ensure_beam_mini
+    from beamtrt.models.dflash2 import drafter_config_for
     from beamtrt.runtime.torch_backend import TorchTarget
 
     if spec and drafter_dir:  # a bad --drafter is reported before beam-mini is created or a target is loaded
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
+    if spec and drafter_dir and (model_dir / "config.json").is_file():  # and one for another target, before its weights
+        drafter_config_for(drafter_dir, BeamConfig.from_file(model_dir / "config.json"))
     model = load_beam(model_dir, dtype=dtype, device=device)
     drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device) if spec else (None, None))
     return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from beamtrt.checkpoint.hf import holds, replace_dir, temp_dir
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
+from beamtrt.cli_util import output_path
 from beamtrt.errors import BeamtrtError, ConfigError
 from beamtrt.runtime.loader import missing_engines
 from beamtrt.triton import protocol, serving
@@ -211,7 +212,8 @@ def export(cfg: ExportConfig) -> list[str]:
     if holds(out, package) or holds(package, out):
         raise ExportError(f"--out {out}: is or holds the beamtrt package the repository's models import "
                           f"({package}); choose another place")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.force:
+    output_path(out, "--out", directory=True)  # a file is refused, --force or not; the parent must be writable
+    if out.exists() and any(out.iterdir()) and not cfg.force:
         raise ExportError(f"{out} already exists and is not empty: pass --force to replace it")
     manifest = check_build(root, cfg.chat_template)
     context = json.loads((root / manifest["target"]["dir"] / "config.json").read_text()).get("max_position_embeddings")
