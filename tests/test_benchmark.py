@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -13,11 +14,20 @@ from beamtrt.bench.benchmark import main
 def result(mini_vocab_sources, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("bench") / "b"
     src = mini_vocab_sources
-    rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
-               "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "3", "--c1-prompts", "2",
-               "--concurrency", "1", "2", "--max-new-tokens", "6", "--out", str(out)])
+    with pytest.MonkeyPatch.context() as mp:  # the progress bar, written where the test can read it
+        mp.setattr("sys.stderr", progress := io.StringIO())
+        rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
+                   "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "3", "--c1-prompts", "2",
+                   "--concurrency", "1", "2", "--max-new-tokens", "6", "--out", str(out)])
     assert rc == 0
+    out.with_suffix(".stderr").write_text(progress.getvalue())
     return out
+
+
+def test_a_progress_bar_counts_every_request_decoded(result):
+    """2 prompts plain and speculative at c = 1, 3 each at c = 2, then 3 sampled and 3 at block 16: 16 requests."""
+    bars = result.with_suffix(".stderr").read_text().split("\r")
+    assert "benchmark: 100%" in bars[-1] and "16/16" in bars[-1]
 
 
 def test_outputs_follow_the_published_format(result):

@@ -529,7 +529,7 @@ def test_a_bad_flag_is_one_line_without_the_usage(command, required):
 
 
 def test_a_message_after_a_progress_bar_starts_its_own_line(capsys):
-    """A bar still drawing when a command fails or is interrupted is closed first: the message is the last line, whole."""
+    """A bar still drawing when a command fails or is interrupted is closed first: the message is the last line."""
     from tqdm import tqdm
 
     from beamtrt.cli_util import run_cli

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, check_threads, description, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import (ArgumentParser, check_threads, description, output_path, run_ranks_cli, set_threads,
+                              torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
@@ -37,13 +39,14 @@ class Run:
     wall_s: float
 
 
-def decode(target, drafter, block_size: int, requests, concurrency: int, params, draft_threshold: float = 0.0) -> Run:
+def decode(target, drafter, block_size: int, requests, concurrency: int, params, draft_threshold: float = 0.0,
+           on_finish=None) -> Run:
     from beamtrt.spec.decoder import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(target, drafter, block_size if drafter is not None else 1, params,
                                  draft_threshold=draft_threshold)
     start = time.perf_counter()
-    done = decoder.generate(requests, concurrency=concurrency)
+    done = decoder.generate(requests, concurrency=concurrency, on_finish=on_finish)
     wall = time.perf_counter() - start
     summary = decoder.metrics.summary()
     tokens = sum(len(c.output_ids) - 1 for c in done)  # the first token of each request comes from prefill
@@ -244,19 +247,28 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
                "max_new_tokens": args.max_new_tokens,
                "num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts, "concurrency": cs,
                "sampled": {"temperature": SAMPLED[0], "top_p": SAMPLED[1]}, "families": []}
+    def requests_decoded(n: int) -> int:  # plain and speculative at each concurrency, sampled, whole blocks, block 16
+        return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (
+            1 + bool(args.draft_threshold) + (not args.no_block16))
+
+    bar = tqdm(total=sum(requests_decoded(len(c)) for c in chats.values()), desc="benchmark", unit="request",
+               file=sys.stderr)
+    finished = lambda i, completion: bar.update()  # noqa: E731
+    log = lambda line: bar.write(json.dumps(line), file=sys.stderr)  # noqa: E731  above the bar, not through it
     for f, (fam, fam_chats) in enumerate(chats.items()):
         requests = [Request(tuple(tok.apply_chat_template(c, add_generation_prompt=True)), args.max_new_tokens,
                             eos) for c in fam_chats]
         row = {"family": fam, "prompts": len(requests), "concurrency": {}}
         spec_runs = {}
         for i, c in enumerate(cs):
+            bar.set_postfix_str(f"{fam}, concurrency {c}")
             reqs = requests[:args.c1_prompts] if c == 1 else requests
             spec_first = (f + i) % 2 == 1
             if spec_first:
-                spec = decode(target, drafter, args.block_size, reqs, c, greedy, args.draft_threshold)
-            plain = decode(target, None, 1, reqs, c, greedy)
+                spec = decode(target, drafter, args.block_size, reqs, c, greedy, args.draft_threshold, finished)
+            plain = decode(target, None, 1, reqs, c, greedy, on_finish=finished)
             if not spec_first:
-                spec = decode(target, drafter, args.block_size, reqs, c, greedy, args.draft_threshold)
+                spec = decode(target, drafter, args.block_size, reqs, c, greedy, args.draft_threshold, finished)
             spec_runs[c] = spec
             diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
             point = {"requests": len(reqs), "effective_concurrency": min(c, len(reqs)),
@@ -268,21 +280,24 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
                      "greedy_identical": sum(d is None for d in diverged),
                      "first_divergence": [d for d in diverged if d is not None][:5]}
             row["concurrency"][str(c)] = point
-            print(json.dumps({"family": fam, "concurrency": c, **point}), file=sys.stderr, flush=True)
+            log({"family": fam, "concurrency": c, **point})
         batch = max(cs)
+        bar.set_postfix_str(f"{fam}, acceptance")
         if args.draft_threshold:  # the speed runs verified cut blocks: τ at the block size needs whole ones
-            widest = decode(target, drafter, args.block_size, requests, batch, greedy)
+            widest = decode(target, drafter, args.block_size, requests, batch, greedy, on_finish=finished)
         else:
             widest = spec_runs[cs[-1]] if len(requests) > args.c1_prompts or cs == [1] else spec_runs[cs[0]]
         row["tau_greedy"] = round(widest.acceptance_length, 3)
         row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
-        samp = decode(target, drafter, args.block_size, requests, batch, sampled)
+        samp = decode(target, drafter, args.block_size, requests, batch, sampled, on_finish=finished)
         row["tau_sampled"] = round(samp.acceptance_length, 3)
         row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
         if not args.no_block16:
-            row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy).acceptance_length, 3)
+            row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy,
+                                              on_finish=finished).acceptance_length, 3)
         result["families"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "concurrency"}), file=sys.stderr, flush=True)
+        log({k: v for k, v in row.items() if k != "concurrency"})
+    bar.close()
     write_json(out[".json"], result)  # makes the folder
     table = markdown(result)
     out[".md"].write_text(table)

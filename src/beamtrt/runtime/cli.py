@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, check_seed, check_threads, output_path, run_ranks_cli, set_threads, torch_device
+from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_path, run_ranks_cli, set_threads,
+                              torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, read_chats
@@ -154,6 +155,10 @@ def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
     from beamtrt.runtime import tp
 
     set_threads(args.threads)
+    if dist.rank == 0 and not args.quiet and sys.stderr.isatty():  # loading takes seconds (beam-mini) to minutes
+        source = setup.engine_dir or args.model or "beam-mini"
+        print(f"loading {source} ({args.dtype}, backend {setup.backend}, {dist.size} rank(s))", file=sys.stderr,
+              flush=True)
     loaded = _load(args, setup, dist)
     driven = tp.drive(dist, loaded.target, loaded.drafter)
     if driven is not None:  # rank 0

@@ -120,7 +120,7 @@ def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: to
     if spec and drafter_dir:  # a bad --drafter is reported before beam-mini is created or a target is loaded
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
-    if spec and drafter_dir and (model_dir / "config.json").is_file():  # and one for another target, before its weights
+    if spec and drafter_dir and (model_dir / "config.json").is_file():  # one for another target: before its weights
         drafter_config_for(drafter_dir, BeamConfig.from_file(model_dir / "config.json"))
     model = load_beam(model_dir, dtype=dtype, device=device)
     drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device) if spec else (None, None))
