@@ -42,6 +42,7 @@ class OracleDrafter:
     """Test drafter that proposes the target's true greedy continuation with probability `hit` per slot."""
 
     target_layer_ids = (0, 2)
+    block_size = 16
 
     def __init__(self, sequences: list[list[int]], hit: float, k: int = 4, seed: int = 0):
         self.sequences, self.hit, self.k = sequences, hit, k
@@ -122,7 +123,7 @@ def test_greedy_identity_with_random_drafter(target, prompts, reference, batch, 
     from beamtrt.runtime.torch_backend import TorchDrafter
     from test_dflash2 import make_drafter
 
-    drafter = TorchDrafter(make_drafter(target, seed=3))
+    drafter = TorchDrafter(make_drafter(target, seed=3, block_size=max(8, block)))
     got, _ = run(target, drafter, prompts, block, batch)
     assert got == reference
 
@@ -289,3 +290,16 @@ def test_requests_beyond_the_targets_batch_wait_their_turn(target, prompts, refe
     out = dec.generate([Request(tuple(p), MAX_NEW) for p in prompts[:7]])
     assert len(dec.owner) == dec.target.cache.batch == 3
     assert [c.output_ids for c in out] == reference[:7]
+
+
+def test_a_block_above_the_drafters_own_is_refused(target):
+    """A drafter's block attends to every mask slot of it: one larger than it was trained on changes even its first
+    drafts, so the decoder refuses it (a smaller one keeps the first slots as trained)."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from test_dflash2 import make_drafter
+
+    drafter = TorchDrafter(make_drafter(target, seed=3))
+    SpeculativeDecoder(TorchTarget(target), drafter, block_size=drafter.block_size)
+    with pytest.raises(ValueError, match=rf"--block-size {drafter.block_size + 1} is above the drafter's own block "
+                                         rf"\({drafter.block_size}\)"):
+        SpeculativeDecoder(TorchTarget(target), drafter, block_size=drafter.block_size + 1)

@@ -247,9 +247,13 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
                "max_new_tokens": args.max_new_tokens,
                "num_prompts": args.num_prompts, "c1_prompts": args.c1_prompts, "concurrency": cs,
                "sampled": {"temperature": SAMPLED[0], "top_p": SAMPLED[1]}, "families": []}
+    block16 = not args.no_block16 and drafter.block_size >= 16  # a drafter of a smaller block has no τ at 16
+    if not args.no_block16 and not block16:
+        print(f"benchmark: no block-16 column: the drafter's own block is {drafter.block_size}", file=sys.stderr)
+
     def requests_decoded(n: int) -> int:  # plain and speculative at each concurrency, sampled, whole blocks, block 16
         return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (
-            1 + bool(args.draft_threshold) + (not args.no_block16))
+            1 + bool(args.draft_threshold) + block16)
 
     bar = tqdm(total=sum(requests_decoded(len(c)) for c in chats.values()), desc="benchmark", unit="request",
                file=sys.stderr)
@@ -292,7 +296,7 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
         samp = decode(target, drafter, args.block_size, requests, batch, sampled, on_finish=finished)
         row["tau_sampled"] = round(samp.acceptance_length, 3)
         row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
-        if not args.no_block16:
+        if block16:
             row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy,
                                               on_finish=finished).acceptance_length, 3)
         result["families"].append(row)

@@ -43,6 +43,9 @@ class Plan:
             self.drafter_cfg.check_target(self.target_cfg)
         except ConfigError as err:
             raise ConfigError(f"drafter {bc.drafter} does not fit target {bc.model}: {err}") from None
+        if bc.engine.block_size > self.drafter_cfg.block_size:
+            raise ConfigError(f"--block-size {bc.engine.block_size} is above the drafter's own block "
+                              f"({self.drafter_cfg.block_size}), which it was trained on: use a block of at most that")
         self.mapping = trtllm.Mapping(bc.tp, bc.moe_ep)
         self.target_units = trtllm.target_units(self.target_cfg, self.mapping)
         self.drafter_units = trtllm.drafter_units(self.drafter_cfg, self.mapping)

@@ -52,6 +52,7 @@ class DraftStep:
 
 class DrafterBackend(Protocol):
     target_layer_ids: tuple[int, ...]
+    block_size: int  # the largest block it drafts (a drafter's training block; an engine's built block)
 
     def allocate(self, slots: int) -> None:
         """(Re)create the context cache for `slots` sequences."""

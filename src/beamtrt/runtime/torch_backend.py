@@ -44,6 +44,7 @@ class TorchDrafter:
     def __init__(self, drafter):  # a beamtrt.models.dflash2.DFlash2Drafter
         self.drafter = drafter
         self.target_layer_ids = tuple(drafter.cfg.target_layer_ids)
+        self.block_size = drafter.cfg.block_size  # the block it was trained on: the largest it drafts
         self.cache = None
         if drafter.candidate_selector.shard is None:  # vocab-parallel codebooks keep the reference path
             drafter.kernels = kernels_for(drafter.device)

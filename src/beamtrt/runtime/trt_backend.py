@@ -246,6 +246,7 @@ class TrtDrafter:
         checkpoint = json.loads((root / manifest["drafter"]["dir"] / "config.json").read_text())
         drafter_cfg = DrafterConfig.from_dict(checkpoint["drafter_config"])
         self.target_layer_ids = tuple(drafter_cfg.target_layer_ids)
+        self.block_size = self.cfg.block_size  # the engine's block (draft() takes only that one)
         self.rotary = Rotary(drafter_cfg)
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.dtype]
         self._ipc, self.workspace = all_reduce_workspace(self.cfg.tp_size, rank)
