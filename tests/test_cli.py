@@ -192,6 +192,19 @@ def test_a_bad_drafter_is_refused_before_the_target_is_loaded(tmp_path, run, mon
     assert not (tmp_path / "out").exists()
 
 
+def test_a_moved_last_build_names_its_record(tmp_path, run, monkeypatch):
+    """Without --engine-dir, run.py runs the build engines/.last-build records: a moved or deleted one, or a garbled
+    record, says where the path came from and what to pass instead."""
+    from beamtrt.build import cli as build_cli
+
+    record = tmp_path / ".last-build"
+    monkeypatch.setattr(build_cli, "LAST_BUILD", record)
+    for recorded, shown in ((f"{tmp_path / 'bf16-tp2'}\n", "bf16-tp2"), ("garbage\n", "garbage"), ("\n", "(nothing)")):
+        record.write_text(recorded)
+        assert_one_line_error(run("runtime/run.py", "--prompt", "Hi"), f"{shown}: no such directory", str(record),
+                              "--engine-dir DIR", "--model DIR", "build/build_engines.py")
+
+
 @pytest.mark.parametrize("script, args", [("runtime/run.py", []), ("scripts/train_drafter.py", []),
                                           ("scripts/eval_drafter.py", ["--data", "."])])
 def test_bad_devices_are_one_line(script, args, run):

@@ -121,7 +121,12 @@ def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
     if args.engine_dir:
         return Path(args.engine_dir)
     if args.model is None and LAST_BUILD.is_file():
-        return Path(LAST_BUILD.read_text().strip())
+        recorded = LAST_BUILD.read_text(errors="replace").strip()
+        if not recorded or not Path(recorded).is_dir():  # moved, deleted, or the record is garbled
+            raise BeamtrtError(f"{recorded or '(nothing)'}: no such directory (the last build, recorded in "
+                               f"{LAST_BUILD}); pass --engine-dir DIR, --model DIR (a Hugging Face checkpoint), "
+                               "or rebuild with build/build_engines.py")
+        return Path(recorded)
     return None
 
 
