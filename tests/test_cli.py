@@ -184,11 +184,12 @@ def test_a_bad_drafter_is_refused_before_the_target_is_loaded(tmp_path, run, mon
         raise AssertionError("beam-mini was made before the drafter was checked")
     monkeypatch.setattr(beam_mini, "ensure_beam_mini", not_now)
     monkeypatch.setattr(build_cli, "LAST_BUILD", tmp_path / "no-last-build")
-    assert_one_line_error(run("runtime/run.py", "--drafter", str(tmp_path / "d"), "--prompt", "hi"), "d/config.json")
+    no_drafter = f"{tmp_path / 'd'}: no such directory"
+    assert_one_line_error(run("runtime/run.py", "--drafter", str(tmp_path / "d"), "--prompt", "hi"), no_drafter)
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--drafter", str(tmp_path / "d")),
-                          "d/config.json")
+                          no_drafter)
     assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--drafter", str(tmp_path / "d"),
-                              "--out", str(tmp_path / "out")), "d/config.json")
+                              "--out", str(tmp_path / "out")), no_drafter)
     assert not (tmp_path / "out").exists()
 
 
@@ -203,6 +204,28 @@ def test_a_moved_last_build_names_its_record(tmp_path, run, monkeypatch):
         record.write_text(recorded)
         assert_one_line_error(run("runtime/run.py", "--prompt", "Hi"), f"{shown}: no such directory", str(record),
                               "--engine-dir DIR", "--model DIR", "build/build_engines.py")
+
+
+def test_a_checkpoint_path_that_is_missing_or_a_file_says_so(tmp_path, run, monkeypatch, capsys):
+    """A checkpoint or build directory that does not exist, or is a file, says which (it used to be
+    'DIR/config.json: missing config.json', 'FILE/config.json/config.json: ...', or 'no such directory' for a file)."""
+    from beamtrt.build import cli as build_cli
+    from beamtrt.checkpoint import validate
+
+    monkeypatch.setattr(build_cli, "LAST_BUILD", tmp_path / "no-last-build")
+    afile = tmp_path / "config.json"
+    afile.write_text("{}")
+    missing = f"{tmp_path / 'beam-mni'}: no such directory"
+    is_file = f"{afile}: is a file; expected a "
+    assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "beam-mni")), missing)
+    assert_one_line_error(run("runtime/run.py", "--model", str(afile)), is_file)
+    assert_one_line_error(run("runtime/run.py", "--drafter", str(afile), "--prompt", "hi"), is_file)
+    assert_one_line_error(run("scripts/draft_vocab.py", str(afile), "--data", str(tmp_path)), is_file)
+    assert_one_line_error(run("scripts/draft_vocab.py", str(afile), "--data", str(afile)), f"--data {afile}: is a file")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(afile)), f"--data {afile}: is a file")
+    for path, needle in ((afile, is_file), (tmp_path / "beam-mni", missing)):
+        assert validate.main([str(path)]) == 2
+        assert_one_line_error(Result(2, "", capsys.readouterr().err), needle, "build/build_engines.py output")
 
 
 @pytest.mark.parametrize("script, args", [("runtime/run.py", []), ("scripts/train_drafter.py", []),

@@ -69,10 +69,21 @@ def replace_dir(tmp: Path, out: Path) -> None:
             shutil.rmtree(aside, ignore_errors=True)
 
 
+def require_dir(path: str | Path, expected: str, flag: str = "") -> Path:
+    """`path` if it is a directory, else one line saying what it is instead (missing, or a file) and what was
+    `expected` there; `flag` names the option that gave it."""
+    path = Path(path)
+    if not path.is_dir():
+        found = "no such directory" if not path.exists() else "is a file" if path.is_file() else "not a directory"
+        raise CheckpointError(f"{flag + ' ' if flag else ''}{path}: {found}; expected {expected}")
+    return path
+
+
 def read_json(path: Path, what: str) -> dict:
     """Load a JSON object from `path`; `what` names the file's role in error messages."""
     path = Path(path)
     if not path.is_file():
+        require_dir(path.parent, f"a directory holding {what}")  # a checkpoint path that is missing, or a file
         raise CheckpointError(f"{path}: missing {what}")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from beamtrt.checkpoint.hf import read_json, write_json
+from beamtrt.checkpoint.hf import read_json, require_dir, write_json
 from beamtrt.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -74,9 +74,7 @@ def _fits(value: object, kind) -> bool:
 
 def read_manifest(root: Path) -> dict:
     """A build output's manifest, checked: every field the readers use present and of its JSON type."""
-    root = Path(root)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: no such directory (expected a build/build_engines.py output)")
+    root = require_dir(root, "a build/build_engines.py output directory")
     if not (root / MANIFEST).is_file():
         raise CheckpointError(f"{root} is not a build/build_engines.py output (no {MANIFEST})")
     manifest = read_json(root / MANIFEST, "build manifest")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import write_json
+from beamtrt.checkpoint.hf import require_dir, write_json
 from beamtrt.cli_util import ArgumentParser, check_seed, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
@@ -199,9 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                             mix=args.prompt_mix)
         if args.init and not (Path(args.init) / "config.json").is_file():
             raise BeamtrtError(f"--init {args.init}: not a drafter checkpoint (no config.json)")
-        for extra in map(Path, args.extra_data):
-            if not extra.is_dir():
-                raise BeamtrtError(f"--extra-data {extra}: no such directory")
+        for extra in args.extra_data:
+            require_dir(extra, "a feature cache directory", "--extra-data")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")

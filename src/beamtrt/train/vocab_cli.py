@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from beamtrt.checkpoint.hf import require_dir
 from beamtrt.cli_util import ArgumentParser, description, run_cli
 from beamtrt.errors import BeamtrtError
 
@@ -54,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_sequences < 0:
             raise ValueError(f"--eval-sequences must be >= 0, got {args.eval_sequences}")
         for d in args.data:
-            if not Path(d).is_dir():
-                raise BeamtrtError(f"--data {d}: no such directory")
+            require_dir(d, "an answers or feature cache directory", "--data")
         drafter = Path(args.drafter)
         cfg = DrafterConfig.from_file(drafter / "config.json")
         ids = check_draft_vocab(training_tokens([Path(d) for d in args.data], args.eval_sequences), cfg.vocab_size,
