@@ -357,6 +357,27 @@ def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tm
                           "cannot load the tokenizer")
 
 
+def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
+    """A missing file, a non-UTF-8 file (the line and byte named), a JSON array or plain text (JSON Lines is one
+    object per line) and text that is not UTF-8 (on the command line or a lone surrogate escape) are one line each;
+    a UTF-8 BOM is read past."""
+    from beamtrt.prompts import read_chats
+
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n')
+    assert read_chats(tmp_path / "bom.jsonl") == [[{"role": "user", "content": "hi"}]]
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
+    (tmp_path / "array.json").write_text('[{"prompt": "hi"}]\n')
+    (tmp_path / "plain.txt").write_text("hello there\n")
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
+    for name, needles in (("missing.jsonl", ["(no such file)"]),
+                          ("latin1.jsonl", [":2: not UTF-8 text (byte offset 32)", "must be UTF-8"]),
+                          ("array.json", [":1: expected", "JSON Lines: one object per line"]),
+                          ("plain.txt", [":1: not valid JSON", "JSON Lines: one object per line"]),
+                          ("surrogate.jsonl", [":1: not valid UTF-8 text"])):
+        assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / name)), f"{name}", *needles)
+    assert_one_line_error(run("runtime/run.py", "--prompt", "caf\udce9"), "--prompt: not valid UTF-8 text")
+
+
 def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):
     """A size a host cannot hold is one line: the model's context (bench_decode), or an allocation that fails."""
     from beamtrt.cli_util import run_cli

@@ -12,7 +12,7 @@ from beamtrt.checkpoint.hf import write_json
 from beamtrt.cli_util import ArgumentParser, check_seed, check_threads, output_path, run_ranks_cli, set_threads, torch_device
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, read_chats
+from beamtrt.prompts import load_tokenizer, read_chats, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
 
@@ -134,7 +134,7 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     """Everything checked before any weight is loaded (identical on every rank)."""
     params = _validate(args)
     chats = read_chats(args.prompts) if args.prompts else [
-        [{"role": "user", "content": p}] for p in (args.prompt or DEFAULT_PROMPTS)]
+        [{"role": "user", "content": utf8_text(p, "--prompt")}] for p in (args.prompt or DEFAULT_PROMPTS)]
     engine_dir = resolve_engine_dir(args)
     if engine_dir is not None and (args.model or args.drafter):
         raise ValueError("--model / --drafter run a Hugging Face checkpoint; they cannot be combined with an "
