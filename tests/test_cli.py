@@ -269,6 +269,27 @@ def test_outputs_that_cannot_be_written_fail_before_the_work(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", under), "afile is a file, not a directory")
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_that_cannot_be_made_names_the_given_path(tmp_path, run, monkeypatch, capsys):
+    """Not the temporary name written first: --out /proc/x (writable to root by access(2), but nothing can be made
+    there) named /proc/.x.tmp-XXXX; a --json file on a full disk gave 'No space left on device' and no path."""
+    import errno
+
+    from beamtrt.checkpoint.hf import write_json
+    from beamtrt.cli_util import run_cli
+
+    assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--out", "/proc/x"),
+                          "/proc/x: cannot write in /proc")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    out = tmp_path / "out.json"
+    assert run_cli(lambda: write_json(out, {"x": 1})) == 2
+    assert capsys.readouterr().err == f"error: {out}: No space left on device\n"
+    assert list(tmp_path.iterdir()) == []  # the temporary file is gone
+
+
 def test_json_outputs_make_their_folders(tmp_path):
     """Every --json (and summary) file goes through checkpoint.hf's write_json, which makes missing folders as
     output_path promises (bench_kernels and `python -m beamtrt.bench.backends` wrote into an existing folder only)."""
