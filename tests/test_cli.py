@@ -464,6 +464,9 @@ def test_run_generates_coherent_text(beam_mini):
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
+    assert "batch sizes, each in [1, 16]" in " ".join(run("scripts/bench_spec.py", "--help").stdout.split())
+    assert "a build already there from other inputs or settings is replaced" in " ".join(
+        run("scripts/bench_tp.py", "--help").stdout.split())
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--max-new-tokens", "1"),
                           "--max-new-tokens must be >= 2")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--block-size", "99"),
@@ -482,6 +485,17 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--tp", "0"), "--tp")
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
+
+
+def test_a_default_drafter_that_does_not_fit_offers_only_the_commands_own_flags(tmp_path, run):
+    """beam-mini's drafter on another target: run.py offers --drafter or --no-spec; bench_spec, which has no
+    --no-spec (it runs both), offers --drafter only."""
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    proc = run("scripts/bench_spec.py", "--model", str(tmp_path / "m"), "--batches", "1")
+    assert_one_line_error(proc, "does not fit this target", "--drafter DIR")
+    assert "--no-spec" not in proc.stderr
+    assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--prompt", "hi"),
+                          "does not fit this target", "--drafter DIR", "or --no-spec")
 
 
 def test_draft_vocab_writes_the_training_tokens(tmp_path, run):

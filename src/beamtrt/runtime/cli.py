@@ -150,7 +150,8 @@ def _load(args: argparse.Namespace, setup: Setup, dist):
 
     dtype, spec = DTYPES[args.dtype], not args.no_spec
     if setup.engine_dir is None:
-        return loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device, spec=spec)
+        return loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device, spec=spec,
+                              no_spec_flag="--no-spec")
     return loader.load_build(setup.engine_dir, setup.manifest, dist, backend=setup.backend, dtype=dtype,
                              device=args.device, spec=spec)
 
