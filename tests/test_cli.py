@@ -564,6 +564,9 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     proc = run("scripts/train_drafter.py", *paths, "--out", str(out), *small)
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").is_file() and json.loads((data / "meta.json").read_text())["target"]
+    unscored = "not evaluated: nothing held out, as the data has 5 greedy answers"  # 6 prompts, one sampled
+    assert f"warning: training is {unscored}" in proc.stderr  # said before training, and in the last line
+    assert f"drafter: {out}  ({unscored}" in proc.stdout and "nan" not in proc.stdout
     assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), *small), "--force")
     assert run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small).returncode == 0
     for inside in (data, work, target, tmp_path):  # an input, the training state, or a folder holding them

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.train.features import (DataRecipe, build_features, load_features, rebuild_features,
                                             target_digest)
         from beamtrt.train.prompts import training_prompts
-        from beamtrt.train.trainer import TrainConfig, check_state, train, write_log
+        from beamtrt.train.trainer import TrainConfig, check_state, split, train, write_log
 
         device = torch_device(args.device)
         set_threads(args.threads)
@@ -246,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                            for i in range(len(data))))
         print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
               file=sys.stderr)
+        unscored = "" if split(data, cfg)[1] else (  # the last eval_sequences greedy answers, when there are more
+            f"not evaluated: nothing held out, as the data has {int(data.greedy.sum())} greedy answers and the last "
+            f"{cfg.eval_sequences} are held out only when there are more; raise --prompts for a score")
+        if unscored:
+            print(f"warning: training is {unscored}", file=sys.stderr)
 
         if args.init and replays_init_batches(Path(args.init), cfg.seed, len(data), int(data.ids.shape[0])):
             print(f"warning: --init {args.init} was trained on this data with --seed {cfg.seed}: its steps would "
@@ -268,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                    "initial_eval": {k: v for k, v in first.items() if k.startswith("eval_")},  # the --init drafter
                    "final_eval": {k: v for k, v in final.items() if k.startswith("eval_")}}
         write_json(out / "training.json", summary)
-        print(f"drafter: {out}  (held-out greedy acceptance length at block {cfg.eval_block_size}: "
-              f"{final.get('eval_tau', float('nan')):.2f})")
+        print(f"drafter: {out}  (" + (unscored or f"held-out greedy acceptance length at block "
+                                               f"{cfg.eval_block_size}: {final.get('eval_tau', float('nan')):.2f}")
+              + ")")
 
     return run_cli(run)
