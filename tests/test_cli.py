@@ -107,7 +107,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
     ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--device",
                                  "--threads", "--json"]),
-    ("scripts/draft_vocab.py", ["drafter", "--data", "--eval-sequences"]),
+    ("scripts/draft_vocab.py", ["drafter", "--data", "--eval-sequences", "--target"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
@@ -512,7 +512,9 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     assert proc.returncode == 0, proc.stderr
     cfg = DrafterConfig.from_file(drafter / "config.json")
     ids = read_draft_vocab(drafter, cfg)
-    assert f"{ids.numel()} of 49152 tokens" in proc.stdout and 1000 < ids.numel() < 49152
+    assert f"{ids.numel()} of 49152 tokens\n" in proc.stdout and 1000 < ids.numel() < 49152
+    again = run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "40")
+    assert again.returncode == 0 and f"tokens (replaced one of {ids.numel()} tokens)" in again.stdout
     every = training_tokens([cache], 0)
     assert set(ids.tolist()) < set(every.tolist())  # held-out answers bring tokens of their own
     mixed = tmp_path / "mixed"  # a feature shard without its answers file counts as its answers would
@@ -525,6 +527,18 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
         shutil.copy2(cache / name, both / name)
     assert torch.equal(training_tokens([mixed], 0), training_tokens([both], 0))
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(tmp_path / "gone")), "gone")
+    from beamtrt.models.beam import load_beam
+    from beamtrt.train.features import target_digest
+
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "t"), "--layers", "2").returncode == 0
+    digest = target_digest(load_beam(tmp_path / "t"))
+
+    def made_by(recorded: str) -> Result:  # a cache that records its target: another one's is refused
+        (both / "meta.json").write_text(json.dumps({"recipe": {}, "target": recorded}))
+        return run("scripts/draft_vocab.py", str(drafter), "--data", str(both), "--target", str(tmp_path / "t"))
+    assert_one_line_error(made_by("0123456789abcdef"), f"{both}: made by another target (digest 0123456789abcdef, "
+                                                       f"this one's {digest})")
+    assert made_by(digest).returncode == 0
     assert_one_line_error(run("scripts/draft_vocab.py", str(tmp_path), "--data", str(cache)), "config.json")
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "-1"),
                           "--eval-sequences")
