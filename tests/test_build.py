@@ -222,6 +222,20 @@ def test_existing_foreign_directory_needs_force(sources, tmp_path):
     assert not (out / "notes.txt").exists()
 
 
+@pytest.mark.parametrize("manifest, needle", [('{"format_version": 0}', "format_version 0 is not this version's 1"),
+                                             ('{"format_version": 1,', "build manifest is not valid JSON")])
+def test_an_old_or_unreadable_output_needs_force(sources, tmp_path, manifest, needle):
+    """An --out whose manifest.json an older version wrote, or that is not JSON, says --force replaces it (it said
+    'rebuild with this version of build_engines.py', the command just run)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text(manifest)
+    one_line_error(build(sources, out), f"{out / 'manifest.json'}: ", needle, "--force to replace")
+    assert (out / "manifest.json").read_text() == manifest
+    if "format_version" in needle:
+        assert build(sources, out, "--force").returncode == 0 and read_manifest(out)["format_version"] == 1
+
+
 def test_out_that_is_the_working_directory_is_refused(sources, tmp_path):
     cmd = [sys.executable, str(ROOT / "build/build_engines.py"), "--model", str(sources / "target"), "--drafter",
            str(sources / "drafter"), "--precision", "bf16", "--tp", "1", "--quiet", "--force"]

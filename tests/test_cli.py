@@ -107,7 +107,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
     ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--device",
                                  "--threads", "--json"]),
-    ("scripts/draft_vocab.py", ["drafter", "--data", "--eval-sequences"]),
+    ("scripts/draft_vocab.py", ["drafter", "--data", "--eval-sequences", "--target"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
@@ -184,12 +184,48 @@ def test_a_bad_drafter_is_refused_before_the_target_is_loaded(tmp_path, run, mon
         raise AssertionError("beam-mini was made before the drafter was checked")
     monkeypatch.setattr(beam_mini, "ensure_beam_mini", not_now)
     monkeypatch.setattr(build_cli, "LAST_BUILD", tmp_path / "no-last-build")
-    assert_one_line_error(run("runtime/run.py", "--drafter", str(tmp_path / "d"), "--prompt", "hi"), "d/config.json")
+    no_drafter = f"{tmp_path / 'd'}: no such directory"
+    assert_one_line_error(run("runtime/run.py", "--drafter", str(tmp_path / "d"), "--prompt", "hi"), no_drafter)
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--drafter", str(tmp_path / "d")),
-                          "d/config.json")
+                          no_drafter)
     assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--drafter", str(tmp_path / "d"),
-                              "--out", str(tmp_path / "out")), "d/config.json")
+                              "--out", str(tmp_path / "out")), no_drafter)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_moved_last_build_names_its_record(tmp_path, run, monkeypatch):
+    """Without --engine-dir, run.py runs the build engines/.last-build records: a moved or deleted one, or a garbled
+    record, says where the path came from and what to pass instead."""
+    from beamtrt.build import cli as build_cli
+
+    record = tmp_path / ".last-build"
+    monkeypatch.setattr(build_cli, "LAST_BUILD", record)
+    for recorded, shown in ((f"{tmp_path / 'bf16-tp2'}\n", "bf16-tp2"), ("garbage\n", "garbage"), ("\n", "(nothing)")):
+        record.write_text(recorded)
+        assert_one_line_error(run("runtime/run.py", "--prompt", "Hi"), f"{shown}: no such directory", str(record),
+                              "--engine-dir DIR", "--model DIR", "build/build_engines.py")
+
+
+def test_a_checkpoint_path_that_is_missing_or_a_file_says_so(tmp_path, run, monkeypatch, capsys):
+    """A checkpoint or build directory that does not exist, or is a file, says which (it used to be
+    'DIR/config.json: missing config.json', 'FILE/config.json/config.json: ...', or 'no such directory' for a file)."""
+    from beamtrt.build import cli as build_cli
+    from beamtrt.checkpoint import validate
+
+    monkeypatch.setattr(build_cli, "LAST_BUILD", tmp_path / "no-last-build")
+    afile = tmp_path / "config.json"
+    afile.write_text("{}")
+    missing = f"{tmp_path / 'beam-mni'}: no such directory"
+    is_file = f"{afile}: is a file; expected a "
+    assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "beam-mni")), missing)
+    assert_one_line_error(run("runtime/run.py", "--model", str(afile)), is_file)
+    assert_one_line_error(run("runtime/run.py", "--drafter", str(afile), "--prompt", "hi"), is_file)
+    assert_one_line_error(run("scripts/draft_vocab.py", str(afile), "--data", str(tmp_path)), is_file)
+    assert_one_line_error(run("scripts/draft_vocab.py", str(afile), "--data", str(afile)), f"--data {afile}: is a file")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(afile)), f"--data {afile}: is a file")
+    for path, needle in ((afile, is_file), (tmp_path / "beam-mni", missing)):
+        assert validate.main([str(path)]) == 2
+        assert_one_line_error(Result(2, "", capsys.readouterr().err), needle, "build/build_engines.py output")
 
 
 @pytest.mark.parametrize("script, args", [("runtime/run.py", []), ("scripts/train_drafter.py", []),
@@ -231,6 +267,27 @@ def test_outputs_that_cannot_be_written_fail_before_the_work(tmp_path, run):
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--json", str(tmp_path)),
                           "--json", "is a directory")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", under), "afile is a file, not a directory")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_that_cannot_be_made_names_the_given_path(tmp_path, run, monkeypatch, capsys):
+    """Not the temporary name written first: --out /proc/x (writable to root by access(2), but nothing can be made
+    there) named /proc/.x.tmp-XXXX; a --json file on a full disk gave 'No space left on device' and no path."""
+    import errno
+
+    from beamtrt.checkpoint.hf import write_json
+    from beamtrt.cli_util import run_cli
+
+    assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--out", "/proc/x"),
+                          "/proc/x: cannot write in /proc")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    out = tmp_path / "out.json"
+    assert run_cli(lambda: write_json(out, {"x": 1})) == 2
+    assert capsys.readouterr().err == f"error: {out}: No space left on device\n"
+    assert list(tmp_path.iterdir()) == []  # the temporary file is gone
 
 
 def test_json_outputs_make_their_folders(tmp_path):
@@ -321,6 +378,27 @@ def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tm
                           "cannot load the tokenizer")
 
 
+def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
+    """A missing file, a non-UTF-8 file (the line and byte named), a JSON array or plain text (JSON Lines is one
+    object per line) and text that is not UTF-8 (on the command line or a lone surrogate escape) are one line each;
+    a UTF-8 BOM is read past."""
+    from beamtrt.prompts import read_chats
+
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n')
+    assert read_chats(tmp_path / "bom.jsonl") == [[{"role": "user", "content": "hi"}]]
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
+    (tmp_path / "array.json").write_text('[{"prompt": "hi"}]\n')
+    (tmp_path / "plain.txt").write_text("hello there\n")
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
+    for name, needles in (("missing.jsonl", ["(no such file)"]),
+                          ("latin1.jsonl", [":2: not UTF-8 text (byte offset 32)", "must be UTF-8"]),
+                          ("array.json", [":1: expected", "JSON Lines: one object per line"]),
+                          ("plain.txt", [":1: not valid JSON", "JSON Lines: one object per line"]),
+                          ("surrogate.jsonl", [":1: not valid UTF-8 text"])):
+        assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / name)), f"{name}", *needles)
+    assert_one_line_error(run("runtime/run.py", "--prompt", "caf\udce9"), "--prompt: not valid UTF-8 text")
+
+
 def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):
     """A size a host cannot hold is one line: the model's context (bench_decode), or an allocation that fails."""
     from beamtrt.cli_util import run_cli
@@ -386,6 +464,9 @@ def test_run_generates_coherent_text(beam_mini):
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")
+    assert "batch sizes, each in [1, 16]" in " ".join(run("scripts/bench_spec.py", "--help").stdout.split())
+    assert "a build already there from other inputs or settings is replaced" in " ".join(
+        run("scripts/bench_tp.py", "--help").stdout.split())
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--max-new-tokens", "1"),
                           "--max-new-tokens must be >= 2")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--block-size", "99"),
@@ -406,6 +487,17 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
 
+def test_a_default_drafter_that_does_not_fit_offers_only_the_commands_own_flags(tmp_path, run):
+    """beam-mini's drafter on another target: run.py offers --drafter or --no-spec; bench_spec, which has no
+    --no-spec (it runs both), offers --drafter only."""
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    proc = run("scripts/bench_spec.py", "--model", str(tmp_path / "m"), "--batches", "1")
+    assert_one_line_error(proc, "does not fit this target", "--drafter DIR")
+    assert "--no-spec" not in proc.stderr
+    assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--prompt", "hi"),
+                          "does not fit this target", "--drafter DIR", "or --no-spec")
+
+
 def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     """From a committed answers cache: the tokens of its sequences but the last 8 greedy ones; the drafter then
     loads with that draft vocabulary."""
@@ -420,7 +512,9 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     assert proc.returncode == 0, proc.stderr
     cfg = DrafterConfig.from_file(drafter / "config.json")
     ids = read_draft_vocab(drafter, cfg)
-    assert f"{ids.numel()} of 49152 tokens" in proc.stdout and 1000 < ids.numel() < 49152
+    assert f"{ids.numel()} of 49152 tokens\n" in proc.stdout and 1000 < ids.numel() < 49152
+    again = run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "40")
+    assert again.returncode == 0 and f"tokens (replaced one of {ids.numel()} tokens)" in again.stdout
     every = training_tokens([cache], 0)
     assert set(ids.tolist()) < set(every.tolist())  # held-out answers bring tokens of their own
     mixed = tmp_path / "mixed"  # a feature shard without its answers file counts as its answers would
@@ -433,6 +527,18 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
         shutil.copy2(cache / name, both / name)
     assert torch.equal(training_tokens([mixed], 0), training_tokens([both], 0))
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(tmp_path / "gone")), "gone")
+    from beamtrt.models.beam import load_beam
+    from beamtrt.train.features import target_digest
+
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "t"), "--layers", "2").returncode == 0
+    digest = target_digest(load_beam(tmp_path / "t"))
+
+    def made_by(recorded: str) -> Result:  # a cache that records its target: another one's is refused
+        (both / "meta.json").write_text(json.dumps({"recipe": {}, "target": recorded}))
+        return run("scripts/draft_vocab.py", str(drafter), "--data", str(both), "--target", str(tmp_path / "t"))
+    assert_one_line_error(made_by("0123456789abcdef"), f"{both}: made by another target (digest 0123456789abcdef, "
+                                                       f"this one's {digest})")
+    assert made_by(digest).returncode == 0
     assert_one_line_error(run("scripts/draft_vocab.py", str(tmp_path), "--data", str(cache)), "config.json")
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "-1"),
                           "--eval-sequences")
@@ -472,6 +578,9 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     proc = run("scripts/train_drafter.py", *paths, "--out", str(out), *small)
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").is_file() and json.loads((data / "meta.json").read_text())["target"]
+    unscored = "not evaluated: nothing held out, as the data has 5 greedy answers"  # 6 prompts, one sampled
+    assert f"warning: training is {unscored}" in proc.stderr  # said before training, and in the last line
+    assert f"drafter: {out}  ({unscored}" in proc.stdout and "nan" not in proc.stdout
     assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), *small), "--force")
     assert run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small).returncode == 0
     for inside in (data, work, target, tmp_path):  # an input, the training state, or a folder holding them

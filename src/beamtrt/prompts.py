@@ -22,12 +22,32 @@ def load_tokenizer(path: str | Path):
                               "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
 
-def read_chats(path: str | Path) -> list[list[dict]]:
-    """Chats from a JSONL file; each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}."""
+def utf8_text(text: str, where: str) -> str:
+    """`text` if it is valid Unicode; else one line: non-UTF-8 bytes on the command line (Python holds them as
+    surrogate escapes) or a lone surrogate \\uXXXX escape in a JSON string, which the tokenizer cannot encode."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")  # JSON strings may hold U+2028 and the like
-    except (OSError, UnicodeDecodeError) as e:
-        raise BeamtrtError(f"{path}: cannot read the prompts file ({e.__class__.__name__})") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BeamtrtError(f"{where}: not valid UTF-8 text (character {e.start + 1}); give prompts as UTF-8") from None
+    return text
+
+
+def read_chats(path: str | Path) -> list[list[dict]]:
+    """Chats from a JSONL file (UTF-8, a BOM allowed); each line {"prompt": str} or {"messages": [{"role",
+    "content"}, ...]}."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise BeamtrtError(f"{path}: cannot read the prompts file (no such file)") from None
+    except OSError as e:
+        raise BeamtrtError(f"{path}: cannot read the prompts file ({e.strerror})") from None
+    try:
+        lines = data.decode("utf-8-sig").split("\n")  # JSON strings may hold U+2028 and the like
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise BeamtrtError(f"{path}:{line}: not UTF-8 text (byte offset {e.start}); a prompts file must be UTF-8"
+                           ) from None
+    one_per_line = "a prompts file is JSON Lines: one object per line"
     chats = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -35,7 +55,7 @@ def read_chats(path: str | Path) -> list[list[dict]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg}); {one_per_line}") from None
         except RecursionError:
             raise BeamtrtError(f"{path}:{n}: JSON nested too deeply") from None
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
@@ -45,7 +65,10 @@ def read_chats(path: str | Path) -> list[list[dict]]:
                 for m in obj["messages"]) and obj["messages"]:
             chats.append(obj["messages"])
         else:
-            raise BeamtrtError(f'{path}:{n}: expected {{"prompt": str}} or {{"messages": [{{"role", "content"}}]}}')
+            raise BeamtrtError(f'{path}:{n}: expected {{"prompt": str}} or {{"messages": [{{"role", "content"}}]}}; '
+                               f"{one_per_line}")
+        for message in chats[-1]:
+            utf8_text(message["content"], f"{path}:{n}")
     if not chats:
         raise BeamtrtError(f"{path}: no prompts")
     return chats

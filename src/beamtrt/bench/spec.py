@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help="target checkpoint (default: beam-mini, created if missing)")
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: 1 16)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16],
+                   help=f"batch sizes, each in [1, {len(BENCH_PROMPTS)}]: one request per benchmark prompt "
+                        "(default: 1 16)")
     p.add_argument("--block-size", type=int, default=8, help="verification block, in [2, 32] (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the drafts whose running product of drafter confidences is >= P (as "
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS):
-            raise ValueError(f"--batches must be in [1, {len(BENCH_PROMPTS)}]")
+            raise ValueError(f"--batches must each be in [1, {len(BENCH_PROMPTS)}] (one request per benchmark "
+                             f"prompt), got {' '.join(map(str, args.batches))}")
         if args.max_new_tokens < 2:
             raise ValueError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill; decode speed is "
                              f"measured on the rest), got {args.max_new_tokens}")

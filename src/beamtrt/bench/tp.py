@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="concurrent requests (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "tp",
-                   help="where builds go; one of other inputs there is replaced (default: bench/tp)")
+                   help="folder for this benchmark's builds, one per --tp (<precision>-tp<N>), and its prompt "
+                        "files; a build already there from other inputs or settings is replaced (default: bench/tp)")
     p.add_argument("--json", type=Path, help="write the results to this file")
     args = p.parse_args(argv)
 

@@ -28,7 +28,10 @@ def temp_dir(final: Path) -> Path:
     """A hidden temporary directory beside `final`, to be renamed into place once complete, with the mode a plain
     mkdir gives (mkdtemp's 0700 would hide the output from other users, such as a tritonserver's)."""
     final = Path(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as e:  # the error would name the temporary folder, which the user never gave
+        raise CheckpointError(f"{final}: cannot write in {final.parent} ({e.strerror or e})") from None
     tmp.chmod(0o777 & ~_UMASK)
     return tmp
 
@@ -69,10 +72,21 @@ def replace_dir(tmp: Path, out: Path) -> None:
             shutil.rmtree(aside, ignore_errors=True)
 
 
+def require_dir(path: str | Path, expected: str, flag: str = "") -> Path:
+    """`path` if it is a directory, else one line saying what it is instead (missing, or a file) and what was
+    `expected` there; `flag` names the option that gave it."""
+    path = Path(path)
+    if not path.is_dir():
+        found = "no such directory" if not path.exists() else "is a file" if path.is_file() else "not a directory"
+        raise CheckpointError(f"{flag + ' ' if flag else ''}{path}: {found}; expected {expected}")
+    return path
+
+
 def read_json(path: Path, what: str) -> dict:
     """Load a JSON object from `path`; `what` names the file's role in error messages."""
     path = Path(path)
     if not path.is_file():
+        require_dir(path.parent, f"a directory holding {what}")  # a checkpoint path that is missing, or a file
         raise CheckpointError(f"{path}: missing {what}")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
@@ -101,16 +115,20 @@ def write_json(path: str | Path, obj: dict) -> None:
     if path.exists() and not path.is_file():
         raise CheckpointError(f"{path}: not a regular file; cannot write JSON there")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give (as save_safetensors does)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a full disk names no file, a failed mkstemp the temporary one: name `path`
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         raise
 
 

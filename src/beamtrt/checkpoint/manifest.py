@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from beamtrt.checkpoint.hf import read_json, write_json
+from beamtrt.checkpoint.hf import read_json, require_dir, write_json
 from beamtrt.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -58,6 +58,7 @@ OPTIONAL = {  # checked where present
 }
 STAGE = {"status": str, "key": (str, NULL), "reason": (str, NULL), "files": (dict, NULL)}  # every stage's fields
 _MISSING = object()
+_REBUILD = "rebuild with build/build_engines.py (--force to replace this output)"  # a manifest this version cannot read
 
 
 def field(manifest: dict, dotted: str, default: object = _MISSING) -> object:
@@ -74,27 +75,27 @@ def _fits(value: object, kind) -> bool:
 
 def read_manifest(root: Path) -> dict:
     """A build output's manifest, checked: every field the readers use present and of its JSON type."""
-    root = Path(root)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: no such directory (expected a build/build_engines.py output)")
+    root = require_dir(root, "a build/build_engines.py output directory")
     if not (root / MANIFEST).is_file():
         raise CheckpointError(f"{root} is not a build/build_engines.py output (no {MANIFEST})")
-    manifest = read_json(root / MANIFEST, "build manifest")
+    try:
+        manifest = read_json(root / MANIFEST, "build manifest")
+    except CheckpointError as e:  # not JSON, not an object, unreadable
+        raise CheckpointError(f"{e}: {_REBUILD}") from None
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{root / MANIFEST}: format_version {manifest.get('format_version')!r} is not "
-                              f"{FORMAT_VERSION}; rebuild with this version of build_engines.py")
+        raise CheckpointError(f"{root / MANIFEST}: format_version {manifest.get('format_version')!r} is not this "
+                              f"version's {FORMAT_VERSION}: {_REBUILD}")
     fields = [(name, field(manifest, name), kind, True) for name, kind in REQUIRED.items()]
     fields += [(name, field(manifest, name), kind, False) for name, kind in OPTIONAL.items()]
     for stage, record in manifest.get("stages", {}).items() if isinstance(manifest.get("stages"), dict) else ():
         fields.append((f"stages.{stage}", record, dict, True))
         fields += [(f"stages.{stage}.{k}", field(record, k), kind, k == "status") for k, kind in STAGE.items()]
     for name, value, kind, required in fields:
-        fix = "rebuild with build/build_engines.py (--force to replace this output)"
         if value is _MISSING and required:
-            raise CheckpointError(f"{root / MANIFEST} lacks {name!r}: {fix}")
+            raise CheckpointError(f"{root / MANIFEST} lacks {name!r}: {_REBUILD}")
         if value is not _MISSING and not _fits(value, kind):
             raise CheckpointError(f"{root / MANIFEST}: {name!r} is {json.dumps(value)[:40]}, not the type its "
-                                  f"readers expect: {fix}")
+                                  f"readers expect: {_REBUILD}")
     return manifest
 
 

@@ -13,7 +13,7 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, read_chats
+from beamtrt.prompts import load_tokenizer, read_chats, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
 
@@ -122,7 +122,12 @@ def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
     if args.engine_dir:
         return Path(args.engine_dir)
     if args.model is None and LAST_BUILD.is_file():
-        return Path(LAST_BUILD.read_text().strip())
+        recorded = LAST_BUILD.read_text(errors="replace").strip()
+        if not recorded or not Path(recorded).is_dir():  # moved, deleted, or the record is garbled
+            raise BeamtrtError(f"{recorded or '(nothing)'}: no such directory (the last build, recorded in "
+                               f"{LAST_BUILD}); pass --engine-dir DIR, --model DIR (a Hugging Face checkpoint), "
+                               "or rebuild with build/build_engines.py")
+        return Path(recorded)
     return None
 
 
@@ -130,7 +135,7 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     """Everything checked before any weight is loaded (identical on every rank)."""
     params = _validate(args)
     chats = read_chats(args.prompts) if args.prompts else [
-        [{"role": "user", "content": p}] for p in (args.prompt or DEFAULT_PROMPTS)]
+        [{"role": "user", "content": utf8_text(p, "--prompt")}] for p in (args.prompt or DEFAULT_PROMPTS)]
     engine_dir = resolve_engine_dir(args)
     if engine_dir is not None and (args.model or args.drafter):
         raise ValueError("--model / --drafter run a Hugging Face checkpoint; they cannot be combined with an "
@@ -146,7 +151,8 @@ def _load(args: argparse.Namespace, setup: Setup, dist):
 
     dtype, spec = DTYPES[args.dtype], not args.no_spec
     if setup.engine_dir is None:
-        return loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device, spec=spec)
+        return loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device, spec=spec,
+                              no_spec_flag="--no-spec")
     return loader.load_build(setup.engine_dir, setup.manifest, dist, backend=setup.backend, dtype=dtype,
                              device=args.device, spec=spec)
 

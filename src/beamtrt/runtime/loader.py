@@ -110,8 +110,9 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
 
 
 def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: torch.dtype = torch.float32,
-            device: str = "cpu", spec: bool = True) -> Loaded:
-    """The torch backends for a Hugging Face target (default beam-mini, created if missing) and its drafter."""
+            device: str = "cpu", spec: bool = True, no_spec_flag: str = "") -> Loaded:
+    """The torch backends for a Hugging Face target (default beam-mini, created if missing) and its drafter;
+    `no_spec_flag` is the caller's flag for decoding without one, offered when the default drafter does not fit."""
     from beamtrt.models.beam import load_beam
     from beamtrt.models.beam_mini import ensure_beam_mini
     from beamtrt.models.dflash2 import drafter_config_for
@@ -123,12 +124,14 @@ def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: to
     if spec and drafter_dir and (model_dir / "config.json").is_file():  # one for another target: before its weights
         drafter_config_for(drafter_dir, BeamConfig.from_file(model_dir / "config.json"))
     model = load_beam(model_dir, dtype=dtype, device=device)
-    drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device) if spec else (None, None))
+    drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device, no_spec_flag) if spec else (None, None))
     return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)
 
 
-def load_drafter_backend(drafter_dir: str | Path | None, target, dtype: torch.dtype, device: str):
-    """The drafter backend: `drafter_dir`, else beam-mini's default drafter (trained, or a deterministic random one)."""
+def load_drafter_backend(drafter_dir: str | Path | None, target, dtype: torch.dtype, device: str,
+                         no_spec_flag: str = ""):
+    """The drafter backend: `drafter_dir`, else beam-mini's default drafter (trained, or a deterministic random one;
+    when it does not fit the target, the error offers --drafter and the caller's `no_spec_flag`, if it has one)."""
     from beamtrt.models.beam_mini import default_drafter
     from beamtrt.models.dflash2 import load_drafter
     from beamtrt.runtime.torch_backend import TorchDrafter
@@ -140,5 +143,5 @@ def load_drafter_backend(drafter_dir: str | Path | None, target, dtype: torch.dt
         if drafter_dir:
             raise
         raise ConfigError(f"the default drafter {path} is beam-mini's and does not fit this target ({err}); pass "
-                          "--drafter DIR with a drafter trained for it (scripts/train_drafter.py --target), or "
-                          "--no-spec") from None
+                          "--drafter DIR with a drafter trained for it (scripts/train_drafter.py --target)"
+                          + (f", or {no_spec_flag}" if no_spec_flag else "")) from None

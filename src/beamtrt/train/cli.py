@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import write_json
+from beamtrt.checkpoint.hf import require_dir, write_json
 from beamtrt.cli_util import ArgumentParser, check_seed, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.train.features import (DataRecipe, build_features, load_features, rebuild_features,
                                             target_digest)
         from beamtrt.train.prompts import training_prompts
-        from beamtrt.train.trainer import TrainConfig, check_state, train, write_log
+        from beamtrt.train.trainer import TrainConfig, check_state, split, train, write_log
 
         device = torch_device(args.device)
         set_threads(args.threads)
@@ -199,9 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                             mix=args.prompt_mix)
         if args.init and not (Path(args.init) / "config.json").is_file():
             raise BeamtrtError(f"--init {args.init}: not a drafter checkpoint (no config.json)")
-        for extra in map(Path, args.extra_data):
-            if not extra.is_dir():
-                raise BeamtrtError(f"--extra-data {extra}: no such directory")
+        for extra in args.extra_data:
+            require_dir(extra, "a feature cache directory", "--extra-data")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
@@ -247,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                            for i in range(len(data))))
         print(f"data: {len(data)} sequences, {data.ids.shape[0]} tokens ({n_answer} answer tokens) in {data_dir}",
               file=sys.stderr)
+        unscored = "" if split(data, cfg)[1] else (  # the last eval_sequences greedy answers, when there are more
+            f"not evaluated: nothing held out, as the data has {int(data.greedy.sum())} greedy answers and the last "
+            f"{cfg.eval_sequences} are held out only when there are more; raise --prompts for a score")
+        if unscored:
+            print(f"warning: training is {unscored}", file=sys.stderr)
 
         if args.init and replays_init_batches(Path(args.init), cfg.seed, len(data), int(data.ids.shape[0])):
             print(f"warning: --init {args.init} was trained on this data with --seed {cfg.seed}: its steps would "
@@ -269,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                    "initial_eval": {k: v for k, v in first.items() if k.startswith("eval_")},  # the --init drafter
                    "final_eval": {k: v for k, v in final.items() if k.startswith("eval_")}}
         write_json(out / "training.json", summary)
-        print(f"drafter: {out}  (held-out greedy acceptance length at block {cfg.eval_block_size}: "
-              f"{final.get('eval_tau', float('nan')):.2f})")
+        print(f"drafter: {out}  (" + (unscored or f"held-out greedy acceptance length at block "
+                                               f"{cfg.eval_block_size}: {final.get('eval_tau', float('nan')):.2f}")
+              + ")")
 
     return run_cli(run)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import write_json
+from beamtrt.checkpoint.hf import require_dir, write_json
 from beamtrt.cli_util import ArgumentParser, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         if args.json:
             output_path(args.json, "--json")
-        for d in map(Path, args.data):
-            if not d.is_dir():
-                raise BeamtrtError(f"--data {d}: no such directory")
+        for d in args.data:
+            require_dir(d, "a feature cache directory", "--data")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         drafter_dir = Path(args.drafter) if args.drafter else CHECKPOINTS / f"{target_dir.resolve().name}-dflash2"
         for what, d in (("target", target_dir), ("drafter", drafter_dir)):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from beamtrt.checkpoint.hf import require_dir
 from beamtrt.cli_util import ArgumentParser, description, run_cli
 from beamtrt.errors import BeamtrtError
 
@@ -38,6 +39,33 @@ def training_tokens(dirs: list[Path], eval_sequences: int) -> torch.Tensor:
     return torch.cat([data.sequence(i)[0] for i in train]).unique()
 
 
+def check_caches_target(dirs: list[Path], target: str | None) -> None:
+    """Caches that record the target they were made by (a digest of its weights) must be the drafter's target's; the
+    target (default beam-mini) is loaded only when one does."""
+    from beamtrt.train.features import cache_target, check_target, read_meta, target_digest
+
+    metas = [(d, read_meta(d)) for d in dirs]
+    if not any(cache_target(d, meta) for d, meta in metas):
+        return
+    from beamtrt.models.beam import load_beam
+    from beamtrt.models.beam_mini import ensure_beam_mini
+
+    digest = target_digest(load_beam(Path(target) if target else ensure_beam_mini(), dtype=torch.float32))
+    for d, meta in metas:
+        check_target(d, meta, digest)
+
+
+def replaced(drafter: Path, cfg) -> str:
+    """What the draft vocabulary about to be overwritten held, for the closing line ('' when there was none)."""
+    from beamtrt.models.dflash2 import read_draft_vocab
+
+    try:
+        ids = read_draft_vocab(drafter, cfg)
+    except BeamtrtError:
+        return " (replaced an unreadable one)"
+    return "" if ids is None else f" (replaced one of {ids.numel()} tokens)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=description(__doc__))
     p.add_argument("drafter", help="the drafter checkpoint directory to write draft_vocab.json into")
@@ -45,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="its training caches in the order it was trained on them: --extra-data ..., then --data")
     p.add_argument("--eval-sequences", type=int, default=32,
                    help="the held-out greedy answers at the end of the last cache (train_drafter's; default 32)")
+    p.add_argument("--target", help="the target the drafter was trained for, loaded only to check caches that record "
+                   "their target against it (default: beam-mini)")
     args = p.parse_args(argv)
 
     def run() -> None:
@@ -53,14 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.eval_sequences < 0:
             raise ValueError(f"--eval-sequences must be >= 0, got {args.eval_sequences}")
-        for d in args.data:
-            if not Path(d).is_dir():
-                raise BeamtrtError(f"--data {d}: no such directory")
+        dirs = [require_dir(d, "an answers or feature cache directory", "--data") for d in args.data]
         drafter = Path(args.drafter)
         cfg = DrafterConfig.from_file(drafter / "config.json")
-        ids = check_draft_vocab(training_tokens([Path(d) for d in args.data], args.eval_sequences), cfg.vocab_size,
-                                cfg.selector_top_k)
+        check_caches_target(dirs, args.target)
+        ids = check_draft_vocab(training_tokens(dirs, args.eval_sequences), cfg.vocab_size, cfg.selector_top_k)
+        was = replaced(drafter, cfg)
         write_draft_vocab(drafter, ids)
-        print(f"{drafter / DRAFT_VOCAB_FILE}: {ids.numel()} of {cfg.vocab_size} tokens")
+        print(f"{drafter / DRAFT_VOCAB_FILE}: {ids.numel()} of {cfg.vocab_size} tokens{was}")
 
     return run_cli(run)
