@@ -98,6 +98,9 @@ def test_engine_settings_are_recorded_and_changes_need_force(sources, tmp_path):
                                         "block_size": 4}
     assert m["drafter"]["block_size"] == 4 and m["stages"]["target"]["status"] == "reused"
     one_line_error(build(sources, out, "--max-num-tokens", "10", "--force"), "cannot hold one verify step")
+    trained = m["drafter"]["train_block_size"]
+    one_line_error(build(sources, out, "--block-size", str(trained + 1), "--force"),
+                   f"--block-size {trained + 1} is above the drafter's own block ({trained})")
 
 
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])

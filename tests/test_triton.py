@@ -518,6 +518,7 @@ def test_export_refuses_a_bad_build_with_one_line(builds, tmp_path, capsys, brea
 def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
     for args, needle in ((["--block-size", "1"], "block_size must be in [2, 32], got 1"),
                          (["--block-size", "100"], "block_size must be in [2, 32], got 100"),
+                         (["--block-size", "32"], "--block-size 32 is above the drafter's own block"),
                          (["--max-slots", "0"], "max_slots must be >= 1"),
                          (["--draft-threshold", "1.5"], "draft_threshold must be in [0, 1], got 1.5"),
                          (["--draft-threshold", "nan"], "draft_threshold must be in [0, 1], got nan"),

@@ -229,6 +229,10 @@ def export(cfg: ExportConfig) -> list[str]:
         raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
     settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
                              cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
+    trained = manifest["drafter"].get("train_block_size")
+    if trained is not None and block > trained:  # the server's decoder would refuse it at startup
+        raise ExportError(f"--block-size {block} is above the drafter's own block ({trained}), which it was trained "
+                          "on: use a block of at most that")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(out)
     try:
