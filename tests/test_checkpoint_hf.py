@@ -349,7 +349,7 @@ def test_read_json_errors(tmp_path):
     assert one_line_error(read_json, path, "model config") == f"{path}: missing model config"
     path.write_text('{\n  "a": 1,\n}')
     msg = one_line_error(read_json, path, "model config")
-    assert msg.startswith(f"{path}: model config is not valid JSON (") and "at line 3)" in msg
+    assert msg.startswith(f"{path}: model config is not valid JSON (") and "(line 3: " in msg
     path.write_text("[1, 2]")
     assert "JSON object" in one_line_error(read_json, path, "model config")
 

@@ -204,6 +204,8 @@ def test_a_moved_last_build_names_its_record(tmp_path, run, monkeypatch):
         record.write_text(recorded)
         assert_one_line_error(run("runtime/run.py", "--prompt", "Hi"), f"{shown}: no such directory", str(record),
                               "--engine-dir DIR", "--model DIR", "build/build_engines.py")
+    record.write_text(f"{tmp_path}\n")  # a directory, but no build's
+    assert_one_line_error(run("runtime/run.py", "--prompt", "Hi"), f"{tmp_path}: no manifest.json there", str(record))
 
 
 def test_a_checkpoint_path_that_is_missing_or_a_file_says_so(tmp_path, run, monkeypatch, capsys):

@@ -91,7 +91,7 @@ def read_json(path: Path, what: str) -> dict:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise CheckpointError(f"{path}: {what} is not valid JSON (line {err.lineno}: {err.msg})") from None
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: {what} is not valid JSON (not UTF-8 text)") from None
     except OSError as err:

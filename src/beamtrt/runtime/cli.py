@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beamtrt.checkpoint.hf import write_json
+from beamtrt.checkpoint.manifest import MANIFEST
 from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_path, run_ranks_cli, set_threads,
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
@@ -123,10 +124,11 @@ def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
         return Path(args.engine_dir)
     if args.model is None and LAST_BUILD.is_file():
         recorded = LAST_BUILD.read_text(errors="replace").strip()
-        if not recorded or not Path(recorded).is_dir():  # moved, deleted, or the record is garbled
-            raise BeamtrtError(f"{recorded or '(nothing)'}: no such directory (the last build, recorded in "
-                               f"{LAST_BUILD}); pass --engine-dir DIR, --model DIR (a Hugging Face checkpoint), "
-                               "or rebuild with build/build_engines.py")
+        if not recorded or not (Path(recorded) / MANIFEST).is_file():  # moved, deleted, or the record is garbled
+            found = "no such directory" if not recorded or not Path(recorded).is_dir() else f"no {MANIFEST} there"
+            raise BeamtrtError(f"{recorded or '(nothing)'}: {found} (the last build, recorded in {LAST_BUILD}); pass "
+                               "--engine-dir DIR, --model DIR (a Hugging Face checkpoint), or rebuild with "
+                               "build/build_engines.py")
         return Path(recorded)
     return None
 
