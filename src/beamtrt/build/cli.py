@@ -89,6 +89,9 @@ def _run(args: argparse.Namespace) -> None:
                      calib_samples=args.calib_samples, drafter_precision=args.drafter_precision, force=args.force,
                      engine=EngineSettings(args.max_batch_size, args.max_seq_len, args.max_num_tokens, args.block_size,
                                            args.tensorrt_root))
+    if bc.calib_prompts and not bc.needs_calibration:
+        log("warning: --calib-prompts is not used: a bf16 build with a bf16 drafter and no FP8 KV cache needs no "
+            "calibration")
     print("\n".join(build(bc, progress=not args.quiet)))
     if args.out is None:  # runtime/run.py runs the last default-location build unless told otherwise
         LAST_BUILD.write_text(str(bc.out.resolve()) + "\n")

@@ -96,6 +96,8 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
     if not args.no_spec:
         check_block_size(args.block_size)
         check_draft_threshold(args.draft_threshold)
+    elif args.drafter or args.draft_threshold:
+        raise ValueError("--no-spec decodes without a drafter: drop --drafter / --draft-threshold")
     if args.prompt and args.prompts:
         raise ValueError("give --prompt or --prompts, not both")
     if any(not s for s in args.stop):
