@@ -160,7 +160,9 @@ class TrtTarget:
 
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor | None = None,
                 taps: tuple[int, ...] = (), last_only: bool = False) -> TargetStep:
-        # ids: [N, T] right-padded; slots: [N]; num_tokens: [N] (default T)
+        # ids: [N, T] right-padded (packed on the host: a few ids, the drafts may come from the GPU); slots: [N];
+        # num_tokens: [N] (default T)
+        ids = ids.cpu()
         N, T = ids.shape
         num = torch.full((N,), T, dtype=torch.long) if num_tokens is None else num_tokens.long().cpu()
         if int(num.sum()) <= self.max_num_tokens:
