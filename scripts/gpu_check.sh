@@ -2,14 +2,15 @@
 # The GPU check, in one command on any CUDA host (run from the repository root): build the kernels with CMake, build
 # the torch extension, run the gpu-marked tests (the plugin kernels against their host build, the torch backend's
 # drafter on them against the PyTorch reference, drafter training on the GPU against the CPU run), and print the
-# kernel micro-benchmark table (attention and selector: µs, achieved bytes/s against a device-to-device copy).
+# kernel micro-benchmark table (attention and selector: µs, achieved bytes/s against a device-to-device copy;
+# the decode loop's verification on the GPU against the host).
 # Python: $PY, else .venv/bin/python (after `make setup` with a CUDA build of torch), else python3 (a host whose
 # python3 has torch with CUDA, safetensors, numpy, tqdm and pytest; src/ goes on PYTHONPATH). Where $OUT names a
 # folder, the JSON and the whole log are copied there too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
              echo "Usage: scripts/gpu_check.sh (no arguments; environment: PY, OUT, TensorRT_ROOT)"; exit 0 ;;
   "") ;;
   *) echo "error: scripts/gpu_check.sh takes no arguments (got $1; see --help)" >&2; exit 2 ;;

@@ -491,6 +491,17 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_verification_point_times_both_places(sampled):
+    """bench_kernels' verification row (on the device, and as the loop did it on the host) runs on any device; here
+    the CPU, where both places are the same."""
+    from beamtrt.bench.kernels import verify_point
+
+    point = verify_point(2, 7, 1000, 4, sampled, 2, device="cpu")
+    assert point["kernel"] == "verification" and point["sampled"] is sampled
+    assert point["device_ms"] > 0 and point["host_ms"] > 0
+
+
 def test_a_default_drafter_that_does_not_fit_offers_only_the_commands_own_flags(tmp_path, run):
     """beam-mini's drafter on another target: run.py offers --drafter or --no-spec; bench_spec, which has no
     --no-spec (it runs both), offers --drafter only."""

@@ -1,6 +1,7 @@
 """Micro-benchmark of the plugins' CUDA kernels (JSON): windowed attention's achieved bytes/s beside a device-to-device
 copy of as many bytes, and the block selector's microseconds per step at batch 1 and 64 (its bytes/s likewise: the
-logits it must read set its floor), at DFlash2's serving shapes.
+logits it must read set its floor), at DFlash2's serving shapes; and the decode loop's verification of one step on
+the GPU beside copying its logits to the host and verifying there (as the loop did before).
 """
 
 from __future__ import annotations
@@ -78,6 +79,49 @@ def selector_point(batch: int, slots: int, vocab: int, top_k: int, rank: int, re
             "logits": str(logits_dtype).removeprefix("torch."), **_rates(seconds, moved, repeats)}
 
 
+def verify_point(batch: int, drafts: int, vocab: int, top_k: int, sampled: bool, repeats: int,
+                 device: str = "cuda") -> dict:
+    """One step's verification (beamtrt.spec) where the logits are, against copying them to the host and verifying
+    there (what the decode loop did before): milliseconds of each, wall clock, synchronized."""
+    import time
+
+    from beamtrt.spec.sampling import SamplingParams, target_probs
+    from beamtrt.spec.verify import verify_greedy, verify_sampled
+
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(batch, drafts + 1, vocab, device=device, generator=g)
+    cand = torch.randint(0, vocab, (batch, drafts, top_k), device=device, generator=g)
+    q = torch.softmax(torch.randn(batch, drafts, top_k, device=device, generator=g), -1)
+    ids = cand[..., 0]
+    u, u_last = torch.rand(batch, drafts, device=device, generator=g), torch.rand(batch, device=device, generator=g)
+    params = SamplingParams(0.7, 0.99) if sampled else SamplingParams()
+
+    def step(logits, ids, cand, q, u, u_last):
+        if sampled:
+            result = verify_sampled(ids, cand, q, target_probs(logits, params), u, u_last)
+        else:
+            result = verify_greedy(ids, logits)
+        return result.tokens.cpu()  # what the decoder brings back
+
+    def on_host():
+        return step(*(t.cpu() for t in (logits, ids, cand, q, u, u_last)))
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    here, host = timed(lambda: step(logits, ids, cand, q, u, u_last)), timed(on_host)
+    return {"kernel": "verification", "batch": batch, "drafts": drafts, "vocab": vocab, "sampled": sampled,
+            "device_ms": round(here * 1e3, 3), "host_ms": round(host * 1e3, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=description(__doc__))
     p.add_argument("--repeats", type=int, default=50, help="timed runs per point (default: %(default)s)")
@@ -95,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         points += [selector_point(batch, 7, vocab, 16, 256, args.repeats) for vocab in (151_936, 49_152)
                    for batch in (1, 64)]  # Beam's vocabulary and beam-mini's, bf16 logits as the drafter emits them
         points.append(selector_point(64, 7, 151_936, 16, 256, args.repeats, torch.float32))  # fp32: twice the reads
-        result = {"device": torch.cuda.get_device_name(), "points": points}
+        checks = [verify_point(batch, 7, 151_936, 16, sampled, min(args.repeats, 10)) for sampled in (False, True)
+                  for batch in (1, 32)]  # the decode loop's verification, on the GPU and as it was on the host
+        result = {"device": torch.cuda.get_device_name(), "points": points, "verification": checks}
         print("| kernel | shape | µs | achieved | vs copy |", file=sys.stderr)
         print("|---|---|---|---|---|", file=sys.stderr)
         for pt in points:
@@ -106,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                 name, shape = "block selector", f"N {pt['batch']}, V {pt['vocab']}, K {pt['top_k']}, {pt['logits']}"
             print(f"| {name} | {shape} | {pt['us']} | {pt['bytes_per_s'] / 1e9:.0f} GB/s | "
                   f"{pt['fraction_of_copy']:.2f} of {pt['copy_bytes_per_s'] / 1e9:.0f} GB/s |", file=sys.stderr)
+        print("\n| verification (V 151,936, 7 drafts) | batch | on the GPU (ms) | copied to the host (ms) |",
+              file=sys.stderr)
+        print("|---|---|---|---|", file=sys.stderr)
+        for pt in checks:
+            print(f"| {'sampled' if pt['sampled'] else 'greedy'} | {pt['batch']} | {pt['device_ms']} | "
+                  f"{pt['host_ms']} |", file=sys.stderr)
         print(json.dumps(result, indent=2))
         if args.json:
             write_json(args.json, result)
