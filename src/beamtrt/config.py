@@ -464,6 +464,15 @@ def check_block_size(block_size: int, flag: str = "--block-size") -> None:
               f"plugin walks at most {MAX_BLOCK_SIZE - 1}), got {block_size}")
 
 
+def drafter_block_error(block_size: int, drafter_block: int) -> str | None:
+    """Why a drafter trained at blocks of `drafter_block` cannot draft blocks of `block_size`, or None: its block
+    attends to every mask slot, so a larger block would change even its first drafts."""
+    if block_size > drafter_block:
+        return (f"--block-size {block_size} is above the drafter's own block ({drafter_block}), which it was trained "
+                "on: use a block of at most that")
+    return None
+
+
 def check_draft_threshold(threshold: float, flag: str = "--draft-threshold") -> None:
     """A draft threshold: a probability (0 verifies whole blocks)."""
     if not 0 <= threshold <= 1:

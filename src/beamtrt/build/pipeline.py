@@ -20,7 +20,7 @@ from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.hf import CheckpointReader, replace_dir, temp_dir, write_json
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
-from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings
+from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import read_chats
 
@@ -43,9 +43,8 @@ class Plan:
             self.drafter_cfg.check_target(self.target_cfg)
         except ConfigError as err:
             raise ConfigError(f"drafter {bc.drafter} does not fit target {bc.model}: {err}") from None
-        if bc.engine.block_size > self.drafter_cfg.block_size:
-            raise ConfigError(f"--block-size {bc.engine.block_size} is above the drafter's own block "
-                              f"({self.drafter_cfg.block_size}), which it was trained on: use a block of at most that")
+        if why := drafter_block_error(bc.engine.block_size, self.drafter_cfg.block_size):
+            raise ConfigError(why)
         self.mapping = trtllm.Mapping(bc.tp, bc.moe_ep)
         self.target_units = trtllm.target_units(self.target_cfg, self.mapping)
         self.drafter_units = trtllm.drafter_units(self.drafter_cfg, self.mapping)

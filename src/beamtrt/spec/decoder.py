@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from beamtrt.config import check_draft_threshold
+from beamtrt.config import check_draft_threshold, drafter_block_error
 from beamtrt.runtime.backend import DrafterBackend, DraftStep, TargetBackend
 from beamtrt.spec.metrics import SpecMetrics
 from beamtrt.spec.sampling import SamplingParams, sample, target_probs
@@ -78,9 +78,8 @@ class SpeculativeDecoder:
         verify's cost grows with its rows (an MoE target reads more experts), at the cost of some accepted drafts."""
         if drafter is not None and block_size < 2:
             raise ValueError(f"--block-size must be >= 2 with a drafter, got {block_size}")
-        if drafter is not None and block_size > drafter.block_size:  # its block attends to every mask slot it has
-            raise ValueError(f"--block-size {block_size} is above the drafter's own block ({drafter.block_size}), "
-                             "which it was trained on: use a block of at most that")
+        if drafter is not None and (why := drafter_block_error(block_size, drafter.block_size)):
+            raise ValueError(why)
         check_draft_threshold(draft_threshold)
         self.target, self.drafter = target, drafter
         self.block_size = block_size if drafter is not None else 1

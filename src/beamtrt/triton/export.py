@@ -18,6 +18,7 @@ from pathlib import Path
 from beamtrt.checkpoint.hf import holds, replace_dir, temp_dir
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.cli_util import output_path
+from beamtrt.config import drafter_block_error
 from beamtrt.errors import BeamtrtError, ConfigError
 from beamtrt.runtime.loader import missing_engines
 from beamtrt.triton import protocol, serving
@@ -230,9 +231,8 @@ def export(cfg: ExportConfig) -> list[str]:
     settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
                              cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     trained = manifest["drafter"].get("train_block_size")
-    if trained is not None and block > trained:  # the server's decoder would refuse it at startup
-        raise ExportError(f"--block-size {block} is above the drafter's own block ({trained}), which it was trained "
-                          "on: use a block of at most that")
+    if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
+        raise ExportError(why)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(out)
     try:
