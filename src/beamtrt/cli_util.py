@@ -143,13 +143,15 @@ def _out_of_memory(e: BaseException) -> str | None:
     return None
 
 
-def _end_bars() -> None:
-    """Close the progress bars still drawing, so that the line printed next starts on its own and stays the last."""
+def _say(line: str) -> None:
+    """A command's closing line on stderr (its error, or why it stopped), after closing the progress bars still
+    drawing, so that it starts on a line of its own and stays the last."""
     if "tqdm" in sys.modules:
         from tqdm import tqdm
 
         for bar in list(getattr(tqdm, "_instances", ())):
             bar.close()
+    print(line, file=sys.stderr, flush=True)
 
 
 class Terminated(KeyboardInterrupt):
@@ -172,18 +174,15 @@ def run_cli(body: Callable[[], None]) -> int:
                 signal.signal(sig, _terminate)
         body()
     except (BeamtrtError, ValueError, OSError) as e:
-        _end_bars()
-        print(f"error: {error_line(e)}", file=sys.stderr)
+        _say(f"error: {error_line(e)}")
         return 2
     except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
         if (line := _out_of_memory(e)) is None:
             raise
-        _end_bars()
-        print(f"error: {line}", file=sys.stderr)
+        _say(f"error: {line}")
         return 2
     except KeyboardInterrupt as e:
-        _end_bars()
-        print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
+        _say("terminated" if isinstance(e, Terminated) else "interrupted")
         return 128 + (e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
     finally:
         for sig, handler in saved.items():
@@ -217,14 +216,12 @@ def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], N
     try:
         execute(state, dist)
     except (BeamtrtError, ValueError, OSError) as e:
-        _end_bars()
-        print(f"error: rank {dist.rank}: {error_line(e)}", file=sys.stderr, flush=True)
+        _say(f"error: rank {dist.rank}: {error_line(e)}")
         dist.abort(2)
     except (MemoryError, RuntimeError) as e:
         if (line := _out_of_memory(e)) is None:
             raise
-        _end_bars()
-        print(f"error: rank {dist.rank}: {line}", file=sys.stderr, flush=True)
+        _say(f"error: rank {dist.rank}: {line}")
         dist.abort(2)
     tp.stop(dist)
     return 0
