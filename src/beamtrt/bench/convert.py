@@ -89,7 +89,7 @@ def run_build(target: Path, drafter: Path, out: Path, precision: str, tp: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description="Benchmark build_engines.py conversion speed and peak memory on a random "
-                                            "Beam-architecture checkpoint (generated once into --work).")
+                                   "Beam-architecture checkpoint (generated once into --work).")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "convert", help="work directory (default: bench/convert)")
     p.add_argument("--size-gb", type=float, default=4.5, help="source checkpoint size in GB (default: %(default)s)")
     p.add_argument("--precisions", nargs="+", default=["bf16", "nvfp4", "fp8"], choices=("bf16", "fp8", "nvfp4"),

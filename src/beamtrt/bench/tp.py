@@ -48,7 +48,7 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description="Decode tokens/s with and without speculation at TP 1/2/4 and several "
-                                            "concurrencies (each TP a separate build of the same model; JSON).")
+                                   "concurrencies (each TP a separate build of the same model; JSON).")
     p.add_argument("--model", help="Hugging Face target (default: beam-mini)")
     p.add_argument("--drafter", help="its DFlash2 drafter (default: as build_engines.py picks it: beam-mini's, for "
                                      "beam-mini)")

