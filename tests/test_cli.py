@@ -554,6 +554,8 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     assert_one_line_error(made_by("0123456789abcdef"), f"{both}: made by another target (digest 0123456789abcdef, "
                                                        f"this one's {digest})")
     assert made_by(digest).returncode == 0
+    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(both), "--target",
+                              str(tmp_path / "no-target")), "no-target", "no such directory")
     assert_one_line_error(run("scripts/draft_vocab.py", str(tmp_path), "--data", str(cache)), "config.json")
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "-1"),
                           "--eval-sequences")
