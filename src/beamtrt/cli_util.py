@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Callable, NoReturn, TypeVar
@@ -122,8 +123,10 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     ancestor = existing(p.absolute().parent)
     if not ancestor.is_dir():
         raise BeamtrtError(f"{flag} {p}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise BeamtrtError(f"{flag} {p}: cannot write in {ancestor}")
+    try:  # made and removed, not os.access: root passes access(2) on /proc or a read-only export, and writes fail
+        os.rmdir(tempfile.mkdtemp(prefix=".beamtrt-probe-", dir=ancestor))
+    except OSError as e:
+        raise BeamtrtError(f"{flag} {p}: cannot write in {ancestor} ({e.strerror or e})") from None
     return p
 
 
