@@ -221,6 +221,9 @@ def test_int_accepted_for_float_fields() -> None:
     (with_(final_logit_softcapping=0.0), ["final_logit_softcapping", "0.0"]),
     (with_(final_logit_softcapping=-30.0), ["final_logit_softcapping", "-30.0"]),
     (with_(logit_scale=float("inf")), ["logit_scale"]),
+    (with_(eos_token_id=10**9), ["eos_token_id", "1000000000", "vocabulary"]),
+    (with_(eos_token_id=[2, -1]), ["eos_token_id", "[2, -1]", "vocabulary"]),
+    (with_(eos_token_id=[2, "3"]), ["eos_token_id", "int"]),
 ], ids=lambda v: None if isinstance(v, dict) else "-".join(v)[:40])
 def test_bad_config_one_line_error(raw: dict, needles: list[str]) -> None:
     msg = config_error(raw, *needles)
