@@ -179,6 +179,14 @@ def test_index_shard_outside_directory(sharded):
     assert "../evil.safetensors" in one_line_error(CheckpointReader, sharded)
 
 
+def test_single_file_beside_an_index_is_ambiguous(sharded):
+    """transformers would load model.safetensors and we the index: refused rather than read the other weights."""
+    save_state_dict(sharded / "other", {"x": torch.ones(2)})
+    (sharded / "other" / "model.safetensors").rename(sharded / "model.safetensors")
+    msg = one_line_error(CheckpointReader, sharded)
+    assert "both model.safetensors and model.safetensors.index.json" in msg and "stale" in msg
+
+
 def test_garbage_single_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"this is not safetensors")
     msg = one_line_error(CheckpointReader, tmp_path)

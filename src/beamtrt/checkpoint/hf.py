@@ -155,6 +155,9 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: no such checkpoint directory")
         self._handles: dict[str, object] = {}
         index = self.path / INDEX_FILE
+        if index.exists() and (self.path / SINGLE_FILE).exists():  # transformers reads the file, we the index
+            raise CheckpointError(f"{self.path}: holds both {SINGLE_FILE} and {INDEX_FILE}, so which weights are "
+                                  "meant is unclear; remove the stale one")
         if index.exists():
             self._weight_map = self._read_index(index)
         elif (self.path / SINGLE_FILE).is_file():
