@@ -495,6 +495,30 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
 
+def test_bench_work_folders_of_other_files_are_refused(tmp_path, run):
+    """bench_tp / bench_convert delete and replace what they find in --work (a build of other inputs, sources of
+    another size): a folder they did not make is refused before anything in it is touched."""
+    from beamtrt.cli_util import WORK_MARK, work_dir
+    from beamtrt.errors import BeamtrtError
+
+    mine = tmp_path / "models"
+    (mine / "target").mkdir(parents=True)
+    (mine / "target" / "config.json").write_text('{"num_hidden_layers": 2}')
+    assert_one_line_error(run("scripts/bench_convert.py", "--work", str(mine), "--size-gb", "0.01"),
+                          f"--work {mine}: holds files that bench_convert.py did not make")
+    assert_one_line_error(run("scripts/bench_tp.py", "--work", str(mine)), "bench_tp.py did not make")
+    assert sorted(p.name for p in mine.rglob("*")) == ["config.json", "target"]
+
+    work = work_dir(tmp_path / "new" / "w", "--work", "bench_tp.py")  # made, and marked as the benchmark's
+    (work / "bf16-tp1").mkdir()
+    assert work_dir(work, "--work", "bench_tp.py") == work  # its own earlier folder: reused
+    with pytest.raises(BeamtrtError, match="bench_convert.py did not make"):
+        work_dir(work, "--work", "bench_convert.py")
+    assert (work / WORK_MARK).read_text() == "bench_tp.py\n"
+    with pytest.raises(BeamtrtError, match="is a file"):
+        work_dir(work / WORK_MARK, "--work", "bench_tp.py")
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_the_verification_point_times_both_places(sampled):
     """bench_kernels' verification row (on the device, and as the loop did it on the host) runs on any device; here

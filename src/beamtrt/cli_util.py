@@ -130,6 +130,24 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     return p
 
 
+WORK_MARK = ".beamtrt-work"  # names the benchmark whose scratch folder this is
+
+
+def work_dir(path: str | Path, flag: str, owner: str) -> Path:
+    """A benchmark's scratch folder, whose contents it deletes and replaces: a new or empty folder, or one this
+    benchmark marked before (a user's --work ~/models would otherwise lose its models)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise BeamtrtError(f"{flag} {p}: is a file; expected a directory path")
+    mark = p / WORK_MARK
+    if p.is_dir() and any(p.iterdir()) and not (mark.is_file() and mark.read_text().strip() == owner):
+        raise BeamtrtError(f"{flag} {p}: holds files that {owner} did not make there, and it replaces what it "
+                           "finds in its folder; give a new or empty one")
+    p.mkdir(parents=True, exist_ok=True)
+    mark.write_text(owner + "\n")
+    return p
+
+
 def error_line(e: BaseException) -> str:
     """One line for a user error; an OSError names its path (a folder that is a file, no space, no permission)."""
     if isinstance(e, OSError) and e.strerror:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, child_error, free_bytes, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, child_error, free_bytes, output_path, run_cli, work_dir
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -90,7 +90,9 @@ def run_build(target: Path, drafter: Path, out: Path, precision: str, tp: int) -
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description="Benchmark build_engines.py conversion speed and peak memory on a random "
                                    "Beam-architecture checkpoint (generated once into --work).")
-    p.add_argument("--work", type=Path, default=ROOT / "bench" / "convert", help="work directory (default: bench/convert)")
+    p.add_argument("--work", type=Path, default=ROOT / "bench" / "convert",
+                   help="folder for the generated sources and the builds, replaced as needed, so a folder holding "
+                        "anything else is refused (default: bench/convert)")
     p.add_argument("--size-gb", type=float, default=4.5, help="source checkpoint size in GB (default: %(default)s)")
     p.add_argument("--precisions", nargs="+", default=["bf16", "nvfp4", "fp8"], choices=("bf16", "fp8", "nvfp4"),
                    help="precisions to build (default: %(default)s)")
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if not need * 1e9 <= free:
             raise BeamtrtError(f"--size-gb {args.size_gb}: needs about {need:.3g} GB free under {args.work}, "
                                f"{free / 1e9:.3g} GB are")
-        target, drafter = make_sources(args.work, args.size_gb)
+        target, drafter = make_sources(work_dir(args.work, "--work", "bench_convert.py"), args.size_gb)
         weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
         results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,
                    "threads": torch.get_num_threads(), "precisions": {}}

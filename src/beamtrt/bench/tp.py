@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import ArgumentParser, child_error, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, child_error, output_path, run_cli, work_dir
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "tp",
                    help="folder for this benchmark's builds, one per --tp (<precision>-tp<N>), and its prompt "
-                        "files; a build already there from other inputs or settings is replaced (default: bench/tp)")
+                        "files; a build already there from other inputs or settings is replaced, so a folder holding "
+                        "anything else is refused (default: bench/tp)")
     p.add_argument("--json", type=Path, help="write the results to this file")
     args = p.parse_args(argv)
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError("--tp, --concurrency and --max-new-tokens must be >= 1")
         if args.json:
             output_path(args.json, "--json")
-        args.work.mkdir(parents=True, exist_ok=True)
+        work_dir(args.work, "--work", "bench_tp.py")
         results = {"precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
         for tp in args.tp:
             engine = build(args.precision, tp, args.work, args.model, args.drafter)
