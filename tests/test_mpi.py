@@ -150,6 +150,26 @@ def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
     assert left == []
 
 
+def test_the_wrapper_reports_a_terminated_job():
+    """SIGTERM to the wrapper's process group (a scheduler cancelling the job): every rank ends and the wrapper says
+    so, as Ctrl-C's "interrupted" (it ended silently, the shell's status only)."""
+    import signal
+
+    tag = f"beamtrt-term-{os.getpid()}"
+    proc = subprocess.Popen([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c",
+                             f"import time; time.sleep(60)  # {tag}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(subprocess.run(["pgrep", "-f", f"^{sys.executable} -c .*{tag}"], capture_output=True,
+                             text=True).stdout.split()) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and err.splitlines()[-1] == "terminated", err
+    assert subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split() == []
+
+
 def benchmark(sources: Path, engine: Path, ranks: int, out: Path, *args: str) -> dict:
     """scripts/benchmark.py --engine-dir on the prompts' "chat" family, under `mpirun -n ranks` (0: one process)."""
     cmd = [sys.executable, str(ROOT / "scripts/benchmark.py"), "--engine-dir", str(engine), "--families", "chat",
