@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,8 @@ def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path
     inode = (out / "target" / "rank0.safetensors").stat().st_ino
     again = build(sources, out)
     assert again.returncode == 0 and "up to date" in again.stderr
+    assert re.search(r"\n  stage target +done in \d+\.\d s\n", again.stdout)  # by the build that made it ("ran" read
+    assert not re.search(r"\bran\b", again.stdout)                              # as if this command had run it)
     assert (out / "target" / "rank0.safetensors").stat().st_ino == inode
 
     changed = build(sources, out, "--kv-cache", "fp8")
@@ -81,6 +84,7 @@ def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path
     m = read_manifest(out)
     assert m["kv_cache"] == "fp8" and m["stages"]["drafter"]["status"] == "reused"
     assert m["stages"]["calibrate"]["status"] == m["stages"]["target"]["status"] == "ran"
+    assert "\n  stage drafter   reused from an earlier build\n" in forced.stdout
     no_leftovers(tmp_path)
 
 

@@ -80,9 +80,10 @@ def validate(root: str | Path) -> list[str]:
                                       f"from the manifest's {dotted} {want}")
         lines.append(f"  {part:8s} {s['architecture']}: {s['ranks']} rank file(s) × {s['tensors_per_rank']} tensors, "
                      f"{s['bytes'] / 1e6:.1f} MB, {s['quantized_weights']} quantized weight tensors per rank: OK")
-    for name, stage in manifest.get("stages", {}).items():
+    for name, stage in manifest.get("stages", {}).items():  # what the build that made it did, not this command
+        status = {"ran": f"done in {stage.get('seconds', 0):.1f} s", "reused": "reused from an earlier build"}
         why = f" ({stage['reason']})" if stage.get("reason") else ""
-        lines.append(f"  stage {name:9s} {stage['status']}{why}")
+        lines.append(f"  stage {name:9s} {status.get(stage['status'], stage['status'])}{why}")
     lines.append(f"  {len(manifest.get('files', {}))} files, sha256 verified")
     return lines
 
