@@ -140,7 +140,7 @@ def work_dir(path: str | Path, flag: str, owner: str) -> Path:
     if p.exists() and not p.is_dir():
         raise BeamtrtError(f"{flag} {p}: is a file; expected a directory path")
     mark = p / WORK_MARK
-    if p.is_dir() and any(p.iterdir()) and not (mark.is_file() and mark.read_text().strip() == owner):
+    if p.is_dir() and any(p.iterdir()) and not (mark.is_file() and mark.read_text(errors="replace").strip() == owner):
         raise BeamtrtError(f"{flag} {p}: holds files that {owner} did not make there, and it replaces what it "
                            "finds in its folder; give a new or empty one")
     p.mkdir(parents=True, exist_ok=True)
