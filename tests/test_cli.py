@@ -469,6 +469,20 @@ def test_run_generates_coherent_text(beam_mini):
     assert "tok/s" in proc.stderr
 
 
+def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_mini, tmp_path, run):
+    """--max-new-tokens 1 (or EOS first): the prefill's token only, no step to measure τ on (the summary line
+    formatted None: a traceback)."""
+    import json
+
+    proc = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--max-new-tokens", "1",
+               "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens in" in proc.stderr and "acceptance length -," in proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["summary"]["acceptance_length"] is None and report["requests"][0]["steps"] == 0
+    assert len(report["requests"][0]["output_ids"]) == 1
+
+
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")

@@ -219,6 +219,7 @@ def test_backend_comparison_report(tmp_path):
     assert result["torch"]["identical"] and not result["trt"]["identical"]
     assert result["trt"]["first_mismatch"] == 1 and result["trt"]["tokens_per_s"] == 400.0
     assert "| trt | no (request 1 differs) | 2.25 | 400.0 |" in table(result)
+    assert "| once | yes | - | 9.0 |" in table(compare({"once": report([[1, 2], [3, 4]], None, 9.0)}))  # no step
     (tmp_path / "a.json").write_text(json.dumps(same))
     (tmp_path / "bad.json").write_text("{}")
     assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'a.json'}"]) == 0

@@ -50,7 +50,8 @@ def table(result: dict, title: str = "") -> str:
              "|---|---|---|---|"]
     for name, r in result.items():
         same = "yes" if r["identical"] else f"no (request {r['first_mismatch']} differs)"
-        lines.append(f"| {name} | {same} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} |")
+        tau = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"  # no verification step
+        lines.append(f"| {name} | {same} | {tau} | {r['tokens_per_s']:.1f} |")
     return "\n".join(line for line in lines if line)
 
 

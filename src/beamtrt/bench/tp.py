@@ -42,7 +42,7 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         if proc.returncode != 0:
             raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {child_error(proc.stderr, proc.returncode)}")
         s = json.loads(report.read_text())["summary"]
-    return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": round(s["acceptance_length"], 3),
+    return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": s["acceptance_length"] and round(s["acceptance_length"], 3),
             "steps": s["decoder_steps"], "step_s": {k: round(v, 4) for k, v in s["step_s"].items()}}
 
 

@@ -217,8 +217,9 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     mode = "no-spec" if args.no_spec else f"block {args.block_size}" + (
         f", draft threshold {decoder.draft_threshold:g}" if decoder.draft_threshold else "")
     mode += f", {what}, backend {setup.backend} ({setup.backend_why})"
+    tau = summary["acceptance_length"]  # None when no request got past its first token (max-new-tokens 1, EOS)
     print(f"\n[{len(requests)} requests, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
-          f"acceptance length {summary['acceptance_length']:.2f}, {mode}, {args.dtype}]", file=sys.stderr)
+          f"acceptance length {'-' if tau is None else f'{tau:.2f}'}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:
         report = {
             "requests": [{"prompt": chat[-1]["content"], "messages": chat, "output_text": text,
