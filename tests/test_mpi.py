@@ -113,7 +113,13 @@ def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
     (broken / "target" / "rank1.safetensors").unlink()
     proc = run(broken, 2, "--max-new-tokens", "4", timeout=120)
     assert proc.returncode != 0
-    assert f"error: rank 1: {broken / 'target' / 'rank1.safetensors'}: missing rank file" in proc.stderr
+    line = f"error: rank 1: {broken / 'target' / 'rank1.safetensors'}: missing rank file (the checkpoint has tp_size 2)"
+    assert line in proc.stderr
+    # Through scripts/mpirun: that line alone (Open MPI's MPI_ABORT notices for it, and their NUL, are dropped).
+    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, str(ROOT / "runtime/run.py"),
+                           "--engine-dir", str(broken), "--max-new-tokens", "4"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
 
 
 @pytest.mark.parametrize("tp, ep", [(4, 1)])

@@ -64,6 +64,7 @@ class Dist:
         if self.comm is None:
             raise SystemExit(code)
         sys.stderr.flush()
+        time.sleep(0.5)  # Open MPI forwards this rank's last lines (its error) before Abort kills every rank
         self.comm.Abort(code)
 
     # ---- collectives -----------------------------------------------------------------------------------------
