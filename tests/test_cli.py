@@ -382,8 +382,13 @@ def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tm
                                       encoding="utf-8")
     assert read_chats(tmp_path / "p.jsonl") == [[{"role": "user", "content": "a\u2028b\u0085c"}]]
     assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    (tmp_path / "m" / "generation_config.json").write_text("{}")  # not a tokenizer (a build copied it as one)
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--no-spec", "--prompt", "hi"),
-                          "cannot load the tokenizer")
+                          f"{tmp_path / 'm'}: no tokenizer files (none of tokenizer.json, ")
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")  # transformers' error lists every model type
+    proc = run("runtime/run.py", "--model", str(tmp_path / "m"), "--no-spec", "--prompt", "hi")
+    assert_one_line_error(proc, f"{tmp_path / 'm'}: cannot load the tokenizer (")
+    assert len(proc.stderr) < 500
 
 
 def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):

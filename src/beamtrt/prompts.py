@@ -10,16 +10,29 @@ from beamtrt.cli_util import error_line
 from beamtrt.errors import BeamtrtError, CheckpointError
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a model folder holds tokenizer files (any of TOKENIZER_FILES), without loading them."""
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | Path):
     """A checkpoint's tokenizer (transformers' AutoTokenizer), or one line naming the folder: missing or damaged files
-    raise many kinds of errors there (a model folder without tokenizer files: a TypeError)."""
+    raise many kinds of errors there (a model folder without tokenizer files: a list of every model type)."""
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir() and not has_tokenizer(path):
+        raise CheckpointError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}) to encode prompts "
+                              "with; a build copies its source model's, so add them there and rebuild")
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({error_line(e)}); a checkpoint needs its "
-                              "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+        line = error_line(e)
+        line = line if len(line) <= 200 else line[:200] + " ..."  # transformers may list every model type
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({line}); a checkpoint needs its tokenizer files "
+                              "(tokenizer.json, tokenizer_config.json)") from None
 
 
 def utf8_text(text: str, where: str) -> str:

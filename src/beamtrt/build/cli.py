@@ -70,6 +70,7 @@ def _run(args: argparse.Namespace) -> None:
     from beamtrt.build.pipeline import build, log
     from beamtrt.checkpoint.manifest import read_manifest
     from beamtrt.config import BuildConfig, DrafterConfig, EngineSettings
+    from beamtrt.prompts import TOKENIZER_FILES, has_tokenizer
 
     out = Path(args.out) if args.out else ENGINES / f"{args.precision}-tp{args.tp}"
     output_path(out, "--out", directory=True)  # before beam-mini or calibration, not after
@@ -93,6 +94,9 @@ def _run(args: argparse.Namespace) -> None:
         log("warning: --calib-prompts is not used: a bf16 build with a bf16 drafter and no FP8 KV cache needs no "
             "calibration")
     print("\n".join(build(bc, progress=not args.quiet)))
+    if not has_tokenizer(bc.model):  # a conversion benchmark's random model has none; decoding and Triton need one
+        log(f"warning: {bc.model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): the build is complete, "
+            "but runtime/run.py and the Triton export need them to encode prompts")
     if args.out is None:  # runtime/run.py runs the last default-location build unless told otherwise
         LAST_BUILD.write_text(str(bc.out.resolve()) + "\n")
     stage = read_manifest(bc.out)["stages"]["engines"]
