@@ -495,6 +495,7 @@ def _break_manifest(build: Path, change) -> None:
     (lambda b: _break_manifest(b, lambda m: m.update(format_version=99)), "format_version 99"),
     (lambda b: _break_manifest(b, lambda m: m.pop("mapping")), "lacks 'mapping'"),
     (lambda b: _break_manifest(b, lambda m: m["target"].update(tokenizer=None)), "no tokenizer"),
+    (lambda b: [p.unlink() for p in (b / "tokenizer").iterdir() if p.name != "chat_template.jinja"], "no tokenizer"),
     (lambda b: shutil.rmtree(b / "drafter"), "drafter: missing"),
     (lambda b: shutil.copy2(b / "target" / "rank1.safetensors", b / "target" / "rank2.safetensors"),
      "holds 3 rank file(s) but the manifest says tp 2"),

@@ -20,6 +20,7 @@ from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.cli_util import output_path
 from beamtrt.config import drafter_block_error
 from beamtrt.errors import BeamtrtError, ConfigError
+from beamtrt.prompts import has_tokenizer
 from beamtrt.runtime.loader import missing_engines
 from beamtrt.triton import protocol, serving
 from beamtrt.triton.protocol import Tensor
@@ -156,7 +157,7 @@ def check_build(root: Path, chat_template: bool = True) -> dict:
         tokenizer = manifest["target"]["tokenizer"]
     except (KeyError, TypeError) as e:
         raise ExportError(f"{root / MANIFEST} lacks {e}: rebuild with build/build_engines.py") from None
-    if not tokenizer or not (root / tokenizer).is_dir():
+    if not tokenizer or not has_tokenizer(root / tokenizer):  # its chat template or generation config alone: none
         raise ExportError(f"{root}: the build has no tokenizer/ (preprocessing needs the target's tokenizer and chat "
                           "template): rebuild from a checkpoint with tokenizer files")
     if chat_template and not has_chat_template(root / tokenizer):
