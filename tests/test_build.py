@@ -373,6 +373,27 @@ def test_a_broken_tokenizer_fails_calibration_in_one_line(sources, tmp_path, fil
     no_leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("part, edit, needle", [
+    ("drafter", lambda c: [d.__setitem__("block_size", 4) for d in (c["drafter_config"],
+                                                                     c["drafter_config"]["dflash_config"])],
+     "block_size 4 differs from the manifest's drafter.train_block_size 16"),
+    ("target", lambda c: c["quantization"].__setitem__("kv_cache_quant_algo", "FP8"),
+     "kv_cache fp8 differs from the manifest's kv_cache auto"),
+    ("target", lambda c: c["mapping"].update(moe_tp_size=1, moe_ep_size=2), "mapping {"),
+])
+def test_run_refuses_a_config_changed_since_the_build(sources, tmp_path, part, edit, needle):
+    """runtime/run.py does not hash a build's files at every start (the validator does), but reads its two config.json
+    files against the manifest: an edited one is named (a drafter block of 4 ran, one of 32 was refused unnamed)."""
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0
+    config = json.loads((out / part / "config.json").read_text())
+    edit(config)
+    (out / part / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(out), "--prompt", "hi"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    one_line_error(proc, f"{out / part / 'config.json'}: {needle}", "rebuild")
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda m: m.__setitem__("precision", "fp8"), "precision bf16 differs from the manifest's precision fp8"),
     (lambda m: m.__setitem__("kv_cache", "fp8"), "kv_cache auto differs from the manifest's kv_cache fp8"),

@@ -16,13 +16,11 @@ from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, rank_file
 from beamtrt.cli_util import ArgumentParser, run_cli
 from beamtrt.errors import CheckpointError
 
-def check_checkpoint(path: Path, manifest: dict) -> dict:
+
+def check_checkpoint(path: Path) -> dict:
     """Validate one TensorRT-LLM checkpoint directory; returns its summary numbers."""
     ckpt = TrtllmCheckpoint(path)
     tp = ckpt.mapping.tp_size
-    if ckpt.mapping.to_json() != manifest["mapping"]:
-        raise CheckpointError(f"{path / 'config.json'}: mapping {ckpt.config['mapping']} differs from the manifest's "
-                              f"{manifest['mapping']}")
     specs = ckpt.specs()
     extra = sorted(p.name for p in path.glob("rank*.safetensors") if p.name not in
                    {rank_file(path, r).name for r in range(tp)})
@@ -43,13 +41,31 @@ def check_checkpoint(path: Path, manifest: dict) -> dict:
             total += t.numel() * t.element_size()
             quantized += t.dtype in (torch.uint8, torch.float8_e4m3fn) and name.endswith(".weight")
     return {"ranks": tp, "tensors_per_rank": len(specs), "bytes": total, "quantized_weights": quantized // tp,
-            "precision": ckpt.precision, "kv_cache": ckpt.kv_cache, "architecture": ckpt.config.get("architecture")}
+            "architecture": ckpt.config.get("architecture")}
 
 
-AGREE = {  # part -> {its checkpoint's summary field: the manifest field it must equal}
-    "target": {"architecture": "target.architecture", "precision": "precision", "kv_cache": "kv_cache"},
-    "drafter": {"architecture": "drafter.architecture", "precision": "drafter_precision"},
+AGREE = {  # part -> {what its config.json says: the manifest field it must equal}
+    "target": {"architecture": "target.architecture", "precision": "precision", "kv_cache": "kv_cache",
+               "mapping": "mapping"},
+    "drafter": {"architecture": "drafter.architecture", "precision": "drafter_precision", "mapping": "mapping",
+                "block_size": "drafter.train_block_size"},
 }
+
+
+def agree(root: Path, manifest: dict) -> None:
+    """The build's two config.json files say what its manifest says (no weight read: run.py checks this at every
+    start, the validator also hashes every file); one line naming the file that differs."""
+    for part, fields in AGREE.items():
+        ckpt = TrtllmCheckpoint(root / manifest[part]["dir"])
+        said = {"architecture": ckpt.config.get("architecture"), "precision": ckpt.precision,
+                "kv_cache": ckpt.kv_cache, "mapping": ckpt.mapping.to_json()}
+        if "block_size" in fields:
+            said["block_size"] = ckpt.drafter_config().block_size
+        for name, dotted in fields.items():
+            want = mf.field(manifest, dotted, None)
+            if want is not None and said[name] != want:  # None: an older manifest without the field
+                raise CheckpointError(f"{ckpt.path / 'config.json'}: {name} {said[name]} differs from the manifest's "
+                                      f"{dotted} {want} (changed since the build: rebuild with build/build_engines.py)")
 
 
 def validate(root: str | Path) -> list[str]:
@@ -71,13 +87,9 @@ def validate(root: str | Path) -> list[str]:
     lines = [f"{root}: {manifest['precision']} target, {manifest['drafter_precision']} drafter, KV cache "
              f"{manifest['kv_cache']}, tp {m['tp_size']} "
              f"(moe_tp {m['moe_tp_size']} × moe_ep {m['moe_ep_size']})"]
+    agree(root, manifest)
     for part in ("target", "drafter"):
-        s = check_checkpoint(root / manifest[part]["dir"], manifest)
-        for name, dotted in AGREE[part].items():
-            want = mf.field(manifest, dotted, None)
-            if s[name] != want:
-                raise CheckpointError(f"{root / manifest[part]['dir'] / 'config.json'}: {name} {s[name]} differs "
-                                      f"from the manifest's {dotted} {want}")
+        s = check_checkpoint(root / manifest[part]["dir"])
         lines.append(f"  {part:8s} {s['architecture']}: {s['ranks']} rank file(s) × {s['tensors_per_rank']} tensors, "
                      f"{s['bytes'] / 1e6:.1f} MB, {s['quantized_weights']} quantized weight tensors per rank: OK")
     for name, stage in manifest.get("stages", {}).items():  # what the build that made it did, not this command

@@ -39,6 +39,9 @@ def open_build(engine_dir: Path | None, dist) -> dict | None:
     if dist.size not in (1, tp_size):
         raise ValueError(f"{engine_dir} was built for tp {tp_size} but {dist.size} ranks are running: start it "
                          f"with mpirun -n {tp_size} (or without mpirun, as one process)")
+    from beamtrt.checkpoint.validate import agree
+
+    agree(engine_dir, manifest)  # its config.json files as built (validate also hashes; too slow for every start)
     tokenizer = build_tokenizer_dir(engine_dir, manifest)
     if not tokenizer.is_dir():
         raise CheckpointError(f"{engine_dir}: the build's tokenizer folder {tokenizer} is missing; rebuild with "
