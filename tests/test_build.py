@@ -361,6 +361,18 @@ def test_a_manifest_of_the_wrong_types_is_one_line_and_force_replaces_it(sources
     no_leftovers(tmp_path)
 
 
+def test_a_target_config_that_contradicts_its_weights_is_blamed_not_the_drafter(sources, tmp_path):
+    """vocab_size edited in the target's config.json: its own weights disagree first (the build said the drafter
+    did not fit the target)."""
+    src = tmp_path / "src"
+    shutil.copytree(sources / "target", src)
+    config = json.loads((src / "config.json").read_text())
+    config["vocab_size"] += 8
+    (src / "config.json").write_text(json.dumps(config))
+    one_line_error(build(sources, tmp_path / "out", "--model", str(src)), "model.embed_tokens.weight' has shape")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("files", [{"tokenizer_config.json": "{}"}, {"tokenizer.json": "not a tokenizer"}])
 def test_a_broken_tokenizer_fails_calibration_in_one_line(sources, tmp_path, files):
     src, out = tmp_path / "src", tmp_path / "out"

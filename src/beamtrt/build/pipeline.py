@@ -38,16 +38,8 @@ class Plan:
 
         self.bc = bc
         self.target_cfg = BeamConfig.from_file(bc.model / "config.json")
-        self.drafter_cfg = DrafterConfig.from_file(bc.drafter / "config.json")
-        try:
-            self.drafter_cfg.check_target(self.target_cfg)
-        except ConfigError as err:
-            raise ConfigError(f"drafter {bc.drafter} does not fit target {bc.model}: {err}") from None
-        if why := drafter_block_error(bc.engine.block_size, self.drafter_cfg.block_size):
-            raise ConfigError(why)
         self.mapping = trtllm.Mapping(bc.tp, bc.moe_ep)
         self.target_units = trtllm.target_units(self.target_cfg, self.mapping)
-        self.drafter_units = trtllm.drafter_units(self.drafter_cfg, self.mapping)
         if bc.precision == "nvfp4":
             for unit in self.target_units:
                 if isinstance(unit, trtllm.Linear) and unit.shape[1] % 16:
@@ -60,6 +52,15 @@ class Plan:
         self.dtype = self.target_reader.dtype("model.embed_tokens.weight")
         if self.dtype not in trtllm.DTYPE_NAMES:
             raise CheckpointError(f"{bc.model}: unsupported weight dtype {self.dtype}")
+        # the drafter against a target whose config its own weights confirmed (not blamed for the target's config)
+        self.drafter_cfg = DrafterConfig.from_file(bc.drafter / "config.json")
+        try:
+            self.drafter_cfg.check_target(self.target_cfg)
+        except ConfigError as err:
+            raise ConfigError(f"drafter {bc.drafter} does not fit target {bc.model}: {err}") from None
+        if why := drafter_block_error(bc.engine.block_size, self.drafter_cfg.block_size):
+            raise ConfigError(why)
+        self.drafter_units = trtllm.drafter_units(self.drafter_cfg, self.mapping)
         self.drafter_reader = CheckpointReader(bc.drafter)
         d_specs = drafter_tensor_specs(self.drafter_cfg, v1=self.drafter_cfg.version == 1)
         self.drafter_reader.validate({n: (shape, None) for n, (shape, _, _) in d_specs.items()})
