@@ -106,6 +106,15 @@ def test_failure_on_one_rank_ends_the_job(sources, tmp_path_factory):
     assert time.perf_counter() - start < 60
 
 
+def test_the_torch_backend_keeps_to_the_builds_max_seq_len(sources, tmp_path_factory):
+    """A request longer than the build's --max-seq-len is refused on the torch backend too, as the engines refuse it
+    (it ran to the model's 8,192 positions, so the same command failed only on an engine host)."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-s64", 2, "--max-seq-len", "64")
+    proc = run(engine, 2, "--prompt", "hi", "--max-new-tokens", "100")
+    assert proc.returncode == 2 and "exceed the target's context of 64 tokens" in proc.stderr, proc.stderr
+    assert run(engine, 0, "--prompt", "hi", "--max-new-tokens", "8").returncode == 0
+
+
 def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
     broken = tmp_path / "broken"

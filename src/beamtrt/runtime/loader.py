@@ -109,7 +109,11 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
 
         model = tp.load_target_shard(target_dir, dist, dtype=dtype)
         drafter = TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist)) if spec else None
-    return Loaded(TorchTarget(model), drafter, tokenizer_dir, "torch", what, drafter_dir if spec else None)
+    target = TorchTarget(model)
+    built = (manifest.get("engines") or {}).get("settings", {}).get("max_seq_len")
+    if built:  # the build's --max-seq-len bounds a request as its engines would (the same command fails the same way)
+        target.max_seq_len = min(target.max_seq_len, built)
+    return Loaded(target, drafter, tokenizer_dir, "torch", what, drafter_dir if spec else None)
 
 
 def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: torch.dtype = torch.float32,
