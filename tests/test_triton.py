@@ -223,6 +223,53 @@ def test_cancelled_stream_is_released_at_a_step_boundary(server):
     assert collect(server, {"text_input": PROMPTS[0], "max_tokens": 5})[-1].finish_reason in ("stop", "length")
 
 
+class _Stop(BaseException):
+    """Not an Exception: what a broken receiver or backend may raise (SystemExit, a C extension's own class)."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's _Stop, re-raised
+def test_the_decode_thread_ends_nothing_silently(builds):
+    """A request that finished in the pass where another sampling group's step failed is delivered as finished (it
+    was reported as an error, its last tokens lost); a receiver raising SystemExit loses only its own request (it
+    ended the decode thread, and every request then waited forever); a decode thread that stops for a non-Exception
+    ends every request in flight or queued with an error, and submit() refuses from then on."""
+    srv = serving.open_server(settings(builds[1]))
+    try:
+        step = srv.decoder.step
+
+        def sampled_fails(active, requests, done, on_tokens, params=None):
+            if params is not None and not params.greedy and any(c.finish_reason == "length" for c in done.values()):
+                raise RuntimeError("device lost")
+            return step(active, requests, done, on_tokens, params)
+
+        srv.decoder.step = sampled_fails
+        greedy = srv.stream({"text_input": PROMPTS[0], "max_tokens": 12, "stream": True})
+        sampled = srv.stream({"text_input": PROMPTS[1], "max_tokens": 150, "stream": True, "temperature": 0.8})
+        finished, failed = list(greedy), list(sampled)
+        del srv.decoder.step
+        assert finished[-1].finish_reason == "length" and len(tokens(finished)) == 12
+        assert failed[-1].finish_reason == "error" and failed[-1].error == "RuntimeError: device lost"
+
+        def broken(delta):
+            raise SystemExit(3)
+
+        srv.submit({"text_input": PROMPTS[2], "max_tokens": 30, "stream": True}, broken)
+        assert collect(srv, {"text_input": PROMPTS[0], "max_tokens": 5})[-1].finish_reason in ("stop", "length")
+        assert srv._thread.is_alive()
+
+        def stop(*args, **kwargs):
+            raise _Stop()
+
+        srv.decoder.step = stop
+        stopped = collect(srv, {"text_input": PROMPTS[0], "max_tokens": 5})
+        assert stopped[-1].finish_reason == "error" and stopped[-1].error == "the server's decode thread stopped (_Stop)"
+        srv._thread.join(30)
+        with pytest.raises(RequestError, match="shutting down"):
+            srv.submit({"text_input": PROMPTS[0], "max_tokens": 5}, lambda delta: None)
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize("fields, needle", [
     ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be 0 (greedy) or a finite number"),
     ({"text_input": "hi", "max_tokens": 4, "temperature": 1e-40}, "temperature must be 0 (greedy) or a finite number"),

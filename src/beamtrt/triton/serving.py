@@ -257,19 +257,30 @@ class Server:
 
     # ---- the decode thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
-        with torch.inference_mode():
-            while self._receive(block=not self._live):
-                try:
-                    self._cancel()
-                    self._admit()
-                    self._step()
-                except Exception as e:  # a backend failure: every request in flight gets it
-                    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                    self._fail_all(f"{type(e).__name__}: {message}" if message else type(e).__name__)
-                    if self.dist is not None and self.dist.size > 1:  # the other ranks may wait in a collective
-                        print(f"error: rank 0: {type(e).__name__}: {message}", file=sys.stderr, flush=True)
-                        self.dist.abort(2)
-            self._fail_all("the server shut down")
+        try:
+            with torch.inference_mode():
+                while self._receive(block=not self._live):
+                    try:
+                        self._cancel()
+                        self._admit()
+                        self._step()
+                    except Exception as e:  # a backend failure: every request in flight gets it
+                        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                        try:  # what finished or was committed before the failure is delivered as such
+                            self._flush()
+                        except Exception:
+                            pass
+                        self._fail_all(f"{type(e).__name__}: {message}" if message else type(e).__name__)
+                        if self.dist is not None and self.dist.size > 1:  # the other ranks may wait in a collective
+                            print(f"error: rank 0: {type(e).__name__}: {message}", file=sys.stderr, flush=True)
+                            self.dist.abort(2)
+                self._fail_all("the server shut down")
+        except BaseException as e:  # the thread itself is ending (not a backend failure): no request may wait on it
+            with self._lock:
+                self._closed = True  # submit() refuses from now on
+            self._receive(block=False)  # what was submitted before that
+            self._fail_all(f"the server's decode thread stopped ({type(e).__name__})")
+            raise
 
     def _receive(self, block: bool) -> bool:
         """Move submitted requests into the queue (waiting for one when idle); False once close() was called."""
@@ -342,14 +353,17 @@ class Server:
             self.decoder.metrics.requests.pop(live.id, None)
         try:
             live.on_delta(delta)
-        except Exception:  # the receiver is gone: stop decoding for it
+        except BaseException:  # the receiver is gone (or broken, even SystemExit): stop decoding for it
             live.cancel.set()
 
     def _fail_all(self, message: str) -> None:
         for live in list(self._live.values()):
             live.completion.finish_reason = "error"
             if live.slot >= 0 and self.decoder.owner[live.slot] == live.id:  # a failed admission never owned it
-                self.decoder.release(live.slot, live.completion)
+                try:
+                    self.decoder.release(live.slot, live.completion)
+                except Exception:  # a backend that failed may fail again: the request still gets its error
+                    pass
             live.slot = -1
             self._send(live, Delta((), (), -1, "", self._metrics(live.completion), True, "error", message))
         self._waiting.clear()
