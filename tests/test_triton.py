@@ -310,6 +310,14 @@ def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_pa
         "stop_words": np.array([[b"a", b"bc"]], dtype=object)})
     assert (params.text, params.max_tokens, params.stop, params.stream) == ("hi", 7, ("a", "bc"), True)
     assert (params.sampling.temperature, params.sampling.top_p, params.sampling.top_k) == (0.5, 0.75, 3)
+    lowest = protocol.parse_request({"input_ids": [5], "max_tokens": 1, "temperature": np.array([[1e-5]], np.float32)})
+    assert lowest.sampling.temperature == 1e-5  # the documented minimum, as FP32 holds it (9.99999975e-06: refused)
+    scalars = protocol.parse_request({"input_ids": np.array([5, 6], np.int64), "max_tokens": np.int64(4),
+                                      "top_p": np.float64(0.5), "stream": np.bool_(True)})  # NumPy scalars
+    assert (scalars.prompt_ids, scalars.max_tokens, scalars.sampling.top_p, scalars.stream) == ((5, 6), 4, 0.5, True)
+    for not_fields in (None, ["text_input"]):
+        with pytest.raises(RequestError, match="a request is a mapping of field names to values"):
+            protocol.parse_request(not_fields)
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
     config = export.parse_config(tmp_path / "repo" / export.MODEL / "config.pbtxt")
     delta = Delta((5, 6), (4,), -1, "xy", Metrics(3, 2, 1, 14), True, "length")

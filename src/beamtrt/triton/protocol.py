@@ -66,6 +66,8 @@ def _convert(t: Tensor, value: object) -> object:
     """A Triton tensor (any shape, the batch dimension included) or a Python value -> a checked Python value."""
     out = []
     for v in np.asarray(value, dtype=object).reshape(-1).tolist():
+        if isinstance(v, np.generic):  # a NumPy scalar (np.int64(4), np.float32, np.bool_): its Python value
+            v = v.item()
         if t.dtype == "TYPE_STRING":
             if isinstance(v, bytes):
                 try:
@@ -105,6 +107,8 @@ class RequestParams:
 
 def parse_request(values: Mapping[str, object]) -> RequestParams:
     """Request fields (Triton tensors or Python values; None = absent) -> RequestParams, or one RequestError line."""
+    if not isinstance(values, Mapping):
+        raise RequestError(f"a request is a mapping of field names to values, got {type(values).__name__}")
     names = [t.name for t in FIELDS]
     unknown = sorted(set(values) - set(names))
     if unknown:
@@ -122,6 +126,8 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
     if got["max_tokens"] < 1:
         raise RequestError(f"max_tokens must be >= 1, got {got['max_tokens']}")
     temperature, top_p, top_k = got.get("temperature", 0.0), got.get("top_p", 1.0), got.get("top_k", 0)
+    if float(np.float32(MIN_TEMPERATURE)) <= temperature < MIN_TEMPERATURE:  # the minimum, as an FP32 tensor holds it
+        temperature = MIN_TEMPERATURE
     if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
         raise RequestError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
                            f"{temperature}")
