@@ -280,6 +280,9 @@ class Server:
                 self._closed = True  # submit() refuses from now on
             self._receive(block=False)  # what was submitted before that
             self._fail_all(f"the server's decode thread stopped ({type(e).__name__})")
+            if self.dist is not None and self.dist.size > 1:  # nothing will release the other ranks now
+                print(f"error: rank 0: the decode thread stopped ({type(e).__name__})", file=sys.stderr, flush=True)
+                self.dist.abort(2)
             raise
 
     def _receive(self, block: bool) -> bool:
