@@ -551,6 +551,46 @@ def test_feature_cache_resumes_with_the_same_shards(target, tmp_path):
         rebuild_features(target, TAPS, tmp_path)
 
 
+def test_a_stopped_cache_build_resumes_to_the_same_bytes(target, tmp_path, monkeypatch):
+    """Ctrl-C between a shard's two files: the rerun ends with the uninterrupted run's bytes (the answers file came
+    first, and its taps were then recomputed, not bit for bit). A damaged shard is named before anything is answered,
+    and shards without their meta.json are not adopted under a new one."""
+    import beamtrt.train.features as features
+    from beamtrt.train.features import DataRecipe, build_features
+
+    chars = _char_tokenizer(target)
+    prompts = ["two plus two", "hello", "a haiku on rain", "sort a list", "why", "tcp in one line"]
+    recipe = DataRecipe(prompts=len(prompts), max_new_tokens=6, batch=3, shard_size=2, sampled_every=2)
+    build_features(target, chars, TAPS, prompts, tmp_path / "whole", recipe, quiet=True)
+    save, calls = features._save, []
+
+    def stop_at_the_fourth(tensors, path):  # the second file of the second shard
+        calls.append(path)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        save(tensors, path)
+
+    monkeypatch.setattr(features, "_save", stop_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        build_features(target, chars, TAPS, prompts, tmp_path / "stopped", recipe, quiet=True)
+    monkeypatch.undo()
+    assert not list((tmp_path / "stopped").glob("*.tmp"))
+    build_features(target, chars, TAPS, prompts, tmp_path / "stopped", recipe, quiet=True)
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "stopped").iterdir())
+    for name in files:
+        assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+    shard = tmp_path / "whole" / "features-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(BeamtrtError, match="features-00001.safetensors: corrupt feature shard .*; remove it: its "
+                                           "taps are rebuilt from its answers file"):
+        build_features(target, chars, TAPS, prompts, tmp_path / "whole", recipe, quiet=True)
+    (tmp_path / "stopped" / "meta.json").unlink()
+    with pytest.raises(BeamtrtError, match="holds feature shards but no meta.json"):
+        build_features(target, chars, TAPS, prompts, tmp_path / "stopped", recipe, quiet=True)
+
+
 @pytest.mark.usefixtures("step_path")  # each CPU step path compared with itself
 @pytest.mark.parametrize("batch", [None, 2])
 def test_batched_answers_with_early_finishers_equal_single_runs(target, batch):
@@ -580,7 +620,15 @@ def test_init_from_a_saved_drafter(target, tmp_path):
     from beamtrt.train.cli import start_from
 
     saved = make_drafter(target, seed=3)
-    save_drafter(saved, tmp_path / "d")
+    def ctrl_c(folder):
+        (folder / "train_log.jsonl").write_text("")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # train_drafter.py's log files go in with the weights, or nothing does
+        save_drafter(saved, tmp_path / "d", also=ctrl_c)
+    assert list(tmp_path.iterdir()) == []
+    save_drafter(saved, tmp_path / "d", also=lambda folder: (folder / "training.json").write_text("{}"))
+    assert (tmp_path / "d" / "training.json").read_text() == "{}"
     copy = start_from(tmp_path / "d", saved.cfg, target)
     assert copy.dtype == torch.float32 and all(p.requires_grad for p in copy.parameters())
     assert all(torch.equal(a.float(), b) for a, b in zip(saved.state_dict().values(), copy.state_dict().values()))

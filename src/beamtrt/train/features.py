@@ -220,6 +220,9 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     meta = {"recipe": dataclasses.asdict(recipe), "taps": list(taps), "prompts": len(prompts),
             "hidden_size": target.cfg.hidden_size}
     old = read_meta(out)
+    if not old and any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].safetensors")):
+        raise BeamtrtError(f"{out}: holds feature shards but no meta.json, so what made them is unknown: remove them "
+                           "or choose another --data")
     if old:
         old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
         if {k: old.get(k) for k in meta} != meta:
@@ -232,6 +235,8 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
     rebuild_features(target, taps, out, quiet=quiet, digest=digest)
     todo = [i for i in range(len(shards)) if not (out / f"features-{i:05d}.safetensors").exists()]
+    for done in sorted(set(range(len(shards))) - set(todo)):  # headers only: a truncated shard is named now
+        _check_header(out / f"features-{done:05d}.safetensors", "feature shard")
     bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[i]) for i in todo), desc="target answers",
                unit="seq", disable=quiet, dynamic_ncols=True)
     where = [(i, k) for i in todo for k in range(len(shards[i]))]  # (shard, position) of every prompt to answer
@@ -259,9 +264,22 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_safetensors(tensors, tmp)
         os.replace(tmp, path)
-    except Exception as e:  # safetensors reports a failed write as its own error type
+    except BaseException as e:  # safetensors reports a failed write as its own error type; Ctrl-C leaves no tmp
         tmp.unlink(missing_ok=True)
+        if not isinstance(e, Exception):
+            raise
         raise BeamtrtError(f"{path}: cannot write it ({e}); the cache's directory must be writable") from None
+
+
+def _check_header(path: Path, what: str) -> None:
+    """A safetensors file whose header and size agree (no tensor read): a truncated or garbage one is one line."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except Exception as e:
+        raise BeamtrtError(f"{path}: corrupt {what} ({' '.join(str(e).split())}); {_REMEDY[what]}") from None
 
 
 def _answers_path(features: Path) -> Path:
@@ -286,15 +304,20 @@ def _write_shard(path: Path, prompts: list[list[int]], answers: dict[int, tuple[
         "prompt_len": torch.tensor([len(p) for p in prompts], dtype=torch.long),
         "greedy": torch.tensor([greedy for _, _, greedy in seqs], dtype=torch.bool),
     }
-    _save_answers(tensors, path)
-    _save(tensors, path)
+    _save(tensors, path)  # then its answers: a stop between the two is mended from the shard (rebuild_features),
+    _save_answers(tensors, path)  # where answers alone would have their taps recomputed, not bit for bit the same
+
+
+_REMEDY = {"feature shard": "remove it: its taps are rebuilt from its answers file",
+           "answers file": "remove it and its feature shard, and the shard is answered again"}
 
 
 def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises several types for a truncated or corrupt file
-        raise BeamtrtError(f"{path}: corrupt {what} ({e})") from None
+        remedy = f"; {_REMEDY[what]}" if what in _REMEDY else ""
+        raise BeamtrtError(f"{path}: corrupt {what} ({' '.join(str(e).split())}){remedy}") from None
 
 
 def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
