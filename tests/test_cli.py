@@ -719,6 +719,30 @@ def test_a_message_after_a_progress_bar_starts_its_own_line(capsys):
     assert capsys.readouterr().err.endswith("]\ninterrupted\n")
 
 
+def test_ctrl_c_as_the_command_ends_is_interrupted_not_a_traceback(capsys, monkeypatch):
+    """A Ctrl-C landing after the work, while run_cli restores the signal handlers, was a traceback."""
+    import signal
+
+    from beamtrt.cli_util import run_cli
+
+    set_handler, calls = signal.signal, []
+    originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def late_ctrl_c(sig, handler):
+        calls.append(sig)
+        if len(calls) == 3:  # SIGTERM and SIGHUP installed, then the first restored
+            raise KeyboardInterrupt
+        return set_handler(sig, handler)
+
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_DFL)
+    monkeypatch.setattr(signal, "signal", late_ctrl_c)
+    assert run_cli(lambda: None) == 130
+    monkeypatch.undo()
+    for sig, handler in originals.items():  # the one left unrestored by the test's own interruption
+        signal.signal(sig, handler)
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_child_error_finds_the_childs_own_line():
     """bench_tp.py / bench_convert.py / the plugin library build report why a build or a run failed: its error line
     even when Open MPI's notice follows it, a compiler's or CMake's first error before make's closing lines, its last

@@ -190,24 +190,25 @@ def run_cli(body: Callable[[], None]) -> int:
     main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
     saved = {sig: signal.getsignal(sig) for sig in sigs} if main else {}
     try:
-        for sig, handler in saved.items():
-            if handler is signal.SIG_DFL:  # one a host installed (a test runner, an embedding program) stays
-                signal.signal(sig, _terminate)
-        body()
-    except (BeamtrtError, ValueError, OSError) as e:
-        _say(f"error: {error_line(e)}")
-        return 2
-    except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
-        if (line := _out_of_memory(e)) is None:
-            raise
-        _say(f"error: {line}")
-        return 2
-    except KeyboardInterrupt as e:
+        try:
+            for sig, handler in saved.items():
+                if handler is signal.SIG_DFL:  # one a host installed (a test runner, an embedding program) stays
+                    signal.signal(sig, _terminate)
+            body()
+        except (BeamtrtError, ValueError, OSError) as e:
+            _say(f"error: {error_line(e)}")
+            return 2
+        except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
+            if (line := _out_of_memory(e)) is None:
+                raise
+            _say(f"error: {line}")
+            return 2
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+    except KeyboardInterrupt as e:  # also one that lands while the handlers are restored, after the work
         _say("terminated" if isinstance(e, Terminated) else "interrupted")
         return 128 + (e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
     return 0
 
 

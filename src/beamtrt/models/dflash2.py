@@ -7,7 +7,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -612,9 +612,10 @@ def load_drafter(path: str | Path, target: BeamForCausalLM, dtype: torch.dtype |
     return model.eval()
 
 
-def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = False) -> Path:
+def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = False,
+                 also: Callable[[Path], None] | None = None) -> Path:
     """Write config.json (DFlash2DraftModel) + safetensors (+ draft_vocab.json when the drafter has one) to `path`
-    atomically (temp dir, then rename)."""
+    atomically (temp dir, then rename); also(folder) writes the caller's own files into it before the rename."""
     from beamtrt.checkpoint.hf import replace_dir, save_state_dict, temp_dir
 
     out = Path(path)
@@ -627,6 +628,8 @@ def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = Fals
         model.cfg.save(tmp / "config.json")
         if model.draft_vocab is not None:
             write_draft_vocab(tmp, model.draft_vocab)
+        if also is not None:
+            also(tmp)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -261,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
         write_log(work / "train_log.jsonl", log)
 
         check_out(out, args.force, inputs, init)  # again: something may have been put there since the start
-        save_drafter(drafter.to("cpu", torch.bfloat16), out, overwrite=True)  # trained in fp32, stored in bf16
-        write_log(out / "train_log.jsonl", log)
         final = next((row for row in reversed(log) if "eval_tau" in row), {})
         first = log[0] if log and log[0]["step"] == 0 else {}
         summary = {"target": str(target_dir), "data": dataclasses.asdict(recipe), "extra_data": args.extra_data,
@@ -272,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                    "train_seconds_total": round(sum(row["seconds"] for row in log), 1),
                    "initial_eval": {k: v for k, v in first.items() if k.startswith("eval_")},  # the --init drafter
                    "final_eval": {k: v for k, v in final.items() if k.startswith("eval_")}}
-        write_json(out / "training.json", summary)
+
+        def records(folder: Path) -> None:  # inside the drafter's folder before it is renamed into place
+            write_log(folder / "train_log.jsonl", log)
+            write_json(folder / "training.json", summary)
+        save_drafter(drafter.to("cpu", torch.bfloat16), out, overwrite=True, also=records)  # fp32 trained, bf16 kept
         print(f"drafter: {out}  (" + (unscored or f"held-out greedy acceptance length at block "
                                                f"{cfg.eval_block_size}: {final.get('eval_tau', float('nan')):.2f}")
               + ")")
