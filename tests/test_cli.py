@@ -674,6 +674,12 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(other), "--data", str(data), "--work",
                               str(tmp_path / "w2"), *new, *small), "made by another target")
     assert not (tmp_path / "new").exists() and not (tmp_path / "w2").exists()
+    fresh = ["--target", str(target), "--data", str(tmp_path / "data3"), "--work", str(tmp_path / "w3"), *new, *small]
+    assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--init", str(target)),  # not a drafter: said
+                          f"--init {target / 'config.json'}: architectures must name")  # before phase 1, not after
+    assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--init", str(out), "--selector-rank", "8"),
+                          f"--init {out}: its layout differs from the one to train (selector_rank)")
+    assert not (tmp_path / "data3").exists()
 
 
 def test_train_drafter_bad_values_are_one_line(tmp_path, run):

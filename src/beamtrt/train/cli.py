@@ -33,13 +33,10 @@ def start_from(path: Path, cfg, target, seed: int = 0):
     their output projections zeroed), so at step 0 it drafts exactly as the checkpoint does."""
     from beamtrt.models.dflash2 import load_drafter
 
+    check_init(path, cfg, target.cfg)
     drafter = load_drafter(path, target, dtype=torch.float32)
     if drafter.cfg == cfg:
         return drafter.requires_grad_(True)
-    diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name)]
-    if diff != ["num_hidden_layers"] or drafter.cfg.num_hidden_layers > cfg.num_hidden_layers:
-        raise BeamtrtError(f"--init {path}: its layout differs from the one to train ({', '.join(diff)}); pass the "
-                           "matching --selector-rank, and --layers at least its depth")
     grown = init_drafter(cfg, target, seed)
     params = dict(grown.named_parameters())
     with torch.no_grad():
@@ -49,6 +46,22 @@ def start_from(path: Path, cfg, target, seed: int = 0):
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down.weight.zero_()
     return grown.requires_grad_(True)
+
+
+def check_init(path: Path, cfg, target_cfg) -> None:
+    """--init names a drafter of this target whose layout is `cfg` or `cfg` with fewer layers: checked from its
+    config.json before phase 1 (which may take hours), one line naming --init."""
+    from beamtrt.errors import CheckpointError, ConfigError
+    from beamtrt.models.dflash2 import drafter_config_for
+
+    try:
+        have = drafter_config_for(path, target_cfg)  # not a drafter, or another target's: its config.json says so
+    except (ConfigError, CheckpointError) as e:
+        raise BeamtrtError(f"--init {e}") from None
+    diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(have, f.name)]
+    if diff and (diff != ["num_hidden_layers"] or have.num_hidden_layers > cfg.num_hidden_layers):
+        raise BeamtrtError(f"--init {path}: its layout differs from the one to train ({', '.join(diff)}); pass the "
+                           "matching --selector-rank, and --layers at least its depth")
 
 
 def replays_init_batches(init: Path, seed: int, sequences: int, tokens: int) -> bool:
@@ -228,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         if recipe.max_prompt_tokens + recipe.max_new_tokens > context:
             raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
                                f"tokens and their answers must fit the target's context of {context} tokens")
+        if init is not None:
+            check_init(init, dcfg, target.cfg)
         digest = target_digest(target)
         if (work / "train_state.pt").exists():  # a run to resume: its settings, layout and target, before phase 1
             check_state(work / "train_state.pt", cfg, dcfg, digest)
