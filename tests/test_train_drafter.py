@@ -635,6 +635,8 @@ def test_init_from_a_saved_drafter(target, tmp_path):
     for other in ({"num_hidden_layers": saved.cfg.num_hidden_layers - 1}, {"selector_rank": 4}):
         with pytest.raises(BeamtrtError, match=f"layout differs .*{next(iter(other))}"):
             start_from(tmp_path / "d", dataclasses.replace(saved.cfg, **other), target)
+    with pytest.raises(BeamtrtError, match=r"a drafter of another target or recipe \(rms_norm_eps differ"):
+        start_from(tmp_path / "d", dataclasses.replace(saved.cfg, rms_norm_eps=1e-3), target)  # no flag fixes it
     data = _features(target)  # a run from --init first scores the starting drafter on its held-out set (step 0)
     cfg = dataclasses.replace(TINY_RUN, steps=2, init_from=str(tmp_path / "d"))
     log = train(copy, data, cfg, tmp_path / "w", quiet=True)

@@ -59,6 +59,10 @@ def check_init(path: Path, cfg, target_cfg) -> None:
     except (ConfigError, CheckpointError) as e:
         raise BeamtrtError(f"--init {e}") from None
     diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(have, f.name)]
+    fixed = [name for name in diff if name not in ("num_hidden_layers", "selector_rank")]  # no flag changes these
+    if fixed:
+        raise BeamtrtError(f"--init {path}: a drafter of another target or recipe ({', '.join(fixed)} differ from "
+                           "what this target's drafter has)")
     if diff and (diff != ["num_hidden_layers"] or have.num_hidden_layers > cfg.num_hidden_layers):
         raise BeamtrtError(f"--init {path}: its layout differs from the one to train ({', '.join(diff)}); pass the "
                            "matching --selector-rank, and --layers at least its depth")
