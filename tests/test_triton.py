@@ -262,7 +262,8 @@ def test_the_decode_thread_ends_nothing_silently(builds):
 
         srv.decoder.step = stop
         stopped = collect(srv, {"text_input": PROMPTS[0], "max_tokens": 5})
-        assert stopped[-1].finish_reason == "error" and stopped[-1].error == "the server's decode thread stopped (_Stop)"
+        assert stopped[-1].finish_reason == "error"
+        assert stopped[-1].error == "the server's decode thread stopped (_Stop)"
         srv._thread.join(30)
         with pytest.raises(RequestError, match="shutting down"):
             srv.submit({"text_input": PROMPTS[0], "max_tokens": 5}, lambda delta: None)

@@ -42,7 +42,8 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         if proc.returncode != 0:
             raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {child_error(proc.stderr, proc.returncode)}")
         s = json.loads(report.read_text())["summary"]
-    return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": s["acceptance_length"] and round(s["acceptance_length"], 3),
+    tau = s["acceptance_length"]  # None: no verification step (a request that ended at its first token)
+    return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": None if tau is None else round(tau, 3),
             "steps": s["decoder_steps"], "step_s": {k: round(v, 4) for k, v in s["step_s"].items()}}
 
 
