@@ -161,12 +161,17 @@ class BeamConfig(_HFConfig):
             _fail(f"final_logit_softcapping must be positive or null, got {self.final_logit_softcapping}")
         if self.hidden_act != "silu":
             _fail(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
-        eos = [self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id or []
-        if any(not 0 <= i < self.vocab_size for i in eos):  # never sampled: decoding would run to max-new-tokens
+        if any(not 0 <= i < self.vocab_size for i in self.eos_token_ids):  # never sampled: decoding would run to max-new-tokens
             _fail(f"eos_token_id {self.eos_token_id} outside the vocabulary [0, {self.vocab_size})")
         self._check_rope_scaling()
 
     # ---- derived layout -------------------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """eos_token_id as a tuple, whether the config gives one id, a list or none."""
+        eos = self.eos_token_id
+        return (eos,) if isinstance(eos, int) else tuple(eos or ())
+
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from beamtrt.checkpoint import manifest as mf
 from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 
@@ -32,9 +33,7 @@ def open_build(engine_dir: Path | None, dist) -> dict | None:
             raise ValueError("a Hugging Face checkpoint runs in one process; build TensorRT-LLM checkpoints with "
                              "build/build_engines.py --tp N to run on N ranks")
         return None
-    from beamtrt.checkpoint.manifest import read_manifest
-
-    manifest = read_manifest(engine_dir)
+    manifest = mf.read_manifest(engine_dir)
     tp_size = manifest["mapping"]["tp_size"]
     if dist.size not in (1, tp_size):
         raise ValueError(f"{engine_dir} was built for tp {tp_size} but {dist.size} ranks are running: start it "
@@ -110,7 +109,7 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
         model = tp.load_target_shard(target_dir, dist, dtype=dtype)
         drafter = TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist)) if spec else None
     target = TorchTarget(model)
-    built = (manifest.get("engines") or {}).get("settings", {}).get("max_seq_len")
+    built = mf.field(manifest, "engines.settings.max_seq_len", None)
     if built:  # the build's --max-seq-len bounds a request as its engines would (the same command fails the same way)
         target.max_seq_len = min(target.max_seq_len, built)
     return Loaded(target, drafter, tokenizer_dir, "torch", what, drafter_dir if spec else None)

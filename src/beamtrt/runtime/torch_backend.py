@@ -15,8 +15,7 @@ class TorchTarget:
     def __init__(self, model: BeamForCausalLM):
         self.model = model
         self.vocab_size = model.shard.vocab_size if model.shard is not None else model.cfg.vocab_size
-        eos = model.cfg.eos_token_id
-        self.eos_token_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        self.eos_token_ids = model.cfg.eos_token_ids
         self.max_seq_len = model.cfg.max_position_embeddings  # prompt + new tokens of one request
         self.cache: KVCache | None = None
 

@@ -279,7 +279,7 @@ def _check_header(path: Path, what: str) -> None:
         with safe_open(str(path), "pt"):
             pass
     except Exception as e:
-        raise BeamtrtError(f"{path}: corrupt {what} ({' '.join(str(e).split())}); {_REMEDY[what]}") from None
+        raise _corrupt(path, what, e) from None
 
 
 def _answers_path(features: Path) -> Path:
@@ -312,12 +312,17 @@ _REMEDY = {"feature shard": "remove it: its taps are rebuilt from its answers fi
            "answers file": "remove it and its feature shard, and the shard is answered again"}
 
 
+def _corrupt(path: Path, what: str, e: Exception) -> BeamtrtError:
+    """One line for a file safetensors cannot read, with what to do about it."""
+    remedy = f"; {_REMEDY[what]}" if what in _REMEDY else ""
+    return BeamtrtError(f"{path}: corrupt {what} ({' '.join(str(e).split())}){remedy}")
+
+
 def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises several types for a truncated or corrupt file
-        remedy = f"; {_REMEDY[what]}" if what in _REMEDY else ""
-        raise BeamtrtError(f"{path}: corrupt {what} ({' '.join(str(e).split())}){remedy}") from None
+        raise _corrupt(path, what, e) from None
 
 
 def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,

@@ -271,19 +271,21 @@ class Server:
                         except Exception:
                             pass
                         self._fail_all(f"{type(e).__name__}: {message}" if message else type(e).__name__)
-                        if self.dist is not None and self.dist.size > 1:  # the other ranks may wait in a collective
-                            print(f"error: rank 0: {type(e).__name__}: {message}", file=sys.stderr, flush=True)
-                            self.dist.abort(2)
+                        self._abort_ranks(f"{type(e).__name__}: {message}")  # they may wait in a collective
                 self._fail_all("the server shut down")
         except BaseException as e:  # the thread itself is ending (not a backend failure): no request may wait on it
             with self._lock:
                 self._closed = True  # submit() refuses from now on
             self._receive(block=False)  # what was submitted before that
             self._fail_all(f"the server's decode thread stopped ({type(e).__name__})")
-            if self.dist is not None and self.dist.size > 1:  # nothing will release the other ranks now
-                print(f"error: rank 0: the decode thread stopped ({type(e).__name__})", file=sys.stderr, flush=True)
-                self.dist.abort(2)
+            self._abort_ranks(f"the decode thread stopped ({type(e).__name__})")  # nothing else would release them
             raise
+
+    def _abort_ranks(self, why: str) -> None:
+        """Under mpirun (leader mode): end the job with rank 0's reason, since the other ranks wait on this one."""
+        if self.dist is not None and self.dist.size > 1:
+            print(f"error: rank 0: {why}", file=sys.stderr, flush=True)
+            self.dist.abort(2)
 
     def _receive(self, block: bool) -> bool:
         """Move submitted requests into the queue (waiting for one when idle); False once close() was called."""
