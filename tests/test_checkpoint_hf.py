@@ -368,10 +368,10 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
     for name in ("file", "dir"):
         out = tmp_path / name
         out.write_text("old") if name == "file" else out.mkdir()
-        tmp = hf.temp_dir(out)
-        assert tmp.stat().st_mode & 0o777 == 0o777 & ~hf._UMASK  # not mkdtemp's 0700
-        (tmp / "new").write_text("new")
-        hf.replace_dir(tmp, out)
+        with hf.staging(out) as tmp:
+            assert tmp.stat().st_mode & 0o777 == 0o777 & ~hf._UMASK  # not mkdtemp's 0700
+            (tmp / "new").write_text("new")
+            hf.replace_dir(tmp, out)
         assert (out / "new").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]
 
@@ -382,11 +382,47 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
             raise OSError(28, "No space left on device")
         real(src, dst)
     monkeypatch.setattr(hf.os, "replace", full_disk)
-    tmp = hf.temp_dir(tmp_path / "dir")
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OSError, match="No space"), hf.staging(tmp_path / "dir") as tmp:
         hf.replace_dir(tmp, tmp_path / "dir")
     assert (tmp_path / "dir" / "new").read_text() == "new"  # the previous output is back
-    assert sorted(p.name for p in tmp_path.iterdir() if ".old-" in p.name) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # nothing aside, no staging left
+
+
+def test_staging_removes_what_killed_writers_left_and_keeps_a_running_ones(tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "engines"
+    writer = ("import sys, time\nfrom pathlib import Path\nfrom beamtrt.checkpoint import hf\n"
+              "with hf.staging(Path(sys.argv[1])) as tmp:\n"
+              "    (tmp / 'rank0.safetensors').write_bytes(bytes(1000))\n    print(tmp, flush=True)\n"
+              "    time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(hf.__file__).parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", writer, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    try:
+        killed, running = (Path(p.stdout.readline().strip()) for p in procs)
+        procs[0].send_signal(signal.SIGKILL)  # nothing runs to remove its folder (kill -9, the OOM killer)
+        procs[0].wait()
+        assert killed.is_dir() and killed.name.startswith(".engines.tmp-")
+        old = tmp_path / ".engines.tmp-before"  # one from a version that held no lock
+        old.mkdir()
+        other = tmp_path / ".engines2.tmp-x"  # another output's
+        other.mkdir()
+        with hf.staging(out) as tmp:
+            assert not killed.exists() and not old.exists()
+            assert running.is_dir() and other.is_dir()  # a running writer's staging, and another output's, stay
+            assert tmp.name.startswith(".engines.tmp-") and tmp.is_dir()
+        assert not tmp.exists()
+        notes = capsys.readouterr().err.splitlines()
+        assert sorted(notes) == sorted(f"note: removed {p} ({size} MB), the unfinished output of an earlier run "
+                                       "that was killed" for p, size in ((killed, "0.0"), (old, "0.0")))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_write_json_writes_through_a_link_and_refuses_a_device(tmp_path):

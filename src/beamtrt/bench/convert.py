@@ -40,7 +40,7 @@ def _made_layers(target: Path) -> int | None:
 
 
 def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
-    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, temp_dir
+    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, staging
     from beamtrt.config import DrafterConfig
     from beamtrt.models.dflash2 import drafter_tensor_specs
     from beamtrt.models.random_beam import write_random_beam
@@ -58,14 +58,11 @@ def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
         dcfg = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(1, cfg.num_hidden_layers - 2),
                                         mask_token_id=0)
         gen = torch.Generator().manual_seed(0)
-        tmp = temp_dir(drafter)
-        try:
+        with staging(drafter) as tmp:
             save_state_dict(tmp, ((n, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
                                   for n, (shape, _, _) in drafter_tensor_specs(dcfg).items()), overwrite=True)
             dcfg.save(tmp / "config.json")
             replace_dir(tmp, drafter)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return target, drafter
 
 

@@ -18,7 +18,7 @@ import torch
 
 from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint import trtllm
-from beamtrt.checkpoint.hf import CheckpointReader, replace_dir, temp_dir, write_json
+from beamtrt.checkpoint.hf import CheckpointReader, replace_dir, staging, write_json
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
 from beamtrt.errors import CheckpointError, ConfigError
@@ -120,13 +120,9 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
         raise ConfigError(f"{bc.out} already exists and " + (
             f"files of its stage {needed[0]} were changed or removed since it was built" if damaged else
             f"was built from other inputs or settings (stage {needed[0]} differs)") + "; pass --force to replace it")
-    bc.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(bc.out)
-    try:
+    with staging(bc.out) as tmp:
         summary = _run(plan, tmp, reusable, progress)
         replace_dir(tmp, bc.out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return [line.replace(str(tmp), str(bc.out)) for line in summary]
 
 

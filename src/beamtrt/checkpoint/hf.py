@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
+import glob
 import json
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -24,16 +28,61 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once, at import: os.umask can only be read by setting it
 
 
-def temp_dir(final: Path) -> Path:
-    """A hidden temporary directory beside `final`, to be renamed into place once complete, with the mode a plain
-    mkdir gives (mkdtemp's 0700 would hide the output from other users, such as a tritonserver's)."""
+@contextmanager
+def staging(final: Path) -> Iterator[Path]:
+    """A hidden temporary directory beside `final` to write an output into, then rename into place (`replace_dir`);
+    whatever is left of it when the block ends is removed. It has the mode a plain mkdir gives (mkdtemp's 0700
+    would hide the output from other users, such as a tritonserver's), and this process holds a lock on it while
+    the block runs, so that leftovers of killed writers (kill -9, the out-of-memory killer: nothing ran to remove
+    them) are told apart from a running writer's and removed first."""
     final = Path(final)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(final)
+    try:  # made under another prefix and locked before it takes the one leftovers are looked for by
+        new = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
+        fd = os.open(new, os.O_RDONLY)
     except OSError as e:  # the error would name the temporary folder, which the user never gave
         raise CheckpointError(f"{final}: cannot write in {final.parent} ({e.strerror or e})") from None
-    tmp.chmod(0o777 & ~_UMASK)
-    return tmp
+    tmp = new.with_name(new.name.replace(".new-", ".tmp-", 1))
+    try:
+        _lock(fd)
+        new.chmod(0o777 & ~_UMASK)
+        os.replace(new, tmp)
+        yield tmp
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+def _lock(fd: int) -> bool:
+    """Takes an exclusive lock on an open directory without waiting: False if another process holds one. A file
+    system without locks counts as held, so that nothing is removed on a guess."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Removes the `staging` directories for `final` that no running process holds: a killed writer's."""
+    for old in sorted(final.parent.glob(f".{glob.escape(final.name)}.tmp-*")):
+        if old.is_symlink() or not old.is_dir():
+            continue
+        try:
+            fd = os.open(old, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if not _lock(fd):
+                continue
+            size = sum(f.lstat().st_blocks * 512 for f in old.rglob("*"))  # the disk space it held
+            shutil.rmtree(old, ignore_errors=True)
+            print(f"note: removed {old} ({size / 1e6:.1f} MB), the unfinished output of an earlier run that was "
+                  "killed", file=sys.stderr, flush=True)
+        finally:
+            os.close(fd)
 
 
 def holds(outer: Path, inner: Path) -> bool:

@@ -9,14 +9,13 @@ shards at TP 1, 2 and 4 with unchanged logits. Written as a Beam-layout Hugging 
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import CheckpointWriter, read_json, replace_dir, temp_dir, write_json
+from beamtrt.checkpoint.hf import CheckpointWriter, read_json, replace_dir, staging, write_json
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 
@@ -129,9 +128,7 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     tokenizer.eos_token = "<|im_end|>"
     cfg = mini_config(model.config, recipe, eos_id)
     sd = model.state_dict()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(out)
-    try:
+    with staging(out) as tmp:
         with CheckpointWriter(tmp, max_shard_bytes=200 * 1024**2) as writer:
             tensors = upcycled_tensors(sd, cfg, recipe)
             if progress:
@@ -146,8 +143,6 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
         write_json(tmp / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos_id})
         write_json(tmp / MARKER, recipe_json)
         replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -616,14 +615,12 @@ def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = Fals
                  also: Callable[[Path], None] | None = None) -> Path:
     """Write config.json (DFlash2DraftModel) + safetensors (+ draft_vocab.json when the drafter has one) to `path`
     atomically (temp dir, then rename); also(folder) writes the caller's own files into it before the rename."""
-    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, temp_dir
+    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, staging
 
     out = Path(path)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists: choose another output directory or pass overwrite=True")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(out)
-    try:
+    with staging(out) as tmp:
         save_state_dict(tmp, state_tensors(model), overwrite=True)
         model.cfg.save(tmp / "config.json")
         if model.draft_vocab is not None:
@@ -631,6 +628,4 @@ def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = Fals
         if also is not None:
             also(tmp)
         replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, temp_dir
+from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, staging
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 from beamtrt.models.beam import hf_tensor_specs
@@ -31,9 +30,7 @@ def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: to
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another output directory or delete it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(out)
-    try:
+    with staging(out) as tmp:
         tensors = random_tensors(cfg, seed, dtype)
         if progress:
             from tqdm import tqdm
@@ -44,6 +41,4 @@ def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: to
                 writer.add(name, tensor)
         cfg.save(tmp / "config.json")
         tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from beamtrt.checkpoint.hf import holds, replace_dir, temp_dir
+from beamtrt.checkpoint.hf import holds, replace_dir, staging
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.cli_util import output_path
 from beamtrt.config import drafter_block_error
@@ -234,9 +234,7 @@ def export(cfg: ExportConfig) -> list[str]:
     trained = manifest["drafter"].get("train_block_size")
     if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
         raise ExportError(why)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(out)
-    try:
+    with staging(out) as tmp:
         if cfg.copy_engines:
             shutil.copytree(root, tmp / COPIED_ENGINE)
         tokenizer = str(engine / manifest["target"]["tokenizer"])
@@ -251,8 +249,6 @@ def export(cfg: ExportConfig) -> list[str]:
         (tmp / "README.md").write_text(readme(out, root, manifest, settings))
         summary = [line.replace(str(tmp), str(out)) for line in check_repository(tmp)]
         replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return [f"{out}: Triton model repository of {root}", *summary,
             f"launch: {LAUNCH} --world-size {settings.world_size} --model-repo {shlex.quote(str(out))}"]
 
