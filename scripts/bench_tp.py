@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without pip install -e
 
-from beamtrt.bench.tp import main  # noqa: E402
+from beamtrt.entry import run  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("beamtrt.bench.tp"))

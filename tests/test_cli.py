@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -60,9 +61,28 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
 
 def test_scripts_call_these_mains():
     for script, module in MAINS.items():
-        assert f"from {module} import main" in (ROOT / script).read_text(), script
+        assert f'sys.exit(run("{module}"))' in (ROOT / script).read_text(), script
     assert sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("scripts/*.py"), ROOT / "runtime/run.py",
                                                       ROOT / "build/build_engines.py"]) == sorted([*MAINS, *STANDALONE])
+
+
+@pytest.mark.parametrize("sig, ending", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
+def test_a_signal_during_the_start_up_imports_ends_as_one_later_would(tmp_path, sig, ending):
+    """Ctrl-C in the second torch and transformers take to import was a traceback, or an abort inside torch's C++
+    (exit -6): a command's imports hold it, then end with the same line and status as the command would later."""
+    (tmp_path / "slow_cli.py").write_text(
+        "import sys, time\nprint('importing', flush=True)\ntime.sleep(3)\n"
+        "def main():\n    print('main ran')\n    return 0\n")
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(tmp_path)!r}]\n"
+            "from beamtrt.entry import run\nsys.exit(run('slow_cli'))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal has it
+    assert proc.stdout.readline() == "importing\n"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err, out) == (128 + sig, f"{ending}\n", "")
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (quiet.returncode, quiet.stdout) == (0, "importing\nmain ran\n")  # and main runs when nothing came
 
 
 def assert_one_line_error(proc: Result, *needles: str) -> None:
