@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,3 +102,18 @@ def mini_vocab_sources(tmp_path_factory, beam_mini):
     save_drafter(drafter, root / "drafter")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return root
+
+
+@contextlib.contextmanager
+def written_by_another_process(folder: Path):
+    """Another process holds `folder` through beamtrt.checkpoint.hf.writing while the block runs."""
+    code = ("import sys, time\nfrom beamtrt.checkpoint.hf import writing\n"
+            "with writing(sys.argv[1]):\n    print('holding', flush=True)\n    time.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline() == "holding\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

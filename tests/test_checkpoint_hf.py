@@ -434,3 +434,24 @@ def test_write_json_writes_through_a_link_and_refuses_a_device(tmp_path):
     with pytest.raises(CheckpointError, match="not a regular file"):
         write_json(Path("/dev/null"), {"a": 1})
     assert Path("/dev/null").is_char_device()
+
+
+def test_writing_holds_a_folder_against_other_processes(tmp_path, capsys):
+    import threading
+
+    from conftest import written_by_another_process
+
+    folder = tmp_path / "cache"
+    with written_by_another_process(folder) as other:
+        with pytest.raises(CheckpointError, match="^busy$"), hf.writing(folder, busy="busy"):
+            pass  # not reached: refused at once
+        threading.Timer(1.0, other.kill).start()  # the other run ends in a second
+        with hf.writing(folder):  # waits for it
+            assert other.poll() is not None
+            with hf.writing(folder, busy="busy"):  # this process holds it already
+                (folder / "shard").write_text("x")
+    assert capsys.readouterr().err == f"note: waiting for another process to finish writing {folder}\n"
+    assert (folder / "shard").is_file()
+    with hf.writing(tmp_path / "new"):
+        pass
+    assert not (tmp_path / "new").exists()  # made for the block and left empty: removed

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from beamtrt.config import BeamConfig, DrafterConfig
+from conftest import written_by_another_process
 
 ROOT = Path(__file__).resolve().parents[1]
 MAINS = {
@@ -700,6 +701,9 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--init", str(out), "--selector-rank", "8"),
                           f"--init {out}: its layout differs from the one to train (selector_rank)")
     assert not (tmp_path / "data3").exists()
+    with written_by_another_process(work):  # a second run of the same command, the first still running
+        assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small),
+                              f"--work {work}: in use by another running train_drafter.py")
 
 
 def test_train_drafter_bad_values_are_one_line(tmp_path, run):

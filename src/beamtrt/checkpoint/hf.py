@@ -85,6 +85,46 @@ def _remove_leftovers(final: Path) -> None:
             os.close(fd)
 
 
+_WRITING: set[Path] = set()  # folders this process holds through `writing`
+
+
+@contextmanager
+def writing(folder: Path, busy: str | None = None) -> Iterator[None]:
+    """Holds `folder` (made if missing, removed again if left empty) for writing while the block runs: another process
+    asking for it waits until this one is done, saying so, or, given `busy` (the line to say), fails at once.
+    Re-entrant within a process; on a file system without locks nothing is held."""
+    folder = Path(folder)
+    key = folder.resolve()
+    if key in _WRITING:
+        yield
+        return
+    made = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if busy is not None:
+                raise CheckpointError(busy) from None
+            print(f"note: waiting for another process to finish writing {folder}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # no locks here
+            pass
+        _WRITING.add(key)
+        try:
+            yield
+        finally:
+            _WRITING.discard(key)
+    finally:
+        os.close(fd)
+        if made:
+            try:
+                folder.rmdir()  # only if nothing was written
+            except OSError:
+                pass
+
+
 def holds(outer: Path, inner: Path) -> bool:
     """Whether `outer` is `inner` or one of its ancestors (links resolved): replacing `outer` would replace `inner`."""
     outer, inner = Path(outer).resolve(), Path(inner).resolve()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import require_dir, write_json
+from beamtrt.checkpoint.hf import require_dir, write_json, writing
 from beamtrt.cli_util import ArgumentParser, check_seed, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
+        with contextlib.ExitStack() as held:  # the folders the command locks (beamtrt.checkpoint.hf.writing)
+            command(held)
+
+    def command(held: contextlib.ExitStack) -> None:
         from transformers import AutoTokenizer
 
         from beamtrt.config import check_block_size
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2-trained"
         for flag, d in (("--data", data_dir), ("--work", work), ("--out", out)):  # before hours of work
             output_path(d, flag, directory=True)
+        held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds the "
+                                         "folder's lock): wait for it to end, or choose another --work"))
         caches = [d.resolve() for d in (*map(Path, args.extra_data), data_dir)]
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
@@ -253,13 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
-        build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet,
-                       digest=digest)
+        with writing(data_dir):  # another run making or completing the same cache is waited for
+            build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet,
+                           digest=digest)
         if args.data_only:
             print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
             return
         for extra in map(Path, args.extra_data):  # committed answers files get their taps back
-            rebuild_features(target, dcfg.target_layer_ids, extra, quiet=args.quiet, digest=digest)
+            with writing(extra):
+                rebuild_features(target, dcfg.target_layer_ids, extra, quiet=args.quiet, digest=digest)
         data = load_features(*map(Path, args.extra_data), data_dir, digest=digest, vocab_size=target.cfg.vocab_size)
         n_answer = int(sum(int(data.seq_start[i + 1] - data.seq_start[i]) - int(data.prompt_len[i])
                            for i in range(len(data))))

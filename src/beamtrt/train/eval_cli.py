@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import require_dir, write_json
+from beamtrt.checkpoint.hf import require_dir, write_json, writing
 from beamtrt.cli_util import ArgumentParser, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             cache_taps = _meta(d).get("taps")
             if cache_taps != taps:
                 raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
-            rebuild_features(target, taps, d, digest=digest)  # committed answers files get their taps back
+            with writing(d):  # committed answers files get their taps back (waiting for a run writing them)
+                rebuild_features(target, taps, d, digest=digest)
             part = load_features(d, digest=digest, vocab_size=target.cfg.vocab_size)
             part_kinds = cache_kinds(d, tokenizer, part)
             answers.update(kind for kind, greedy in zip(part_kinds, part.greedy.tolist()) if greedy)
