@@ -509,6 +509,21 @@ def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_min
     assert len(report["requests"][0]["output_ids"]) == 1
 
 
+def test_a_model_larger_than_the_free_memory_is_refused_before_loading(beam_mini, tmp_path, run, monkeypatch):
+    """On the host, allocating a model beyond its memory succeeds (Linux overcommits) and loading it gets the process
+    killed by the out-of-memory killer, without a word: the commands that hold a whole model refuse it first."""
+    from beamtrt.models import beam
+
+    assert 0 < beam.free_memory(torch.device("cpu")) < 2**50  # this host's MemAvailable, read for real
+    free = []
+    monkeypatch.setattr(beam, "free_memory", lambda device: free.append(device) or 300_000_000)  # 0.3 GB free
+    proc = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(proc, f"{beam_mini}: its weights take 1.5 GB in float32 and cpu has 0.3 GB free")
+    assert_one_line_error(run("scripts/train_drafter.py", "--target", str(beam_mini), "--data", str(tmp_path / "d"),
+                              "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")), "1.5 GB in float32")
+    assert free == [torch.device("cpu")] * 2 and not list(tmp_path.iterdir())
+
+
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")

@@ -642,6 +642,35 @@ def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
                     allow_unexpected=("lm_head.weight",) if cfg.tie_word_embeddings else ())
     with torch.device("meta"):
         model = BeamForCausalLM(cfg)
+    check_fits(path, model, dtype, torch.device(device))
     model = model.to_empty(device=device).to(dtype)
     load_state(model, ((name, reader.get(name)) for name in specs))
     return model.eval()
+
+
+def check_fits(path: str | Path, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses a model (still on the meta device) whose weights in `dtype` exceed the memory `device` has free: on
+    the host, allocating them would succeed (Linux overcommits) and loading them get the process killed without a
+    word, by the kernel's out-of-memory killer; a CUDA device would fail partway through."""
+    need = sum(t.numel() for t in (*model.parameters(), *model.buffers())) * dtype.itemsize
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise CheckpointError(f"{path}: its weights take {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} "
+                              f"and {device} has {free / 1e9:.1f} GB free: this command holds the whole model on one "
+                              "device (a build's checkpoints run it sharded over mpirun ranks)")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes `device` can still allocate (the host's MemAvailable, a CUDA device's free memory); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
