@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +35,6 @@ class Run:
     decode_tokens_per_s: float
     acceptance_length: float | None
     per_position: list[float | None]
-    wall_s: float
 
 
 def decode(target, drafter, block_size: int, requests, concurrency: int, params, draft_threshold: float = 0.0,
@@ -45,15 +43,13 @@ def decode(target, drafter, block_size: int, requests, concurrency: int, params,
 
     decoder = SpeculativeDecoder(target, drafter, block_size if drafter is not None else 1, params,
                                  draft_threshold=draft_threshold)
-    start = time.perf_counter()
     done = decoder.generate(requests, concurrency=concurrency, on_finish=on_finish)
-    wall = time.perf_counter() - start
     summary = decoder.metrics.summary()
     tokens = sum(len(c.output_ids) - 1 for c in done)  # the first token of each request comes from prefill
     return Run(outputs=[c.output_ids for c in done],
                decode_tokens_per_s=tokens / decoder.times.total_s if decoder.times.total_s else 0.0,
                acceptance_length=summary["acceptance_length"] if drafter is not None else None,
-               per_position=summary["per_position_acceptance"], wall_s=wall)
+               per_position=summary["per_position_acceptance"])
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -17,7 +17,6 @@ from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.quant import fp8, nvfp4
 
-PRECISIONS = ("bf16", "fp8", "nvfp4")
 QUANT_ALGO = {"bf16": None, "fp8": "FP8", "nvfp4": "NVFP4"}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 Spec = tuple[tuple[int, ...], torch.dtype]

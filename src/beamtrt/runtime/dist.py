@@ -106,7 +106,3 @@ class Dist:
         obj = self.comm.bcast(obj, root=0)
         self.comm_s += time.perf_counter() - start
         return obj
-
-    def barrier(self) -> None:
-        if self.comm is not None:
-            self.comm.Barrier()
