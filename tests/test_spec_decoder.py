@@ -180,6 +180,21 @@ def test_stop_strings(target, prompts, reference):
     assert out[0].output_ids == reference[1][:words.index(stop) + 1]
 
 
+def test_a_stop_string_before_a_stop_token_in_one_step_ends_there(target, prompts, reference):
+    """A step that commits [..., b, EOS] where b completes a stop string ends at b, as plain decoding does (the stop
+    token was found first and the stop string no longer looked for: the output kept the EOS)."""
+    ref = reference[1]
+    j = next(j for j in range(2, 8) if ref[j] not in ref[:j] and ref[j + 1] not in ref[:j + 1])
+    request = Request(tuple(prompts[1]), MAX_NEW, stop_token_ids=frozenset({ref[j + 1]}), stop_strings=(f"<{ref[j]}>",))
+    outputs = []
+    for drafter in (None, OracleDrafter([prompts[1] + ref], hit=1.0)):
+        dec = SpeculativeDecoder(TorchTarget(target), drafter, block_size=8,
+                                 detokenize=lambda ids: "".join(f"<{t}>" for t in ids))
+        out = dec.generate([request])[0]
+        outputs.append((out.output_ids, out.finish_reason))
+    assert outputs == [(ref[:j + 1], "stop")] * 2
+
+
 def test_cut_at_stop():
     from beamtrt.runtime.cli import cut_at_stop
 

@@ -267,7 +267,7 @@ class SpeculativeDecoder:
                 kept = kept[:j + 1]
                 completion.finish_reason = "stop"
                 break
-        if request.stop_strings and self.detokenize is not None and not completion.finish_reason:
+        if request.stop_strings and self.detokenize is not None:  # one completed before the stop token ends first
             end = self._stop_string_end(completion.output_ids, kept, request.stop_strings)
             if end is not None:
                 kept = kept[:end]
