@@ -1,5 +1,6 @@
 """A row's logits and K/V do not depend on the other rows of its forward, on every CPU path: a verified block gets
-bit for bit what single-token steps would, alone or batched. Lossless greedy speculative decoding rests on this."""
+bit for bit what single-token steps would, alone or batched, and a prompt's prefill what it gets alone. Lossless greedy
+speculative decoding rests on this."""
 
 from __future__ import annotations
 
@@ -85,6 +86,17 @@ def test_a_row_gets_the_same_bits_in_any_forward(path, dtype, monkeypatch):
         assert all(torch.equal(r[b, :n], f[b, :n]) for r, f in zip(ragged.taps, full.taps))
         for got, want in ((ragged_cache.k, step_cache.k), (ragged_cache.v, step_cache.v)):
             assert torch.equal(got[:, b, :, :end], want[:, b, :, :end])
+    # a prompt wider than those shapes (a prefill) gets the same bits alone and batched with longer or shorter ones
+    prompt = ids[0].tolist()
+
+    def prefill(neighbours: list[int]):
+        c = model.new_cache(1 + len(neighbours), 48)
+        rows, counts = right_padded([prompt, *[torch.randint(0, 101, (n,), generator=g).tolist() for n in neighbours]])
+        out = model(rows, c, num_tokens=counts, taps=(0, 1), last_only=True)
+        return [out.logits[0], *(t[0, :21] for t in out.taps), c.k[:, 0, :, :21], c.v[:, 0, :, :21]]
+    alone = prefill([])
+    for neighbours in ([40], [17, 3], [30, 44, 2]):
+        assert all(torch.equal(a, b) for a, b in zip(prefill(neighbours), alone))
     if quantized:  # the hooks ran: the same forward without them differs
         for module, attr in act_hooks(model).values():
             setattr(module, attr, None)
@@ -92,7 +104,8 @@ def test_a_row_gets_the_same_bits_in_any_forward(path, dtype, monkeypatch):
 
 
 def test_prefill_shapes_keep_pytorchs_gemms():
-    """Only decode and verify shapes pay for row invariance; longer inputs take the batched path."""
+    """Only decode and verify shapes pay for row invariance; longer inputs take the batched path (one row at a time
+    when there are several)."""
     model = tiny_model()
     start = torch.zeros(2, dtype=torch.long)
     assert model.step_layout(start, native.MAX_ROWS).invariant

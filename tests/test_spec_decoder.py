@@ -271,6 +271,24 @@ class DeviceModel:
         return out
 
 
+def test_a_prompt_decodes_the_same_whatever_it_is_admitted_with(prompts):
+    """Speculative and plain decoding finish requests at different steps, so the queue admits a prompt together with
+    other prompts in one and alone in the other. A long prompt's prefill took the batched GEMMs of all the prompts
+    admitted with it, and in bf16 its greedy output then differed from plain decoding's (found by an audit)."""
+    model = tiny_model(seed=7, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    long_prompt = tuple(torch.randint(0, 101, (90,), generator=g).tolist())
+    prompt = (74, 66, 8, 54, 2, 34, 53, 62, 54, 15, 30, 42, 19, 49, 71, 100, 31, 34, 72, 46, 8, 46, 14, 43, 92, 53)
+    a, b = (5, 6, 7), (9, 10, 11, 12)
+    requests = [Request(a, 2), Request(b, 3), Request((40, 41, 42), 40), Request(prompt, 16), Request(long_prompt, 16)]
+    oracle = OracleDrafter([list(a) + generate(model, [list(a)], 8)[0], list(b) + generate(model, [list(b)], 8)[0],
+                            [0] * 200], hit=1.0)  # by slot: requests 0 and 1 end in one step, freeing two slots at once
+    plain = SpeculativeDecoder(TorchTarget(model), None).generate(requests, concurrency=3)
+    spec = SpeculativeDecoder(TorchTarget(model), oracle, block_size=8).generate(requests, concurrency=3)
+    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    assert plain[3].output_ids == generate(model, [list(prompt)], 16)[0]  # and what the prompt decodes to alone
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_verification_runs_where_the_logits_are(target, prompts, reference, temperature):
     """On a GPU the target's logits stay there: the torch backend returns them as the model made them, the decoder

@@ -510,6 +510,8 @@ class BeamForCausalLM(nn.Module):
         device = input_ids.device
         if slots is None and B != cache.batch:
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
+        if B > 1 and T > native.MAX_ROWS and device.type == "cpu":
+            return self._row_by_row(input_ids, cache, num_tokens, taps, last_only, slots, taps_only)
         start = cache.lengths if slots is None else cache.lengths[slots]  # [B]
         if num_tokens is None:
             num_tokens = torch.full_like(start, T)
@@ -548,6 +550,27 @@ class BeamForCausalLM(nn.Module):
             lengths[slots] = start + num_tokens
             cache.lengths = lengths
         return BeamOutput(logits=logits, taps=captured)
+
+    def _row_by_row(self, input_ids: torch.Tensor, cache: KVCache, num_tokens: torch.Tensor | None,
+                    taps: Sequence[int], last_only: bool, slots: torch.Tensor | None, taps_only: bool) -> BeamOutput:
+        """forward() of a batch wider than the row-invariant shapes on the CPU (a prefill), one row at a time and
+        without its padding: batched, a row's GEMMs would take the other rows too, and its last bits (then a greedy
+        choice) would depend on what it is batched with, e.g. a prompt's on the requests admitted beside it."""
+        B, T = input_ids.shape
+        counts = [T] * B if num_tokens is None else num_tokens.tolist()
+        if min(counts) < 1:
+            raise ValueError("every row of a prefill needs at least one token")
+        rows = range(B) if slots is None else slots.tolist()
+        outs = [self.forward(input_ids[b:b + 1, :n], cache, None, taps, last_only,
+                             torch.tensor([row], device=cache.lengths.device), taps_only)
+                for b, (n, row) in enumerate(zip(counts, rows))]
+
+        def padded(parts: list[torch.Tensor]) -> torch.Tensor:  # [1, n_b, X] each -> [B, T, X], zeros past n_b
+            return torch.cat([F.pad(t, (0, 0, 0, T - t.shape[1])) for t in parts])
+        logits = None if taps_only else padded([o.logits for o in outs])  # with last_only every part is [1, 1, V]
+        if last_only and logits is not None:
+            logits = logits[:, :1]
+        return BeamOutput(logits=logits, taps=[padded([o.taps[i] for o in outs]) for i in range(len(taps))])
 
 
 # ---- Hugging Face checkpoint: one name table -----------------------------------------------------------------
