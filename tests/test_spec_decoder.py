@@ -139,10 +139,26 @@ def test_a_request_longer_than_the_context_is_refused_before_any_work(target, pr
     backend = TorchTarget(target)
     context = target.cfg.max_position_embeddings
     dec = SpeculativeDecoder(backend, None)
-    with pytest.raises(ValueError, match=f"request 1: its prompt \\({len(prompts[1])} tokens\\) and max_new_tokens "
-                                         f"{context} exceed the target's context of {context} tokens"):
+    with pytest.raises(ValueError, match=f"request 1: its prompt \\({len(prompts[1])} tokens\\), max_new_tokens "
+                                         f"{context} and the 2 positions of a verify block exceed the target's "
+                                         f"context of {context} tokens"):
         dec.generate([Request(tuple(prompts[0]), 4), Request(tuple(prompts[1]), context)])
     assert backend.cache is None  # nothing was allocated
+    spec = SpeculativeDecoder(backend, OracleDrafter([[]], hit=0.0), block_size=8)
+    fits = context - len(prompts[1]) - 9  # the allocation start() asks for: an engine refuses more than its context
+    with pytest.raises(ValueError, match=f"max_new_tokens {fits + 1} and the 9 positions"):
+        spec.generate([Request(tuple(prompts[1]), fits + 1)])
+    assert backend.cache is None
+
+    class Allocated(Exception):
+        pass
+
+    def allocate(slots: int, max_len: int):
+        raise Allocated(max_len)
+    backend.allocate = allocate
+    with pytest.raises(Allocated) as asked:  # what fits gets what fits
+        spec.generate([Request(tuple(prompts[1]), fits)])
+    assert asked.value.args == (context,)
 
 
 def test_full_block_accepts_give_bonus_tokens(target, prompts, reference):

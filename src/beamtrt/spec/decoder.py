@@ -107,17 +107,18 @@ class SpeculativeDecoder:
         if n == 0:
             return []
         context = getattr(self.target, "max_seq_len", None)  # the target's context (None: a backend without one)
+        room = self.block_size + 1  # a last verify writes up to a block past the tokens kept (start() allocates it)
         for i, r in enumerate(requests):
             if not r.prompt_ids or r.max_new_tokens < 1:
                 raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
-            if context is not None and len(r.prompt_ids) + r.max_new_tokens > context:
-                raise ValueError(f"request {i}: its prompt ({len(r.prompt_ids)} tokens) and max_new_tokens "
-                                 f"{r.max_new_tokens} exceed the target's context of {context} tokens")
+            if context is not None and len(r.prompt_ids) + r.max_new_tokens + room > context:
+                raise ValueError(f"request {i}: its prompt ({len(r.prompt_ids)} tokens), max_new_tokens "
+                                 f"{r.max_new_tokens} and the {room} positions of a verify block exceed the target's "
+                                 f"context of {context} tokens")
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
         slots = min(concurrency or getattr(self.target, "max_batch_size", n), n)
-        self.start(slots, max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + self.block_size + 1,
-                   on_finish)
+        self.start(slots, max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + room, on_finish)
         done = [Completion() for _ in requests]
         queue = list(range(n))
         while True:
