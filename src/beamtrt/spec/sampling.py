@@ -36,7 +36,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties by id, in any shape
         drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # keep the smallest prefix reaching top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
