@@ -567,9 +567,8 @@ class BeamForCausalLM(nn.Module):
 
         def padded(parts: list[torch.Tensor]) -> torch.Tensor:  # [1, n_b, X] each -> [B, T, X], zeros past n_b
             return torch.cat([F.pad(t, (0, 0, 0, T - t.shape[1])) for t in parts])
-        logits = None if taps_only else padded([o.logits for o in outs])  # with last_only every part is [1, 1, V]
-        if last_only and logits is not None:
-            logits = logits[:, :1]
+        logits = (None if taps_only else torch.cat([o.logits for o in outs]) if last_only  # [B, 1, V]
+                  else padded([o.logits for o in outs]))
         return BeamOutput(logits=logits, taps=[padded([o.taps[i] for o in outs]) for i in range(len(taps))])
 
 
