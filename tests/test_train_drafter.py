@@ -415,6 +415,16 @@ def test_a_cache_made_before_digests_is_tied_to_the_target_that_rebuilds_its_tap
         rebuild_features(other, TAPS, tmp_path, quiet=True)
 
 
+def test_no_held_out_prompt_is_trained_on():
+    """Caches made from the same templates repeat prompts (a greedy answer then repeats too): the held-out greedy
+    answers' prompts are left out of training wherever they occur (5 of 32 were trained on, on caches 6-13)."""
+    prompts = [[5, 6], [7, 8, 9], [5, 6], [10, 11], [7, 8, 9], [12, 13]]
+    seqs = [(p + [20, 21, 22], torch.zeros(len(p) + 3, 4)) for p in prompts]
+    data = _feature_set(seqs, prompts, greedy=[True] * 6)
+    train, held = split(data, TrainConfig(eval_sequences=2))
+    assert held == [4, 5] and train == [0, 2, 3]  # [7, 8, 9] is held out (4), so sequence 1 is not trained on
+
+
 def test_every_mix_makes_a_few_prompts():
     """A mix's smallest shares round to no prompt at all for a handful (v4's 5% of 6); that is not an error."""
     from beamtrt.train.prompts import MIXES, tagged_prompts

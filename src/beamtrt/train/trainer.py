@@ -211,14 +211,22 @@ def _fingerprint(data: FeatureSet) -> dict:
 
 
 def split(data: FeatureSet, cfg: TrainConfig) -> tuple[list[int], list[int]]:
-    """(train, held-out) sequence indices: the last `eval_sequences` greedy answers are held out."""
+    """(train, held-out) sequence indices: the last `eval_sequences` greedy answers are held out, and no sequence of
+    the same prompt is trained on (caches drawn from the same templates repeat prompts, and a repeated prompt's
+    greedy answer is the same text: 5 of the 32 held-out answers of caches 6-13 were also training answers)."""
     greedy = [i for i in range(len(data)) if bool(data.greedy[i])]
     held = greedy[len(greedy) - cfg.eval_sequences:] if len(greedy) > cfg.eval_sequences else []  # 0: none
-    held_set = set(held)
-    train = [i for i in range(len(data)) if i not in held_set and _anchor_range(data, i)[1] > _anchor_range(data, i)[0]]
+    held_prompts = {_prompt(data, i) for i in held}
+    train = [i for i in range(len(data)) if _anchor_range(data, i)[1] > _anchor_range(data, i)[0]
+             and _prompt(data, i) not in held_prompts]
     if not train:
         raise BeamtrtError("the training data has no sequence with at least two answer tokens")
     return train, held
+
+
+def _prompt(data: FeatureSet, i: int) -> tuple[int, ...]:
+    start = int(data.seq_start[i])
+    return tuple(data.ids[start:start + int(data.prompt_len[i])].tolist())
 
 
 def _anchor_range(data: FeatureSet, i: int) -> tuple[int, int]:
