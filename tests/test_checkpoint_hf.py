@@ -438,6 +438,7 @@ def test_write_json_writes_through_a_link_and_refuses_a_device(tmp_path):
 
 def test_writing_holds_a_folder_against_other_processes(tmp_path, capsys):
     import threading
+    import time
 
     from conftest import written_by_another_process
 
@@ -445,9 +446,11 @@ def test_writing_holds_a_folder_against_other_processes(tmp_path, capsys):
     with written_by_another_process(folder) as other:
         with pytest.raises(CheckpointError, match="^busy$"), hf.writing(folder, busy="busy"):
             pass  # not reached: refused at once
+        start = time.monotonic()
         threading.Timer(1.0, other.kill).start()  # the other run ends in a second
-        with hf.writing(folder):  # waits for it
-            assert other.poll() is not None
+        with hf.writing(folder):  # waits for it (its lock goes with it, a moment before it can be reaped)
+            assert time.monotonic() - start >= 0.9
+            other.wait(timeout=60)
             with hf.writing(folder, busy="busy"):  # this process holds it already
                 (folder / "shard").write_text("x")
     assert capsys.readouterr().err == f"note: waiting for another process to finish writing {folder}\n"
