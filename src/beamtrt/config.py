@@ -161,7 +161,7 @@ class BeamConfig(_HFConfig):
             _fail(f"final_logit_softcapping must be positive or null, got {self.final_logit_softcapping}")
         if self.hidden_act != "silu":
             _fail(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
-        if any(not 0 <= i < self.vocab_size for i in self.eos_token_ids):  # never sampled: decoding would run to max-new-tokens
+        if any(not 0 <= i < self.vocab_size for i in self.eos_token_ids):  # never sampled: decoding would not stop
             _fail(f"eos_token_id {self.eos_token_id} outside the vocabulary [0, {self.vocab_size})")
         self._check_rope_scaling()
 
