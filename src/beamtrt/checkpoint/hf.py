@@ -55,14 +55,16 @@ def staging(final: Path) -> Iterator[Path]:
         os.close(fd)
 
 
-def _lock(fd: int) -> bool:
-    """Takes an exclusive lock on an open directory without waiting: False if another process holds one. A file
-    system without locks counts as held, so that nothing is removed on a guess."""
+def _lock(fd: int) -> bool | None:
+    """Takes an exclusive lock on an open directory without waiting: True, False if another process holds one, None
+    on a file system without locks (which nothing may then be removed or refused on)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except OSError:
+    except BlockingIOError:
         return False
+    except OSError:
+        return None
 
 
 def _remove_leftovers(final: Path) -> None:
@@ -75,7 +77,7 @@ def _remove_leftovers(final: Path) -> None:
         except OSError:
             continue
         try:
-            if not _lock(fd):
+            if _lock(fd) is not True:
                 continue
             size = sum(f.lstat().st_blocks * 512 for f in old.rglob("*"))  # the disk space it held
             shutil.rmtree(old, ignore_errors=True)
@@ -102,15 +104,11 @@ def writing(folder: Path, busy: str | None = None) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if _lock(fd) is False:
             if busy is not None:
-                raise CheckpointError(busy) from None
+                raise CheckpointError(busy)
             print(f"note: waiting for another process to finish writing {folder}", file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # no locks here
-            pass
         _WRITING.add(key)
         try:
             yield
