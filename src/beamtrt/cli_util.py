@@ -207,9 +207,15 @@ def run_cli(body: Callable[[], None]) -> int:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
     except KeyboardInterrupt as e:  # also one that lands while the handlers are restored, after the work
-        _say("terminated" if isinstance(e, Terminated) else "interrupted")
-        return 128 + (e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
+        return ended_by(e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
     return 0
+
+
+def ended_by(signum: int) -> int:
+    """Says how a signal ended the command (Ctrl-C: `interrupted`; SIGTERM, SIGHUP: `terminated`) and returns its exit
+    status, 128 + the signal's number."""
+    _say("interrupted" if signum == signal.SIGINT else "terminated")
+    return 128 + signum
 
 
 def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], None]) -> int:

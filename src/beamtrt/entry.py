@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib
 import signal
-import sys
 
-_ENDINGS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "terminated"}
+from beamtrt.cli_util import ended_by
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def run(module: str) -> int:
@@ -15,7 +16,7 @@ def run(module: str) -> int:
     ends the command as it would later: `interrupted` / `terminated` and 128 + its number. Signals that are ignored
     (a background job's Ctrl-C) or handled by whoever started us keep their disposition."""
     held: list[int] = []
-    saved = {sig: signal.getsignal(sig) for sig in _ENDINGS}
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
     for sig, handler in saved.items():
         if handler in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(sig, lambda number, frame: held.append(number))
@@ -25,7 +26,4 @@ def run(module: str) -> int:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-    if held:
-        print(_ENDINGS[held[0]], file=sys.stderr, flush=True)
-        return 128 + held[0]
-    return main()
+    return ended_by(held[0]) if held else main()
