@@ -91,6 +91,12 @@ class SpeculativeDecoder:
         self.metrics = SpecMetrics(block_size=self.block_size)
         self.times = StepTimes()
 
+    @property
+    def headroom(self) -> int:
+        """Cache positions a request needs beyond its prompt and max_new_tokens: a last verify writes up to a block
+        past the tokens kept (a request fits a context of prompt + max_new_tokens + headroom)."""
+        return self.block_size + 1
+
     def _uniforms(self, *shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=self.generator)
 
@@ -107,7 +113,7 @@ class SpeculativeDecoder:
         if n == 0:
             return []
         context = getattr(self.target, "max_seq_len", None)  # the target's context (None: a backend without one)
-        room = self.block_size + 1  # a last verify writes up to a block past the tokens kept (start() allocates it)
+        room = self.headroom
         for i, r in enumerate(requests):
             if not r.prompt_ids or r.max_new_tokens < 1:
                 raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")

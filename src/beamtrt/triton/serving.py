@@ -226,7 +226,7 @@ class Server:
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
-        room = self.context - self.decoder.block_size - 1
+        room = self.context - self.decoder.headroom
         if len(ids) + params.max_tokens > room:
             raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than this "
                                f"server's {room} (max_seq_len {self.settings.max_seq_len}, the model's context "
