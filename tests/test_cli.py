@@ -124,7 +124,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
                                   "--block-size", "--eval-block-size", "--lr", "--gamma", "--selector-weight", "--seed",
                                   "--eval-every", "--checkpoint-every", "--layers", "--selector-rank", "--threads",
                                   "--quiet", "--extra-data", "--data-only", "--init", "--prompt-mix",
-                                  "--head-vocab", "--device"]),
+                                  "--skip-answered-in", "--head-vocab", "--device"]),
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
     ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--device",
                                  "--threads", "--json"]),
@@ -698,6 +698,17 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     assert not (tmp_path / "data2").exists()
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--extra-data", str(data)),
                           "same cache twice")
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--skip-answered-in", str(data)),
+                          f"--skip-answered-in names --data {data} itself")
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--skip-answered-in",
+                              str(tmp_path / "gone")), "--skip-answered-in", "gone", "no such directory")
+    skipping = ["--data", str(tmp_path / "data4"), "--skip-answered-in", str(data), "--data-only"]
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, *skipping),
+                          "every one of the 6 prompts was answered")
+    assert not (tmp_path / "data4").exists()
+    assert run("scripts/train_drafter.py", *paths, *new, *small, *skipping, "--data-seed", "3").returncode == 0
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, *skipping[:2], "--data-seed", "3",
+                              "--data-only"), "made leaving out")
     for flag, value, needle in (("--seed", "-1", "--seed"), ("--data-seed", str(2**63), "--data-seed"),
                                 ("--block-size", "99", "--block-size"), ("--eval-block-size", "20", "--eval-block"),
                                 ("--max-new-tokens", str(10**12), "context")):

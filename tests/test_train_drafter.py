@@ -561,6 +561,39 @@ def test_feature_cache_resumes_with_the_same_shards(target, tmp_path):
         rebuild_features(target, TAPS, tmp_path)
 
 
+def test_a_cache_can_leave_out_the_prompts_other_caches_answered(target, tmp_path):
+    """answered_prompts reads a cache's prompts (answers files, or feature shards without one); a cache made with
+    them skipped answers only the others, records it, and resumes only with the same prompts skipped."""
+    from beamtrt.train.features import DataRecipe, answered_prompts, build_features, chat_ids
+
+    chars = _char_tokenizer(target)
+    recipe = DataRecipe(max_new_tokens=4, batch=3, shard_size=2, sampled_every=2)
+    first, second = ["hello", "why", "bees", "blue"], ["why", "sort a list", "blue", "tcp in one line", "a painter"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    build_features(target, chars, TAPS, first, a, recipe, quiet=True)
+    seen = answered_prompts(a)
+    assert seen == {tuple(chat_ids(chars, p)) for p in first}
+    (a / "answers-00000.safetensors").unlink()  # a shard without its answers file: read from the shard
+    assert answered_prompts(a) == seen
+    build_features(target, chars, TAPS, second, b, recipe, quiet=True, skip=seen)
+    kept = load_features(b)
+    assert [kept.sequence(i)[0][:kept.sequence(i)[2]].tolist() for i in range(len(kept))] == [
+        chat_ids(chars, p) for p in ("sort a list", "tcp in one line", "a painter")]
+    assert json.loads((b / "meta.json").read_text())["skipped"]["prompts"] == 2
+    build_features(target, chars, TAPS, second, b, recipe, quiet=True, skip=seen)  # the same: nothing to do
+    for skip, needle in ((None, "made leaving out 2 prompts"), (set(), r"leave out 0 \(other ones\)")):
+        with pytest.raises(BeamtrtError, match=needle):
+            build_features(target, chars, TAPS, second, b, recipe, quiet=True, skip=skip)
+    with pytest.raises(BeamtrtError, match="made without --skip-answered-in"):
+        build_features(target, chars, TAPS, first, a, recipe, quiet=True, skip=set())
+    with pytest.raises(BeamtrtError, match="every one of the 4 prompts"):
+        build_features(target, chars, TAPS, first, tmp_path / "c", recipe, quiet=True, skip=seen)
+    assert not (tmp_path / "c").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BeamtrtError, match="empty: not a feature cache"):
+        answered_prompts(tmp_path / "empty")
+
+
 def test_a_stopped_cache_build_resumes_to_the_same_bytes(target, tmp_path, monkeypatch):
     """Ctrl-C between a shard's two files: the rerun ends with the uninterrupted run's bytes (the answers file came
     first, and its taps were then recomputed, not bit for bit). A damaged shard is named before anything is answered,

@@ -140,6 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--gen-batch", type=int, default=d.batch, help="answers decoded together (default: %(default)s)")
     data.add_argument("--data-seed", type=int, default=d.seed,
                       help="seed of the prompt mix and sampling (default: %(default)s)")
+    data.add_argument("--skip-answered-in", nargs="+", default=None, metavar="DIR",
+                      help="leave out every prompt these feature caches already answered (e.g. the caches a new one "
+                           "adds to: caches drawn from one mix with different seeds repeat many prompts); recorded in "
+                           "--data's meta.json, so a cache resumes only with the same caches here (default: none)")
     data.add_argument("--prompt-mix", choices=tuple(MIXES), default=d.mix,
                       help="training prompt mix: v1 = math, code, general (the first caches); v2 adds code stubs, "
                            "chat, passages and the evaluation wrappers; v3 shifts toward longer word problems, "
@@ -197,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
-        from beamtrt.train.features import (DataRecipe, build_features, load_features, rebuild_features,
-                                            target_digest)
+        from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, load_features,
+                                            rebuild_features, target_digest)
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, check_state, split, train, write_log
 
@@ -221,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                             mix=args.prompt_mix)
         if args.init and not (Path(args.init) / "config.json").is_file():
             raise BeamtrtError(f"--init {args.init}: not a drafter checkpoint (no config.json)")
-        for extra in args.extra_data:
-            require_dir(extra, "a feature cache directory", "--extra-data")
+        for flag, dirs in (("--extra-data", args.extra_data), ("--skip-answered-in", args.skip_answered_in or [])):
+            for d in dirs:
+                require_dir(d, "a feature cache directory", flag)
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
@@ -238,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
                                "trained on)")
+        if any(Path(d).resolve() == data_dir.resolve() for d in args.skip_answered_in or []):
+            raise BeamtrtError(f"--skip-answered-in names --data {data_dir} itself (its own prompts would be left out)")
         inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + [
             ("--extra-data", Path(d)) for d in args.extra_data]
         init = Path(args.init) if args.init else None
@@ -260,9 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
+        skip = None if args.skip_answered_in is None else answered_prompts(*map(Path, args.skip_answered_in))
         with writing(data_dir):  # another run making or completing the same cache is waited for
             build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet,
-                           digest=digest)
+                           digest=digest, skip=skip)
         if args.data_only:
             print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
             return

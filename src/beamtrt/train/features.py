@@ -19,10 +19,11 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -210,27 +211,76 @@ def check_target(data: Path, meta: dict, digest: str | None) -> None:
                            "target that made it, or another directory")
 
 
+def answered_prompts(*caches: Path) -> set[tuple[int, ...]]:
+    """The prompt ids of every sequence in these feature caches (from their answers files, and from the feature
+    shards that have none)."""
+    found: set[tuple[int, ...]] = set()
+    for data in caches:
+        files = sorted(data.glob("answers-*.safetensors")) + [
+            f for f in sorted(data.glob("features-*.safetensors")) if not _answers_path(f).exists()]
+        if not files:
+            raise BeamtrtError(f"{data}: not a feature cache (no answers-*.safetensors or features-*.safetensors)")
+        for path in files:
+            t = read_sequences(path, "answers file" if path.name.startswith("answers-") else "feature shard")
+            ids = t["ids"].tolist()
+            found.update(tuple(ids[a:a + n]) for a, n in zip(t["seq_start"].tolist(), t["prompt_len"].tolist()))
+    return found
+
+
+def _skipped(left_out: list[list[int]]) -> dict:
+    """meta.json's record of the prompts a cache left out: how many, and a digest of which."""
+    h = hashlib.sha256(json.dumps(sorted(left_out)).encode())
+    return {"prompts": len(left_out), "digest": h.hexdigest()[:16]}
+
+
+def _check_skipped(out: Path, old: dict | None, new: dict | None) -> None:
+    """A cache resumes with the prompts it was started with: the same ones left out, or none."""
+    if old == new:
+        return
+    if new is None:
+        raise BeamtrtError(f"{out} was made leaving out {old['prompts']} prompts answered in other caches: pass the "
+                           "same --skip-answered-in caches as when it was made")
+    if old is None:
+        raise BeamtrtError(f"{out} was made without --skip-answered-in: resume it without it, or choose another --data")
+    raise BeamtrtError(f"{out} was made leaving out {old['prompts']} prompts answered in other caches; these "
+                       f"--skip-answered-in caches leave out {new['prompts']} (other ones): pass the same caches as "
+                       "when it was made")
+
+
 def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prompts: Sequence[str], out: Path,
-                   recipe: DataRecipe, quiet: bool = False, digest: str | None = None) -> Path:
+                   recipe: DataRecipe, quiet: bool = False, digest: str | None = None,
+                   skip: Collection[tuple[int, ...]] | None = None) -> Path:
     """Fill `out` with feature shards for `prompts` (answering only the shards not yet written); returns `out`.
-    digest: the target's `target_digest` (computed when not given)."""
+    digest: the target's `target_digest` (computed when not given). skip: prompt ids (`answered_prompts` of other
+    caches) left out, recorded in meta.json so that a resumed cache has the same prompts; None: nothing left out."""
     from tqdm import tqdm
 
     digest = digest or target_digest(target)
+    encoded = [ids for ids in (chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
     meta = {"recipe": dataclasses.asdict(recipe), "taps": list(taps), "prompts": len(prompts),
             "hidden_size": target.cfg.hidden_size}
+    if skip is not None:
+        left_out = [ids for ids in encoded if tuple(ids) in skip]
+        encoded = [ids for ids in encoded if tuple(ids) not in skip]
+        meta["skipped"] = _skipped(left_out)
+        if left_out and not encoded:
+            raise BeamtrtError(f"{out}: every one of the {len(left_out)} prompts was answered in the "
+                               "--skip-answered-in caches already: choose another --data-seed or raise --prompts")
     old = read_meta(out)
     if not old and any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].safetensors")):
         raise BeamtrtError(f"{out}: holds feature shards but no meta.json, so what made them is unknown: remove them "
                            "or choose another --data")
     if old:
         old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
+        _check_skipped(out, old.get("skipped"), meta.get("skipped"))
         if {k: old.get(k) for k in meta} != meta:
             raise BeamtrtError(f"{out} holds features made with other settings: remove it or choose another --data")
         check_target(out, old, digest)
     else:
         write_json(out / "meta.json", meta | {"target": digest})
-    encoded = [ids for ids in (chat_ids(tokenizer, p) for p in prompts) if len(ids) <= recipe.max_prompt_tokens]
+    if skip is not None:
+        print(f"phase 1: {meta['skipped']['prompts']} of {len(encoded) + meta['skipped']['prompts']} prompts left out, "
+              "answered in the --skip-answered-in caches", file=sys.stderr)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
     rebuild_features(target, taps, out, quiet=quiet, digest=digest)
