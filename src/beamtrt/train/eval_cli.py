@@ -60,8 +60,7 @@ def cache_kinds(data_dir: Path, tokenizer, data) -> list[str]:
         raise BeamtrtError(f"{data_dir}: made with prompt mix {mix!r}, which this version does not know")
     kind_of = {tuple(chat_ids(tokenizer, prompt)): kind
                for prompt, kind in tagged_prompts(recipe["prompts"], recipe["seed"], mix)}
-    return [kind_of.get(tuple(ids[:prompt_len].tolist()), "other")
-            for ids, _, prompt_len in map(data.sequence, range(len(data)))]
+    return [kind_of.get(data.prompt(i), "other") for i in range(len(data))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -65,6 +65,11 @@ class FeatureSet:
         a, b = int(self.seq_start[i]), int(self.seq_start[i + 1])
         return self.ids[a:b], self.taps[a:b], int(self.prompt_len[i])
 
+    def prompt(self, i: int) -> tuple[int, ...]:
+        """The prompt ids of sequence i (its chat-template ids, as a key)."""
+        a = int(self.seq_start[i])
+        return tuple(self.ids[a:a + int(self.prompt_len[i])].tolist())
+
     def select(self, indices: Sequence[int]) -> "FeatureSet":
         """A new set of these sequences (at least one), in this order."""
         parts = []

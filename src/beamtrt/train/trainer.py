@@ -216,17 +216,12 @@ def split(data: FeatureSet, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     greedy answer is the same text: 5 of the 32 held-out answers of caches 6-13 were also training answers)."""
     greedy = [i for i in range(len(data)) if bool(data.greedy[i])]
     held = greedy[len(greedy) - cfg.eval_sequences:] if len(greedy) > cfg.eval_sequences else []  # 0: none
-    held_prompts = {_prompt(data, i) for i in held}
+    held_prompts = {data.prompt(i) for i in held}
     train = [i for i in range(len(data)) if _anchor_range(data, i)[1] > _anchor_range(data, i)[0]
-             and _prompt(data, i) not in held_prompts]
+             and data.prompt(i) not in held_prompts]
     if not train:
         raise BeamtrtError("the training data has no sequence with at least two answer tokens")
     return train, held
-
-
-def _prompt(data: FeatureSet, i: int) -> tuple[int, ...]:
-    start = int(data.seq_start[i])
-    return tuple(data.ids[start:start + int(data.prompt_len[i])].tolist())
 
 
 def _anchor_range(data: FeatureSet, i: int) -> tuple[int, int]:
