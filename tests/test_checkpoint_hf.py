@@ -193,6 +193,33 @@ def test_garbage_single_file(tmp_path):
     assert "model.safetensors" in msg and "not a valid safetensors file" in msg
 
 
+def _rewrite_header(path: Path, edit) -> None:
+    """Apply `edit` to the parsed header of a safetensors file and write it back, the data unchanged."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("data_offsets", ["0", "400"]), ("data_offsets", [None, None]), ("data_offsets", [0.0, 400.0]),
+    ("data_offsets", [False, 400]), ("dtype", ["F32"]), ("shape", ["100"]), ("shape", [100.0]), ("shape", [-100]),
+])
+def test_wrong_typed_header_field(tmp_path, field, value):
+    save_state_dict(tmp_path, {"w": torch.zeros(100)})
+    _rewrite_header(tmp_path / "model.safetensors", lambda h: h["w"].__setitem__(field, value))
+    msg = one_line_error(CheckpointReader, tmp_path)
+    assert "not a valid safetensors file" in msg and "'w'" in msg
+
+
+def test_metadata_not_an_object(tmp_path):
+    save_state_dict(tmp_path, {"w": torch.zeros(100)})
+    _rewrite_header(tmp_path / "model.safetensors", lambda h: h.__setitem__("__metadata__", ["pt"]))
+    assert "__metadata__" in one_line_error(CheckpointReader, tmp_path)
+
+
 def test_truncated_shard_is_reported_when_opened(sharded):
     shard = sharded / "model-00003-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])

@@ -25,6 +25,11 @@ Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def _count(v: object) -> bool:
+    """A shape dimension or data offset as the format allows it: a JSON integer >= 0 (not a bool, float or string)."""
+    return type(v) is int and v >= 0
+
+
 class SafetensorsError(ValueError):
     """The file is not a well-formed safetensors file (the message says why)."""
 
@@ -49,13 +54,17 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise SafetensorsError("header is not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise SafetensorsError("header's __metadata__ is not a JSON object")
         self.base = 8 + n
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
             try:
-                code, shape, (begin, end) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+                code, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise SafetensorsError(f"bad header entry for {name!r}") from None
+            if not (isinstance(code, str) and all(_count(v) for v in (*shape, begin, end))):
+                raise SafetensorsError(f"bad header entry for {name!r} (dtype, shape or offsets of the wrong type)")
             if code not in DTYPES:
                 raise SafetensorsError(f"tensor {name!r} has unsupported dtype {code}")
             if not 0 <= begin <= end or end - begin != DTYPES[code].itemsize * math.prod(shape):
