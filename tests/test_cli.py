@@ -86,6 +86,18 @@ def test_a_signal_during_the_start_up_imports_ends_as_one_later_would(tmp_path, 
     assert (quiet.returncode, quiet.stdout) == (0, "importing\nmain ran\n")  # and main runs when nothing came
 
 
+def test_validate_module_holds_a_signal_during_its_imports(tmp_path):
+    """`python -m beamtrt.checkpoint.validate` has no script: run as __main__ it goes through beamtrt.entry too, so
+    Ctrl-C while torch imports ends in `interrupted` and 130 (it was a KeyboardInterrupt traceback)."""
+    code = ("import os, runpy, signal, sys, threading\n"
+            f"sys.path[:0] = [{str(ROOT / 'src')!r}]; sys.argv = ['validate', {str(tmp_path / 'none')!r}]\n"
+            "threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "runpy.run_module('beamtrt.checkpoint.validate', run_name='__main__', alter_sys=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "interrupted\n", "")
+
+
 def assert_one_line_error(proc: Result, *needles: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

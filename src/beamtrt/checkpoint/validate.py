@@ -7,6 +7,10 @@ manifest.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m`: import it through beamtrt.entry, which holds Ctrl-C until torch is in
+    from beamtrt.entry import run
+    raise SystemExit(run(__spec__.name))
+
 from pathlib import Path
 
 import torch
@@ -107,7 +111,3 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="the build output directory (holds manifest.json, target/, drafter/)")
     args = p.parse_args(argv)
     return run_cli(lambda: print("\n".join(validate(args.dir))))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
