@@ -400,9 +400,10 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
                           "num_key_value_heads=4")
     for flag, value in (("--max-shard-gb", "nan"), ("--max-shard-gb", "0"), ("--seed", str(2**70))):
         assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), flag, value), flag)
-    for flag, value in (("--layers", "100000000"), ("--vocab-size", "100000000000")):  # measured, not listed
-        assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), flag, value),
-                              "GB checkpoint", "GB free")
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--vocab-size",
+                              "100000000000"), "GB checkpoint", "GB free")  # measured, not listed
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--layers", "100000000"),
+                          "num_hidden_layers=100000000", "beyond any real model")  # nor its layers listed
     assert not (tmp_path / "x").exists()
 
 

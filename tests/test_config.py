@@ -224,6 +224,9 @@ def test_int_accepted_for_float_fields() -> None:
     (with_(eos_token_id=10**9), ["eos_token_id", "1000000000", "vocabulary"]),
     (with_(eos_token_id=[2, -1]), ["eos_token_id", "[2, -1]", "vocabulary"]),
     (with_(eos_token_id=[2, "3"]), ["eos_token_id", "int"]),
+    (with_(num_hidden_layers=10**12), ["num_hidden_layers=1000000000000", "beyond any real model"]),
+    (with_(num_hidden_layers=10_001, num_experts=0, mlp_only_layers=[]), ["num_hidden_layers=10001", "beyond"]),
+    (with_(num_experts=10**9, num_experts_per_tok=2), ["num_experts=1000000000", "beyond any real model"]),
 ], ids=lambda v: None if isinstance(v, dict) else "-".join(v)[:40])
 def test_bad_config_one_line_error(raw: dict, needles: list[str]) -> None:
     msg = config_error(raw, *needles)

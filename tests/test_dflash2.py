@@ -135,6 +135,8 @@ def _bad(**changes):
     (dict(dflash_block_size=4), ("block_size",)),
     (dict(hidden_size="64"), ("hidden_size", "int")),
     (dict(vocab_size=None), ("missing", "vocab_size")),
+    (dict(num_hidden_layers=10**12, layer_types=None), ("num_hidden_layers=1000000000000", "beyond any real model")),
+    (dict(num_target_layers=10**12), ("num_target_layers=1000000000000", "beyond any real model")),
 ])
 def test_bad_configs(changes, needles):
     one_line_error(ConfigError, _bad(**changes), *needles)

@@ -33,6 +33,9 @@ _FAMILY_DEFAULTS = {
     "qwen2_moe": {"use_qk_norm": False, "qkv_bias": True},
 }
 _ROPE_TYPES = ("default", "linear", "llama3")
+# Far above any real model; a damaged count beyond them would fill memory with per-layer / per-expert name tables
+# (a config.json of 10^12 layers was an out-of-memory kill) before the weights could say that it is wrong.
+MAX_LAYERS, MAX_EXPERTS_IN_ALL = 10_000, 1_000_000
 
 
 class _HFConfig:
@@ -146,6 +149,9 @@ class BeamConfig(_HFConfig):
                      "shared_expert_intermediate_size"):  # 0 may mean unused; negative is always corrupt
             if getattr(self, name) < 0:
                 _fail(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_hidden_layers > MAX_LAYERS or self.num_hidden_layers * self.num_experts > MAX_EXPERTS_IN_ALL:
+            _fail(f"num_hidden_layers={self.num_hidden_layers} × num_experts={self.num_experts} is beyond any real "
+                  f"model (at most {MAX_LAYERS:,} layers, {MAX_EXPERTS_IN_ALL:,} experts in all): a damaged config?")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             _fail(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
         if self.num_experts and self.moe_intermediate_size <= 0:
@@ -303,6 +309,10 @@ class DrafterConfig(_HFConfig):
         self._check_shape(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers",
                           "max_position_embeddings", "block_size", "conv_group_size", "selector_rank", "selector_top_k"))
+        for name in ("num_hidden_layers", "num_target_layers"):
+            if getattr(self, name) > MAX_LAYERS:
+                _fail(f"{name}={getattr(self, name)} is beyond any real model (at most {MAX_LAYERS:,}): a damaged "
+                      "config?")
         if self.hidden_size % self.conv_group_size:
             _fail(f"conv_group_size={self.conv_group_size} does not divide hidden_size={self.hidden_size}")
         if self.conv_kernel_size != 2:
