@@ -406,6 +406,25 @@ def test_run_refuses_a_config_changed_since_the_build(sources, tmp_path, part, e
     one_line_error(proc, f"{out / part / 'config.json'}: {needle}", "rebuild")
 
 
+@pytest.mark.parametrize("rel, edit", [
+    ("drafter/config.json", lambda text: text.replace('"num_hidden_layers": 1', '"num_hidden_layers": 7')),
+    ("drafter/draft_vocab.json", lambda text: '{"token_ids": [5, 3]}'),
+    ("tokenizer/chat_template.jinja", lambda text: "{{ messages }}"),
+])
+def test_run_refuses_a_small_file_changed_since_the_build(mini_vocab_sources, tmp_path, rel, edit):
+    """Every file of a build but its weights is hashed at every start: an edit the config fields do not show (a
+    drafter of other depth, a draft vocabulary, a chat template) is named in one line before any weight loads (it
+    failed later, on every rank, blaming a rank file or the vocabulary, or ran with the edit)."""
+    out = tmp_path / "out"
+    assert build(mini_vocab_sources, out).returncode == 0
+    text = (out / rel).read_text()
+    assert edit(text) != text
+    (out / rel).write_text(edit(text))
+    proc = subprocess.run([sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(out), "--prompt", "hi"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    one_line_error(proc, f"{out / rel}: sha256 differs from manifest.json", "rebuild")
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda m: m.__setitem__("precision", "fp8"), "precision bf16 differs from the manifest's precision fp8"),
     (lambda m: m.__setitem__("kv_cache", "fp8"), "kv_cache auto differs from the manifest's kv_cache fp8"),

@@ -57,8 +57,9 @@ AGREE = {  # part -> {what its config.json says: the manifest field it must equa
 
 
 def agree(root: Path, manifest: dict) -> None:
-    """The build's two config.json files say what its manifest says (no weight read: run.py checks this at every
-    start, the validator also hashes every file); one line naming the file that differs."""
+    """The build's two config.json files say what its manifest says, and every file but the weights (configs, draft
+    vocabulary, tokenizer, calibration: small) has the sha256 it was built with. No weight is read: run.py checks
+    this at every start, the validator also hashes the weights. One line naming the file that differs."""
     for part, fields in AGREE.items():
         ckpt = TrtllmCheckpoint(root / manifest[part]["dir"])
         said = {"architecture": ckpt.config.get("architecture"), "precision": ckpt.precision,
@@ -70,18 +71,27 @@ def agree(root: Path, manifest: dict) -> None:
             if want is not None and said[name] != want:  # None: an older manifest without the field
                 raise CheckpointError(f"{ckpt.path / 'config.json'}: {name} {said[name]} differs from the manifest's "
                                       f"{dotted} {want} (changed since the build: rebuild with build/build_engines.py)")
+    check_files(root, manifest, weights=False)
+
+
+def check_files(root: Path, manifest: dict, weights: bool = True) -> None:
+    """Every file the manifest lists is there with its sha256 (weights=False: all but the rank files)."""
+    for rel, digest in manifest.get("files", {}).items():
+        if not weights and rel.endswith(".safetensors"):
+            continue
+        file = root / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in {mf.MANIFEST} but missing")
+        if mf.sha256_file(file) != digest:
+            raise CheckpointError(f"{file}: sha256 differs from {mf.MANIFEST} (modified or corrupt: rebuild with "
+                                  "build/build_engines.py)")
 
 
 def validate(root: str | Path) -> list[str]:
     """Validate a build output directory; returns the summary lines. Raises CheckpointError on the first problem."""
     root = Path(root)
     manifest = mf.read_manifest(root)  # names a missing directory or one that is not a build
-    for rel, digest in manifest.get("files", {}).items():
-        file = root / rel
-        if not file.is_file():
-            raise CheckpointError(f"{file}: listed in {mf.MANIFEST} but missing")
-        if mf.sha256_file(file) != digest:
-            raise CheckpointError(f"{file}: sha256 differs from {mf.MANIFEST} (modified or corrupt)")
+    check_files(root, manifest)
     listed = set(manifest.get("files", {})) | {mf.MANIFEST}
     unlisted = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
                       and str(p.relative_to(root)) not in listed)

@@ -40,7 +40,7 @@ def open_build(engine_dir: Path | None, dist) -> dict | None:
                          f"with mpirun -n {tp_size} (or without mpirun, as one process)")
     from beamtrt.checkpoint.validate import agree
 
-    agree(engine_dir, manifest)  # its config.json files as built (validate also hashes; too slow for every start)
+    agree(engine_dir, manifest)  # its small files as built (validate also hashes the weights: too slow for a start)
     tokenizer = build_tokenizer_dir(engine_dir, manifest)
     if not tokenizer.is_dir():
         raise CheckpointError(f"{engine_dir}: the build's tokenizer folder {tokenizer} is missing; rebuild with "
