@@ -175,6 +175,7 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
     assert_one_line_error(run("runtime/run.py", "--block-size", "1"), "--block-size")
+    assert_one_line_error(run("runtime/run.py", "--no-spec", "--block-size", "-5"), "--block-size")
     assert_one_line_error(run("runtime/run.py", "--stop", ""), "--stop")
     (tmp_path / "afile").write_text("")
     assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "afile" / "x.json")), "--json",
@@ -506,6 +507,32 @@ def test_run_generates_coherent_text(beam_mini):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tok/s" in proc.stderr
+
+
+def test_streamed_text_holds_back_what_may_become_a_stop_string():
+    from beamtrt.runtime.cli import streamable
+
+    assert streamable("The capital is Paris.", ["Paris"]) == "The capital is "
+    assert streamable("The capital is Pa", ["Paris"]) == "The capital is "  # may still become "Paris"
+    assert streamable("The capital is Pe", ["Paris"]) == "The capital is Pe"  # cannot
+    assert streamable("a\n\nb", ["\n\n", "b!"]) == "a" and streamable("ab", ["bc", "x"]) == "a"
+    assert streamable("abc", []) == "abc"
+
+
+@pytest.mark.slow
+def test_run_streams_nothing_of_a_stop_string(beam_mini, tmp_path):
+    """One request's text is streamed as it is committed: the stop string (and what follows it) was shown there,
+    although the final text cut it."""
+    import json
+
+    proc = run_script("runtime/run.py", "--model", str(beam_mini), "--prompt",
+                      "What is the capital of France? Answer in one sentence.", "--max-new-tokens", "16",
+                      "--dtype", "bfloat16", "--stop", "Paris", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    request = json.loads((tmp_path / "r.json").read_text())["requests"][0]
+    assert request["finish_reason"] == "stop" and request["output_text"]  # the stop string came, after some text
+    streamed = proc.stdout.split("\n", 1)[1]  # after the ">>> prompt" line
+    assert "Pari" not in streamed and streamed.strip() == request["output_text"], proc.stdout
 
 
 def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_mini, tmp_path, run):

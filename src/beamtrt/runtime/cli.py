@@ -86,6 +86,16 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
     return text[:cut]
 
 
+def streamable(text: str, stops: list[str]) -> str:
+    """What of a request's text so far may be shown: the text before a stop string, and without an ending that more
+    tokens could still complete into one (shown once they do not)."""
+    cut = cut_at_stop(text, stops)
+    if len(cut) < len(text):
+        return cut
+    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - held]
+
+
 def _validate(args: argparse.Namespace) -> SamplingParams:
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     if args.concurrency < 0:
@@ -93,8 +103,8 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed)
+    check_block_size(args.block_size)  # also with --no-spec, whose steps are one token: a bad value is still a typo
     if not args.no_spec:
-        check_block_size(args.block_size)
         check_draft_threshold(args.draft_threshold)
     elif args.drafter or args.draft_threshold:
         raise ValueError("--no-spec decodes without a drafter: drop --drafter / --draft-threshold")
@@ -193,11 +203,13 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     if stream:
         print(f">>> {chats[0][-1]['content']}", flush=True)
     streamed: list[int] = []
+    shown = [""]  # the streamed text printed so far
 
     def on_tokens(i: int, ids: list[int]) -> None:  # streams the text of a single request as it is committed
-        before = tokenizer.decode(streamed, skip_special_tokens=True)
         streamed.extend(ids)
-        print(tokenizer.decode(streamed, skip_special_tokens=True)[len(before):], end="", flush=True)
+        text = streamable(tokenizer.decode(streamed, skip_special_tokens=True), args.stop)
+        print(text[len(shown[0]):], end="", flush=True)
+        shown[0] = text
 
     def text(c) -> str:
         return cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), args.stop).strip()
@@ -210,8 +222,8 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                                    on_finish=None if stream or args.quiet else on_finish)
     elapsed = time.perf_counter() - start
     texts = [text(c) for c in completions]
-    if stream:
-        print()
+    if stream:  # what was held back as the start of a stop string that did not come
+        print(cut_at_stop(tokenizer.decode(streamed, skip_special_tokens=True), args.stop)[len(shown[0]):])
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
     mode = "no-spec" if args.no_spec else f"block {args.block_size}" + (
