@@ -766,7 +766,23 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
                           f"--init {target / 'config.json'}: architectures must name")  # before phase 1, not after
     assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--init", str(out), "--selector-rank", "8"),
                           f"--init {out}: its layout differs from the one to train (selector_rank)")
+    broken = tmp_path / "broken-init"  # a drafter whose weights are cut short: found before phase 1, not after it
+    shutil.copytree(out, broken)
+    (broken / "model.safetensors").write_bytes((broken / "model.safetensors").read_bytes()[:-100])
+    assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--init", str(broken)), str(broken))
+    (tmp_path / "empty").mkdir()  # an --extra-data cache with nothing to train on: likewise
+    assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--extra-data", str(tmp_path / "empty")),
+                          f"--extra-data {tmp_path / 'empty'}: no answers files or feature shards")
+    for flag in ("--seed", "--data-seed"):  # seed × 1,000,003 + n must stay a seed torch takes
+        assert_one_line_error(run("scripts/train_drafter.py", *fresh, flag, str(2**32)),
+                              f"{flag} must be in [0, 2**32)")
     assert not (tmp_path / "data3").exists()
+    # --data-only writes neither --work nor --out: an --out holding a drafter (the default one after a first run) and
+    # a --work in use are no reason to refuse making a cache
+    with written_by_another_process(work):
+        assert run("scripts/train_drafter.py", *paths, "--out", str(out), *small, "--data", str(tmp_path / "data6"),
+                   "--data-only").returncode == 0
+    assert (tmp_path / "data6" / "meta.json").is_file()
     with written_by_another_process(work):  # a second run of the same command, the first still running
         assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small),
                               f"--work {work}: in use by another running train_drafter.py")

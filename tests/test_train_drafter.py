@@ -725,3 +725,17 @@ def test_continuing_with_the_same_seed_on_the_same_data_is_flagged(tmp_path):
     assert not replays_init_batches(tmp_path, 1, 10, 500) and not replays_init_batches(tmp_path, 0, 11, 500)
     (tmp_path / "training.json").write_text("{")
     assert not replays_init_batches(tmp_path, 0, 10, 500) and not replays_init_batches(tmp_path / "none", 0, 10, 500)
+
+
+@pytest.mark.parametrize("field, value", [("prompts", "many"), ("seed", 1.5), ("mix", 3), ("temperature", "hot"),
+                                          ("max_new_tokens", True)])
+def test_a_cache_description_of_the_wrong_types_is_one_line(tmp_path, field, value):
+    """eval_drafter.py made prompts from a damaged meta.json's recipe and failed in a TypeError traceback."""
+    from beamtrt.train.features import read_meta
+
+    (tmp_path / "meta.json").write_text(json.dumps({"recipe": {"prompts": 8, "seed": 0, "mix": "v3", field: value}}))
+    with pytest.raises(BeamtrtError, match=f"recipe field '{field}' is {value!r}, not a") as info:
+        read_meta(tmp_path)
+    assert "\n" not in str(info.value)
+    (tmp_path / "meta.json").write_text(json.dumps({"recipe": {"prompts": 8, "temperature": 1}}))
+    assert read_meta(tmp_path)["recipe"]["temperature"] == 1  # an int where a float is meant is fine

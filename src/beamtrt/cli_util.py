@@ -59,10 +59,10 @@ def check_threads(n: int, flag: str = "--threads") -> None:
                            f"got {n}")
 
 
-def check_seed(n: int, flag: str = "--seed") -> None:
-    """A seed torch's generators take: [0, 2**63)."""
-    if not 0 <= n < 2**63:
-        raise BeamtrtError(f"{flag} must be in [0, 2**63), got {n}")
+def check_seed(n: int, flag: str = "--seed", bits: int = 63) -> None:
+    """A seed torch's generators take: [0, 2**63), or [0, 2**bits) where seeds are derived from it by arithmetic."""
+    if not 0 <= n < 2**bits:
+        raise BeamtrtError(f"{flag} must be in [0, 2**{bits}), got {n}")
 
 
 def existing(path: str | Path) -> Path:

@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="answer length cap (default: %(default)s)")
     data.add_argument("--gen-batch", type=int, default=d.batch, help="answers decoded together (default: %(default)s)")
     data.add_argument("--data-seed", type=int, default=d.seed,
-                      help="seed of the prompt mix and sampling (default: %(default)s)")
+                      help="seed of the prompt mix and sampling, in [0, 2**32) (default: %(default)s)")
     data.add_argument("--skip-answered-in", nargs="+", default=None, metavar="DIR",
                       help="leave out every prompt these feature caches already answered (e.g. the caches a new one "
                            "adds to: caches drawn from one mix with different seeds repeat many prompts); recorded in "
@@ -171,14 +171,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "distribution there (KL divergence, rebuilt from the cached taps through the target's "
                          "layers after the last tapped one; steps take about 1.4x as long on beam-mini); 0 = the "
                          "recipe's loss alone (default: %(default)s)")
-    tr.add_argument("--seed", type=int, default=t.seed, help="seed of initialization and draws (default: %(default)s)")
+    tr.add_argument("--seed", type=int, default=t.seed,
+                    help="seed of initialization and draws, in [0, 2**32) (default: %(default)s)")
     tr.add_argument("--eval-every", type=int, default=t.eval_every,
                     help="held-out eval period in steps (default: %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
                     help="training-state save period in steps (default: %(default)s)")
     tr.add_argument("--layers", type=int, default=2, help="draft layers (default: %(default)s)")
     tr.add_argument("--selector-rank", type=int, default=32, help="selector codebook rank (default: %(default)s)")
-    p.add_argument("--data-only", action="store_true", help="stop after phase 1 (generate or complete --data)")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after phase 1 (generate or complete --data; --work and --out are not used)")
     p.add_argument("--device", default="cpu",
                    help="torch device of both phases, e.g. cpu or cuda: the feature cache stays in host memory and "
                         "each step's sequences move to the device (default: %(default)s)")
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
-        from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, load_features,
+        from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, check_cache, load_features,
                                             rebuild_features, target_digest)
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, check_state, split, train, write_log
@@ -211,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("prompts", "max_new_tokens", "gen_batch", "layers", "selector_rank"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        check_seed(args.seed)
-        check_seed(args.data_seed, "--data-seed")
+        check_seed(args.seed, bits=32)  # each step's and answer's generator is seeded by seed * 1,000,003 + its number
+        check_seed(args.data_seed, "--data-seed", bits=32)
         check_block_size(args.block_size)
         cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
                           block_size=args.block_size, eval_block_size=args.eval_block_size, lr=args.lr,
@@ -235,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
         out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2-trained"
-        for flag, d in (("--data", data_dir), ("--work", work), ("--out", out)):  # before hours of work
+        outputs = (("--data", data_dir),) + (() if args.data_only else (("--work", work), ("--out", out)))
+        for flag, d in outputs:  # before hours of work (--data-only writes neither --work nor --out)
             output_path(d, flag, directory=True)
-        held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds the "
-                                         "folder's lock): wait for it to end, or choose another --work"))
+        if not args.data_only:
+            held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds "
+                                             "the folder's lock): wait for it to end, or choose another --work"))
         caches = [d.resolve() for d in (*map(Path, args.extra_data), data_dir)]
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + [
             ("--extra-data", Path(d)) for d in args.extra_data]
         init = Path(args.init) if args.init else None
-        check_out(out, args.force, inputs, init)
+        if not args.data_only:
+            check_out(out, args.force, inputs, init)
 
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)
@@ -262,8 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         if init is not None:
             check_init(init, dcfg, target.cfg)
         digest = target_digest(target)
-        if (work / "train_state.pt").exists():  # a run to resume: its settings, layout and target, before phase 1
-            check_state(work / "train_state.pt", cfg, dcfg, digest)
+        if not args.data_only:  # what training needs besides phase 1's cache, checked before phase 1
+            if (work / "train_state.pt").exists():  # a run to resume: its settings, layout and target
+                check_state(work / "train_state.pt", cfg, dcfg, digest)
+            for extra in map(Path, args.extra_data):
+                check_cache(target, dcfg.target_layer_ids, extra, digest)
+                if not any(extra.glob("answers-*.safetensors")) and not any(extra.glob("features-*.safetensors")):
+                    raise BeamtrtError(f"--extra-data {extra}: no answers files or feature shards (answers-*, "
+                                       "features-*.safetensors)")
+            drafter = (start_from(init, dcfg, target, cfg.seed) if init else  # --init's weights read here
+                       init_drafter(dcfg, target, cfg.seed))
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
@@ -291,8 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.init and replays_init_batches(Path(args.init), cfg.seed, len(data), int(data.ids.shape[0])):
             print(f"warning: --init {args.init} was trained on this data with --seed {cfg.seed}: its steps would "
                   "draw the same blocks again; pass another --seed for new ones", file=sys.stderr)
-        drafter = (start_from(Path(args.init), dcfg, target, cfg.seed) if args.init
-                   else init_drafter(dcfg, target, cfg.seed))
         log = train(drafter, data, cfg, work, quiet=args.quiet, digest=digest)
         write_log(work / "train_log.jsonl", log)
 

@@ -184,8 +184,15 @@ def read_meta(data: Path) -> dict:
     if not path.exists():
         return {}
     meta = read_json(path, "feature cache description")
-    if not isinstance(meta.get("recipe", {}), dict):
+    recipe = meta.get("recipe", {})
+    if not isinstance(recipe, dict):
         raise BeamtrtError(f"{path}: not a feature cache's description (its recipe is not a JSON object)")
+    for f in dataclasses.fields(DataRecipe):  # each field of its default's type (an int for a float too)
+        kind, want = ("number", (int, float)) if isinstance(f.default, float) else (type(f.default).__name__,
+                                                                                    type(f.default))
+        if f.name in recipe and (not isinstance(recipe[f.name], want) or isinstance(recipe[f.name], bool)):
+            raise BeamtrtError(f"{path}: recipe field {f.name!r} is {recipe[f.name]!r}, not a {kind} (a damaged "
+                               "cache description)")
     return meta
 
 
@@ -380,13 +387,9 @@ def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
         raise _corrupt(path, what, e) from None
 
 
-def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
-                     rows: int = 8, digest: str | None = None) -> None:
-    """Give every answers file in `data` without a feature shard its taps (one teacher-forced forward per sequence,
-    `rows` sequences at a time), and every feature shard without an answers file its answers file. digest: the
-    target's `target_digest` (computed when the cache records one and it is not given)."""
-    from tqdm import tqdm
-
+def check_cache(target: BeamForCausalLM, taps: Sequence[int], data: Path, digest: str | None = None) -> None:
+    """`data` is a cache of this target's answers for these taps (what a run trains on is checked before its phase
+    1). digest: as for rebuild_features."""
     meta = read_meta(data)
     recorded = cache_target(data, meta)
     if recorded is not None:
@@ -396,6 +399,17 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     if meta.get("hidden_size", target.cfg.hidden_size) != target.cfg.hidden_size:
         raise BeamtrtError(f"{data}: a cache of a target with hidden size {meta['hidden_size']}, this target's is "
                            f"{target.cfg.hidden_size}")
+
+
+def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
+                     rows: int = 8, digest: str | None = None) -> None:
+    """Give every answers file in `data` without a feature shard its taps (one teacher-forced forward per sequence,
+    `rows` sequences at a time), and every feature shard without an answers file its answers file. digest: the
+    target's `target_digest` (computed when the cache records one and it is not given)."""
+    from tqdm import tqdm
+
+    check_cache(target, taps, data, digest)
+    recorded = cache_target(data, read_meta(data))
     for features in sorted(data.glob("features-*.safetensors")):
         if not _answers_path(features).exists():
             _save_answers(_read(features, "feature shard"), features)
