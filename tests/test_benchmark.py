@@ -65,6 +65,7 @@ def test_out_names_three_files_whatever_its_suffix():
 
 @pytest.mark.parametrize("args, needle", [
     (["--families", "nosuch"], "unknown benchmark family 'nosuch'"),
+    (["--families", "nosuch"], "or give --prompts nosuch=FILE.jsonl"),
     (["--prompts", "gsm8k"], "expected FAMILY=FILE.jsonl"),
     (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
     (["--concurrency", "0"], "must be >= 1"),
@@ -84,3 +85,31 @@ def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
     assert not (tmp_path / "b").exists() and list(tmp_path.iterdir()) == []  # nothing made before the work
+
+
+def test_a_family_with_nothing_decoded_is_one_line():
+    """Every request ending at its first token leaves nothing to time: one line naming the family, where the speedup
+    was a ZeroDivisionError."""
+    from beamtrt.bench.benchmark import Run, timed
+    from beamtrt.errors import BeamtrtError
+
+    ran = Run(outputs=[[5, 7]], decode_tokens_per_s=12.5, acceptance_length=1.5, per_position=[])
+    assert timed(ran, "gsm8k") is ran
+    with pytest.raises(BeamtrtError, match="^gsm8k: every request ended at its first token"):
+        timed(Run(outputs=[[2]], decode_tokens_per_s=0.0, acceptance_length=None, per_position=[]), "gsm8k")
+
+
+def test_a_failure_at_the_end_writes_none_of_the_three_files(mini_vocab_sources, tmp_path, monkeypatch, one_thread):
+    """The JSON was written, then the table, then the chart: a chart that failed left a new JSON and table beside an
+    old chart. Now all three are written and renamed into place together, or none."""
+    import beamtrt.bench.benchmark as bench
+
+    def no_room(result, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(bench, "chart", no_room)
+    src = mini_vocab_sources
+    rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat", "--prompts",
+               f"chat={src / 'prompts.jsonl'}", "--num-prompts", "2", "--c1-prompts", "1", "--concurrency", "1",
+               "--max-new-tokens", "4", "--no-block16", "--out", str(tmp_path / "b")])
+    assert rc == 2 and list(tmp_path.iterdir()) == []

@@ -11,6 +11,7 @@ speculative outputs are compared with the plain ones token by token and the resu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from beamtrt.checkpoint.hf import write_json
 from beamtrt.cli_util import (ArgumentParser, check_threads, description, output_path, run_ranks_cli, set_threads,
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
+from beamtrt.errors import BeamtrtError
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
@@ -115,7 +117,7 @@ def chart(result: dict, path: Path) -> None:
     ax.set_title(f"{Path(result['model']).name} + DFlash2, {result['precision']}, TP {result['tp']}, "
                  f"{result['device']}{cut}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -229,12 +231,23 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
     benchmark(args, plan.chats, *driven, AutoTokenizer.from_pretrained(loaded.tokenizer_dir), result)
 
 
+def timed(run: Run, family: str) -> Run:
+    """`run` if it decoded anything: when every request ended at its first token there is no step to time and no
+    acceptance length, and the family's cell cannot be filled (it was a ZeroDivisionError)."""
+    if not run.decode_tokens_per_s:
+        raise BeamtrtError(f"{family}: every request ended at its first token, so there is no decoding to measure "
+                           "(other prompts, or a model that does not end its answers at once)")
+    return run
+
+
 def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], target, drafter, tok,
               result: dict) -> None:
     """The published table's measurements for every family (rank 0), written to OUT.json, OUT.md and OUT.png."""
     from beamtrt.spec.decoder import Request
     from beamtrt.spec.sampling import SamplingParams
 
+    if importlib.util.find_spec("matplotlib") is None:  # the chart, drawn at the end: said before measuring
+        raise BeamtrtError("matplotlib is not installed (it draws the chart): pip install matplotlib")
     out = {ext: Path(args.out + ext) for ext in OUT_EXTS}
     eos = frozenset(target.eos_token_ids)
     greedy, sampled = SamplingParams(), SamplingParams(temperature=SAMPLED[0], top_p=SAMPLED[1])
@@ -269,7 +282,8 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
             plain = decode(target, None, 1, reqs, c, greedy, on_finish=finished)
             if not spec_first:
                 spec = decode(target, drafter, args.block_size, reqs, c, greedy, args.draft_threshold, finished)
-            spec_runs[c] = spec
+            spec_runs[c] = timed(spec, fam)
+            timed(plain, fam)
             diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
             point = {"requests": len(reqs), "effective_concurrency": min(c, len(reqs)),
                      "first": "speculative" if spec_first else "plain",
@@ -287,21 +301,29 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
             widest = decode(target, drafter, args.block_size, requests, batch, greedy, on_finish=finished)
         else:
             widest = spec_runs[cs[-1]] if len(requests) > args.c1_prompts or cs == [1] else spec_runs[cs[0]]
-        row["tau_greedy"] = round(widest.acceptance_length, 3)
+        row["tau_greedy"] = round(timed(widest, fam).acceptance_length, 3)
         row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
         samp = decode(target, drafter, args.block_size, requests, batch, sampled, on_finish=finished)
-        row["tau_sampled"] = round(samp.acceptance_length, 3)
+        row["tau_sampled"] = round(timed(samp, fam).acceptance_length, 3)
         row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
         if block16:
-            row["tau_block16"] = round(decode(target, drafter, 16, requests, batch, greedy,
-                                              on_finish=finished).acceptance_length, 3)
+            row["tau_block16"] = round(timed(decode(target, drafter, 16, requests, batch, greedy,
+                                                    on_finish=finished), fam).acceptance_length, 3)
         result["families"].append(row)
         log({k: v for k, v in row.items() if k != "concurrency"})
     bar.close()
-    write_json(out[".json"], result)  # makes the folder
     table = markdown(result)
-    out[".md"].write_text(table)
-    chart(result, out[".png"])
+    out[".json"].parent.mkdir(parents=True, exist_ok=True)
+    staged = {ext: path.with_name(f".{path.name}.tmp") for ext, path in out.items() if ext != ".json"}
+    try:  # all three or none: the chart and the table first, then the JSON, then the two renamed into place
+        chart(result, staged[".png"])
+        staged[".md"].write_text(table)
+        write_json(out[".json"], result)
+        for ext, tmp in staged.items():
+            tmp.replace(out[ext])
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
     print(table)
     print(f"wrote {', '.join(map(str, out.values()))}", file=sys.stderr)
 

@@ -107,5 +107,5 @@ def load_chats(family: str, n: int, files: dict[str, str]) -> list[list[dict]]:
         return read_chats(files[family])[:n]
     if family not in LOADERS:
         raise BeamtrtError(f"unknown benchmark family {family!r}: choose from {', '.join(LOADERS)} "
-                           "or give --prompts {family}=FILE.jsonl")
+                           f"or give --prompts {family}=FILE.jsonl")
     return [[{"role": "user", "content": p}] for p in LOADERS[family](n)]
