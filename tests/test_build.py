@@ -373,16 +373,26 @@ def test_a_target_config_that_contradicts_its_weights_is_blamed_not_the_drafter(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])  # bf16 needs no calibration, but decoding needs the tokenizer
 @pytest.mark.parametrize("files", [{"tokenizer_config.json": "{}"}, {"tokenizer.json": "not a tokenizer"}])
-def test_a_broken_tokenizer_fails_calibration_in_one_line(sources, tmp_path, files):
+def test_a_broken_tokenizer_fails_calibration_in_one_line(sources, tmp_path, files, precision):
     src, out = tmp_path / "src", tmp_path / "out"
     shutil.copytree(sources / "target", src)
     for name, text in files.items():
         (src / name).write_text(text)
-    one_line_error(build(sources, out, "--model", str(src), "--precision", "fp8", "--calib-samples", "2"),
+    one_line_error(build(sources, out, "--model", str(src), "--precision", precision, "--calib-samples", "2"),
                    "its tokenizer cannot tokenize the calibration prompts")
     assert not out.exists()
     no_leftovers(tmp_path)
+
+
+def test_a_broken_chat_template_fails_the_build_in_one_line(mini_vocab_sources, tmp_path):
+    """A bf16 build (no calibration) copied a chat template that cannot render, and run.py failed on it later."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(mini_vocab_sources / "target", src)
+    (src / "chat_template.jinja").write_text("{% if %}")
+    one_line_error(build(mini_vocab_sources, out, "--model", str(src)), f"{src}: its tokenizer cannot tokenize")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("part, edit, needle", [

@@ -22,7 +22,7 @@ from beamtrt.checkpoint.hf import CheckpointReader, replace_dir, staging, write_
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
 from beamtrt.errors import CheckpointError, ConfigError
-from beamtrt.prompts import read_chats
+from beamtrt.prompts import has_tokenizer, read_chats
 
 
 def log(message: str) -> None:
@@ -70,6 +70,10 @@ class Plan:
         prompts = bc.calib_prompts or _default_prompts()
         if bc.needs_calibration or bc.calib_prompts:
             read_chats(prompts)  # a bad prompt file fails here, before any output exists (even one not needed)
+        if has_tokenizer(bc.model):  # copied into the build for decoding and Triton: one that cannot encode a chat
+            from beamtrt.quant.calibrate import tokenize  # fails the build now (a bf16 one built, then they failed)
+
+            tokenize(bc.model, read_chats(prompts)[:1], 1, self.target_cfg.vocab_size)
         target_files = mf.model_files(bc.model) + _tokenizer_files(bc.model)  # calibration tokenizes its prompts
         drafter_files = mf.model_files(bc.drafter)
         drafter_fp8 = bc.drafter_precision == "fp8"

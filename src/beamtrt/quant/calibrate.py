@@ -43,7 +43,7 @@ def tokenize(model_dir: str | Path, chats: list[list[dict]], samples: int, vocab
     except Exception as e:  # transformers raises anything at all on a broken tokenizer file
         why = (str(e).strip().splitlines() or [""])[0][:160]
         raise CheckpointError(f"{model_dir}: its tokenizer cannot tokenize the calibration prompts "
-                              f"({type(e).__name__}: {why})") from None
+                              f"({type(e).__name__}: {why}): decoding would fail on prompts too") from None
     top = max((int(ids.max()) for ids in out if ids.numel()), default=-1)
     if top >= vocab_size:
         raise CheckpointError(f"{model_dir}: its tokenizer gives token id {top}, outside the model's vocab_size "
