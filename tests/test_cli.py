@@ -466,7 +466,7 @@ def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):
 
 
 
-def test_make_beam_mini_bad_values_are_one_line(tmp_path, run):
+def test_make_beam_mini_bad_values_are_one_line(tmp_path, run, beam_mini):
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--top-k", "5"), "--top-k")
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", "-1"),
                           "--perturbation")
@@ -481,6 +481,12 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m")),
                           "is not a beam-mini directory")
     assert [p.name for p in (tmp_path / "m").iterdir()] == ["thesis.txt"]
+    assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "s"), "--seed", str(2**70)),
+                          "--seed must be in [0, 2**63)")  # before the GGUF is read (it failed after, unnamed)
+    (tmp_path / "marker-only").mkdir()  # beam-mini's marker alone (its files removed): was reported built
+    shutil.copy2(beam_mini / "beam_mini.json", tmp_path / "marker-only")
+    assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "marker-only")),
+                          "not its config.json and weights", "--force")
 
 
 def test_random_checkpoint_runs_with_its_own_model(tmp_path):

@@ -113,6 +113,9 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     if not force and (out / MARKER).is_file():
         built = read_json(out / MARKER, MARKER)
         if built == recipe_json:
+            if not (out / "config.json").is_file() or not any(out.glob("model*.safetensors*")):
+                raise CheckpointError(f"{out} holds beam-mini's {MARKER} but not its config.json and weights (files "
+                                      "removed since): pass --force to rebuild it")
             return out
         changed = ", ".join(f"{k} {built.get(k)} -> {v}" for k, v in recipe_json.items() if built.get(k) != v)
         raise CheckpointError(f"{out} holds beam-mini of another recipe ({changed}): pass --force to replace it "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from beamtrt.cli_util import ArgumentParser, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, check_seed, output_path, run_cli
 from beamtrt.models.beam_mini import DEFAULT_DIR, MiniRecipe, build_beam_mini
 
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--top-k {args.top_k} must be in [1, --num-experts {args.num_experts}]")
         if not 0 <= args.perturbation < math.inf:
             raise ValueError(f"--perturbation must be a finite number >= 0, got {args.perturbation}")
+        check_seed(args.seed)
         output_path(args.out, "--out", directory=True)  # before the GGUF is read, not after
         recipe = MiniRecipe(num_experts=args.num_experts, top_k=args.top_k, perturbation=args.perturbation,
                             dtype=args.dtype, seed=args.seed)
