@@ -887,3 +887,15 @@ def test_a_drafter_for_another_target_is_refused_before_the_target_loads(tmp_pat
     drafter = ROOT / "checkpoints" / "beam-mini-dflash2"
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--drafter", str(drafter),
                               "--prompt", "hi"), f"{drafter / 'config.json'}: drafter ")
+
+
+def test_a_failed_copy_of_many_files_is_one_line():
+    """shutil.copytree gathers its failures into one shutil.Error (an OSError without strerror): its message was the
+    repr of the whole list, 3 KB for one full disk."""
+    from beamtrt.cli_util import error_line
+
+    why = "[Errno 28] No space left on device: '/r/.tmp-x/engine/rank0.safetensors'"
+    failures = [(f"/b/rank{r}.safetensors", f"/r/.tmp-x/engine/rank{r}.safetensors", why) for r in range(4)]
+    assert error_line(shutil.Error(failures)) == f"copying /b/rank0.safetensors: {why} (and 3 more files)"
+    assert error_line(shutil.Error(failures[:1])) == f"copying /b/rank0.safetensors: {why}"
+    assert error_line(shutil.Error("src and dst are the same file")) == "src and dst are the same file"

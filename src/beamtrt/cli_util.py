@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import signal
+import shutil
 import sys
 import tempfile
 import threading
@@ -152,6 +153,10 @@ def error_line(e: BaseException) -> str:
     """One line for a user error; an OSError names its path (a folder that is a file, no space, no permission)."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:  # copytree's (src, dst,
+        src, _, why = e.args[0][0]                                                             # why) per failed file
+        more = f" (and {len(e.args[0]) - 1} more files)" if len(e.args[0]) > 1 else ""
+        return f"copying {src}: {why}{more}"
     lines = str(e).strip().splitlines() or [type(e).__name__]
     return lines[0]
 
