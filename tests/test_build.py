@@ -350,6 +350,7 @@ def _build_and_edit_manifest(sources: Path, out: Path, edit) -> Path:
     (lambda m: m["drafter"].__setitem__("block_size", True), "'drafter.block_size' is true"),
     (lambda m: m["target"].__setitem__("dir", 5), "'target.dir' is 5"),
     (lambda m: m.__setitem__("engines", "x"), "'engines' is \"x\""),
+    (lambda m: m["stages"]["target"].__setitem__("seconds", "x"), "'stages.target.seconds' is \"x\""),
 ])
 def test_a_manifest_of_the_wrong_types_is_one_line_and_force_replaces_it(sources, tmp_path, edit, needle):
     out = _build_and_edit_manifest(sources, tmp_path / "out", edit)

@@ -56,7 +56,8 @@ OPTIONAL = {  # checked where present
     "target.tokenizer": (str, NULL), "engines": (dict, NULL), "engines.built": bool, "engines.settings": dict,
     "engines.target": (str, NULL), "engines.drafter": (str, NULL), "engines.plugin_library": (str, NULL),
 }
-STAGE = {"status": str, "key": (str, NULL), "reason": (str, NULL), "files": (dict, NULL)}  # every stage's fields
+STAGE = {"status": str, "key": (str, NULL), "reason": (str, NULL), "files": (dict, NULL),  # every stage's fields
+         "seconds": (int, float, NULL)}
 _MISSING = object()
 _REBUILD = "rebuild with build/build_engines.py (--force to replace this output)"  # a manifest this version cannot read
 
