@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -899,3 +900,30 @@ def test_a_failed_copy_of_many_files_is_one_line():
     assert error_line(shutil.Error(failures)) == f"copying /b/rank0.safetensors: {why} (and 3 more files)"
     assert error_line(shutil.Error(failures[:1])) == f"copying /b/rank0.safetensors: {why}"
     assert error_line(shutil.Error("src and dst are the same file")) == "src and dst are the same file"
+
+
+@pytest.mark.parametrize("sig, ending", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
+def test_an_interrupted_benchmark_waits_for_its_child_to_clean_up(tmp_path, sig, ending):
+    """bench_tp.py and bench_convert.py run builds as child commands: a signal to the benchmark alone left its build
+    running on (bench_convert), and Ctrl-C killed it a quarter of a second later, before it removed its temporary
+    folder (bench_tp). The child now gets the signal and is waited for."""
+    child = ("import pathlib, signal, sys, time\n"
+             "def done(n, f):\n    time.sleep(1); pathlib.Path(sys.argv[1]).write_text('cleaned'); sys.exit(130)\n"
+             "signal.signal(signal.SIGINT, done); signal.signal(signal.SIGTERM, done)\n"
+             "print('ready', flush=True); time.sleep(60)\n")
+    (tmp_path / "child.py").write_text(child)
+    parent = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}]\n"
+              "from beamtrt.cli_util import run_child, run_cli\n"
+              f"sys.exit(run_cli(lambda: run_child([sys.executable, {str(tmp_path / 'child.py')!r}, "
+              f"{str(tmp_path / 'cleaned')!r}])))\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 30
+    while not subprocess.run(["pgrep", "-f", str(tmp_path / "child.py")], capture_output=True).stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.5)  # its handlers are set
+    proc.send_signal(sig)  # to the parent alone, as kill PID does
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (128 + sig, f"{ending}\n")
+    assert (tmp_path / "cleaned").read_text() == "cleaned"  # the child finished its clean-up before the parent ended

@@ -7,11 +7,13 @@ import os
 import re
 import signal
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, NoReturn, TypeVar
+from typing import Callable, Iterator, NoReturn, TypeVar
 
 from beamtrt.errors import BeamtrtError
 
@@ -79,6 +81,32 @@ def free_bytes(path: str | Path) -> int:
     import shutil
 
     return shutil.disk_usage(existing(path)).free
+
+
+@contextmanager
+def ending_with_us(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """A child command waited for inside: if this command is interrupted meanwhile (Ctrl-C, SIGTERM), the child gets
+    the same signal and is waited for, so that its own clean-up (a build's temporary folder) is done before this one
+    goes on (subprocess.run kills it after a quarter of a second; a bare wait leaves it running on)."""
+    try:
+        yield proc
+    except KeyboardInterrupt as e:
+        if proc.poll() is None:
+            proc.send_signal(e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
+
+
+def run_child(cmd: list[str], **popen: object) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, **popen), ending the child as ending_with_us does."""
+    with ending_with_us(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         **popen)) as proc:
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def child_error(stderr: str, returncode: int) -> str:

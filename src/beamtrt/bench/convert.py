@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, child_error, free_bytes, output_path, run_cli, work_dir
+from beamtrt.cli_util import (ArgumentParser, child_error, ending_with_us, free_bytes, output_path, run_cli,
+                              work_dir)
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -71,14 +72,14 @@ def run_build(target: Path, drafter: Path, out: Path, precision: str, tp: int) -
            "--drafter", str(drafter), "--tp", str(tp), "--out", str(out), "--quiet", "--force"]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:  # not a pipe: a build writing more than a pipe holds would block
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
+        with ending_with_us(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)) as proc:
+            _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: Popen must not wait for it again
         seconds = time.perf_counter() - start
         log.seek(0)
         err = log.read()
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise BeamtrtError(f"build failed ({precision}): {child_error(err, code)}")
+    if proc.returncode != 0:
+        raise BeamtrtError(f"build failed ({precision}): {child_error(err, proc.returncode)}")
     manifest = json.loads((out / "manifest.json").read_text())
     return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024,
             "stage_seconds": {k: v.get("seconds") for k, v in manifest["stages"].items() if v.get("seconds")}}

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import ArgumentParser, child_error, output_path, run_cli, work_dir
+from beamtrt.cli_util import ArgumentParser, child_error, output_path, run_child, run_cli, work_dir
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -23,7 +22,7 @@ def build(precision: str, tp: int, work: Path, model: str | None, drafter: str |
     cmd = [sys.executable, str(ROOT / "build" / "build_engines.py"), "--precision", precision, "--tp", str(tp),
            "--out", str(out), "--quiet", "--force"]  # --work is this benchmark's: a build of other inputs is replaced
     cmd += [f"--{flag}={path}" for flag, path in (("model", model), ("drafter", drafter)) if path]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    proc = run_child(cmd, cwd=ROOT)  # Ctrl-C waits for the build to remove its temporary folder
     if proc.returncode != 0:
         raise BeamtrtError(f"build failed: {child_error(proc.stderr, proc.returncode)}")
     return out
@@ -38,7 +37,7 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         if tp > 1:
             cmd = [str(Path(sys.executable).parent / "mpirun"), "-n", str(tp)] + cmd
         env = {**os.environ, **MPI_ENV} if tp > 1 else {**os.environ, "OMP_NUM_THREADS": "2"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        proc = run_child(cmd, cwd=ROOT, env=env)
         if proc.returncode != 0:
             raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {child_error(proc.stderr, proc.returncode)}")
         s = json.loads(report.read_text())["summary"]
