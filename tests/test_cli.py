@@ -672,6 +672,9 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
         shutil.copy2(cache / name, both / name)
     assert torch.equal(training_tokens([mixed], 0), training_tokens([both], 0))
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(tmp_path / "gone")), "gone")
+    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(both), str(both) + "/"),
+                          "--data names the same cache twice")
+    assert [p.name for p in drafter.glob("*draft_vocab*")] == ["draft_vocab.json"]  # no temporary file left
     from beamtrt.models.beam import load_beam
     from beamtrt.train.features import target_digest
 

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_sequences < 0:
             raise ValueError(f"--eval-sequences must be >= 0, got {args.eval_sequences}")
         dirs = [require_dir(d, "an answers or feature cache directory", "--data") for d in args.data]
+        if len({d.resolve() for d in dirs}) < len(dirs):  # as train_drafter.py refuses it
+            raise BeamtrtError("--data names the same cache twice (its held-out answers would count as trained on)")
         drafter = Path(args.drafter)
         cfg = DrafterConfig.from_file(drafter / "config.json")
         check_caches_target(dirs, args.target)
