@@ -469,8 +469,10 @@ def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps(old))
     no_prompts = SimpleNamespace(eos_token_id=None)  # no prompt is encoded: only the cache's settings are checked
     build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(mix="v1"), quiet=True)
-    with pytest.raises(BeamtrtError, match="other settings"):
+    with pytest.raises(BeamtrtError, match=r"other settings \(--prompt-mix v1 \(now v2\)\): resume it with those"):
         build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(), quiet=True)
+    with pytest.raises(BeamtrtError, match=r"\(--gen-batch 64 \(now 3\)\)"):  # named, not 'remove it'
+        build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(mix="v1", batch=3), quiet=True)
 
 
 def _char_tokenizer(target):

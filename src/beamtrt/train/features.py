@@ -259,6 +259,12 @@ def _check_skipped(out: Path, old: dict | None, new: dict | None) -> None:
                        "when it was made")
 
 
+# meta.json's fields as the train_drafter.py flags that set them (a refused resume names the flag)
+FLAGS = {"recipe.prompts": "--prompts", "recipe.seed": "--data-seed", "recipe.max_new_tokens": "--max-new-tokens",
+         "recipe.batch": "--gen-batch", "recipe.shard_size": "shard size (--gen-batch)", "recipe.mix": "--prompt-mix",
+         "taps": "taps (the drafter's target layers)"}
+
+
 def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prompts: Sequence[str], out: Path,
                    recipe: DataRecipe, quiet: bool = False, digest: str | None = None,
                    skip: Collection[tuple[int, ...]] | None = None) -> Path:
@@ -286,7 +292,12 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
         old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
         _check_skipped(out, old.get("skipped"), meta.get("skipped"))
         if {k: old.get(k) for k in meta} != meta:
-            raise BeamtrtError(f"{out} holds features made with other settings: remove it or choose another --data")
+            was = {**{f"recipe.{k}": v for k, v in old.get("recipe", {}).items()}, **old}
+            now = {**{f"recipe.{k}": v for k, v in meta["recipe"].items()}, **meta}
+            diff = [f"{FLAGS.get(k, k)} {was.get(k)} (now {v})" for k, v in now.items()
+                    if k != "recipe" and was.get(k) != v]
+            raise BeamtrtError(f"{out} holds features made with other settings ({', '.join(diff)}): resume it with "
+                               "those, or choose another --data")
         check_target(out, old, digest)
     else:
         write_json(out / "meta.json", meta | {"target": digest})
