@@ -803,6 +803,8 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--eval-block-size", "20"), "--eval-block-size 20")
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "nope")), "nope", "config.json")
     assert_one_line_error(run("scripts/train_drafter.py", "--prompts", "0"), "--prompts must be >= 1")
+    assert_one_line_error(run("scripts/train_drafter.py", "--prompts", str(10**9)), "--prompts must be at most")
+    assert_one_line_error(run("scripts/train_drafter.py", "--layers", "3000"), "--layers must be at most 64")
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")

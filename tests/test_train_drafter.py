@@ -279,8 +279,11 @@ def test_distillation_teacher_is_the_target_and_its_term_trains(target, tmp_path
         for field, flag in (("distill", "--distill"), ("selector_weight", "--selector-weight")):
             with pytest.raises(ValueError, match=f"{flag} must be a finite number >= 0"):
                 dataclasses.replace(TINY_RUN, **{field: bad})
-        with pytest.raises(ValueError, match=r"--lr \(finite\) and --gamma must be positive"):
+        with pytest.raises(ValueError, match=r"--lr must be positive \(finite\) and --gamma at least 0.01"):
             dataclasses.replace(TINY_RUN, lr=bad)
+    for bad in (0.0, 1e-300, float("nan")):  # 1e-300 is 0 in fp32: the decay weights were NaN, called a divergence
+        with pytest.raises(ValueError, match="--gamma at least 0.01"):
+            dataclasses.replace(TINY_RUN, gamma=bad)
 
 
 def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):

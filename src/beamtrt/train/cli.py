@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "on, placed before --data's (whose last greedy answers stay the held-out set)")
     data = p.add_argument_group("phase 1: target answers")
     data.add_argument("--prompts", type=int, default=d.prompts,
-                      help="training prompts to answer (default: %(default)s)")
+                      help="training prompts to answer, at most 1,000,000 (default: %(default)s)")
     data.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                       help="answer length cap (default: %(default)s)")
     data.add_argument("--gen-batch", type=int, default=d.batch, help="answers decoded together (default: %(default)s)")
@@ -158,7 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--eval-block-size", type=int, default=t.eval_block_size,
                     help="serving block size the eval measures (default: %(default)s)")
     tr.add_argument("--lr", type=float, default=t.lr, help="peak AdamW learning rate (default: %(default)s)")
-    tr.add_argument("--gamma", type=float, default=t.gamma, help="loss decay exp(-(k-1)/gamma) (default: %(default)s)")
+    tr.add_argument("--gamma", type=float, default=t.gamma,
+                    help="loss decay exp(-(k-1)/gamma), at least 0.01 (default: %(default)s)")
     tr.add_argument("--selector-weight", type=float, default=t.selector_weight,
                     help="weight of the selector loss (default: %(default)s)")
     tr.add_argument("--head-vocab", choices=HEAD_VOCABS, default=t.head_vocab,
@@ -177,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="held-out eval period in steps (default: %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
                     help="training-state save period in steps (default: %(default)s)")
-    tr.add_argument("--layers", type=int, default=2, help="draft layers (default: %(default)s)")
+    tr.add_argument("--layers", type=int, default=2, help="draft layers, at most 64 (default: %(default)s)")
     tr.add_argument("--selector-rank", type=int, default=32, help="selector codebook rank (default: %(default)s)")
     p.add_argument("--data-only", action="store_true",
                    help="stop after phase 1 (generate or complete --data; --work and --out are not used)")
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("prompts", "max_new_tokens", "gen_batch", "layers", "selector_rank"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        for name, most in (("prompts", 1_000_000), ("layers", 64)):  # beyond: minutes of silent work, then memory
+            if getattr(args, name) > most:
+                raise ValueError(f"--{name} must be at most {most:,}, got {getattr(args, name)}")
         check_seed(args.seed, bits=32)  # each step's and answer's generator is seeded by seed * 1,000,003 + its number
         check_seed(args.data_seed, "--data-seed", bits=32)
         check_block_size(args.block_size)

@@ -62,8 +62,9 @@ class TrainConfig:
         if not 2 <= self.eval_block_size <= self.block_size:
             raise ValueError(f"--eval-block-size {self.eval_block_size} must be within [2, --block-size "
                              f"{self.block_size}]")
-        if not 0 < self.lr < math.inf or not self.gamma > 0:  # γ = inf: no decay over the slots
-            raise ValueError(f"--lr (finite) and --gamma must be positive, got {self.lr} and {self.gamma}")
+        if not 0 < self.lr < math.inf or not self.gamma >= 0.01:  # γ = inf: no decay over the slots
+            raise ValueError(f"--lr must be positive (finite) and --gamma at least 0.01, got {self.lr} and "
+                             f"{self.gamma}")  # a smaller γ is 0 in fp32: the decay weights were NaN
         for name, flag in (("distill", "--distill"), ("selector_weight", "--selector-weight")):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{flag} must be a finite number >= 0, got {getattr(self, name)}")
