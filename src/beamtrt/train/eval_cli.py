@@ -26,12 +26,15 @@ def last_greedy(kinds: list[str], greedy: torch.Tensor, per_kind: int) -> dict[s
 def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int) -> dict[str, dict]:
     """kinds[i]: the prompt kind of sequence i. Scores the last `per_kind` greedy answers of every kind (and all of
     them together) with the training eval (trainer.evaluate: the decoder's τ at `block`, on the full LM head)."""
+    from tqdm import tqdm
+
     from beamtrt.train.trainer import TrainConfig, eval_ratios, eval_sums
 
     cfg = TrainConfig(eval_block_size=block, block_size=max(block, TrainConfig().block_size))
     groups = last_greedy(kinds, data.greedy, per_kind)
     scored = {kind: len(group) for kind, group in groups.items()}
-    sums = {kind: eval_sums(drafter, data, group, cfg) for kind, group in groups.items()}
+    bar = tqdm(groups.items(), desc="scoring", unit="kind", disable=None, dynamic_ncols=True)  # a terminal only
+    sums = {kind: eval_sums(drafter, data, group, cfg) for kind, group in bar}
     if sums:  # counts add up: all kinds together without scoring them twice
         scored["all"] = sum(scored.values())
         sums["all"] = {key: sum(s[key] for s in sums.values()) for key in next(iter(sums.values()))}
