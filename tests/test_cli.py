@@ -542,6 +542,24 @@ def test_run_streams_nothing_of_a_stop_string(beam_mini, tmp_path):
     assert "Pari" not in streamed and streamed.strip() == request["output_text"], proc.stdout
 
 
+@pytest.mark.slow
+def test_ctrl_c_mid_answer_ends_on_a_line_of_its_own(beam_mini):
+    """On a terminal the streamed answer and the closing line share the screen: 'interrupted' was glued to the
+    unfinished line of text ('...transform intointerrupted')."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "runtime/run.py"), "--model", str(beam_mini), "--prompt",
+                             "Write a long story about a lighthouse keeper.", "--max-new-tokens", "2000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = b""
+    while seen.count(b"\n") < 2 or len(seen.rsplit(b"\n", 1)[1]) < 20:  # some text after the ">>> prompt" line
+        chunk = proc.stdout.read1(4096)
+        assert chunk, seen
+        seen += chunk
+    proc.send_signal(signal.SIGINT)
+    out = (seen + proc.stdout.read()).decode()
+    assert proc.wait(timeout=60) == 130 and out.endswith("\ninterrupted\n"), out[-300:]
+
+
 def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_mini, tmp_path, run):
     """--max-new-tokens 1 (or EOS first): the prefill's token only, no step to measure τ on (the summary line
     formatted None: a traceback)."""

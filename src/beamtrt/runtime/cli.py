@@ -218,8 +218,13 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         print(f"\n>>> {chats[i][-1]['content']}\n{text(c)}", flush=True)
 
     start = time.perf_counter()
-    completions = decoder.generate(requests, on_tokens if stream else None, concurrency=args.concurrency or None,
-                                   on_finish=None if stream or args.quiet else on_finish)
+    try:
+        completions = decoder.generate(requests, on_tokens if stream else None, concurrency=args.concurrency or None,
+                                       on_finish=None if stream or args.quiet else on_finish)
+    except BaseException:  # Ctrl-C mid-answer: the closing line (on a terminal, the same screen) starts a line
+        if shown[0]:
+            print(flush=True)
+        raise
     elapsed = time.perf_counter() - start
     texts = [text(c) for c in completions]
     if stream:  # what was held back as the start of a stop string that did not come
