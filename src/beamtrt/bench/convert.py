@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--size-gb must be a finite number > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
         if args.json:
             output_path(args.json, "--json")
-        reused = _made_layers(args.work / "target") == source_config(args.size_gb).num_hidden_layers
+        free = free_bytes(args.work)  # a build alone needs --size-gb: beyond the disk, said before any config is made
+        reused = args.size_gb * 1e9 <= free and (
+            _made_layers(args.work / "target") == source_config(args.size_gb).num_hidden_layers)
         need = args.size_gb * (1 if reused else 2)  # the sources unless make_sources reuses them, one build at a time
-        free = free_bytes(args.work)
         if not need * 1e9 <= free:
             raise BeamtrtError(f"--size-gb {args.size_gb}: needs about {need:.3g} GB free under {args.work}, "
                                f"{free / 1e9:.3g} GB are")
