@@ -610,6 +610,9 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path / "w"), "--size-gb", "1e12"),
                           "--size-gb", "GB free")  # more than the disk holds: refused before writing anything
     assert not (tmp_path / "w").exists()
+    assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path / "w"), "--size-gb", "0.01", "--tp",
+                              "3"), "--tp 3: TP 3 does not divide the target's 16 attention heads")
+    assert not (tmp_path / "w").exists()  # before its sources are generated
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--tp", "0"), "--tp")
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")

@@ -110,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         if not need * 1e9 <= free:
             raise BeamtrtError(f"--size-gb {args.size_gb}: needs about {need:.3g} GB free under {args.work}, "
                                f"{free / 1e9:.3g} GB are")
+        from beamtrt.checkpoint import trtllm
+        from beamtrt.errors import ConfigError
+
+        try:  # a split the build would refuse, refused before minutes of generating the sources
+            trtllm.target_units(source_config(args.size_gb), trtllm.Mapping(args.tp, 1))
+        except ConfigError as e:
+            raise BeamtrtError(f"--tp {args.tp}: {e}") from None
         target, drafter = make_sources(work_dir(args.work, "--work", "bench_convert.py"), args.size_gb)
         weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
         results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,
