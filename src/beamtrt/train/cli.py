@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
         from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, check_cache, load_features,
-                                            rebuild_features, target_digest)
+                                            rebuild_features, sequence_files, target_digest)
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, check_state, split, train, write_log
 
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_state(work / "train_state.pt", cfg, dcfg, digest)
             for extra in map(Path, args.extra_data):
                 check_cache(target, dcfg.target_layer_ids, extra, digest)
-                if not any(extra.glob("answers-*.safetensors")) and not any(extra.glob("features-*.safetensors")):
+                if not sequence_files(extra):
                     raise BeamtrtError(f"--extra-data {extra}: no answers files or feature shards (answers-*, "
                                        "features-*.safetensors)")
             drafter = (start_from(init, dcfg, target, cfg.seed) if init else  # --init's weights read here

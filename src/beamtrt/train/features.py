@@ -223,17 +223,24 @@ def check_target(data: Path, meta: dict, digest: str | None) -> None:
                            "target that made it, or another directory")
 
 
+def sequence_files(data: Path) -> list[tuple[Path, str]]:
+    """A cache's shards in order, each as (its answers file, else its feature shard: the same sequences, what it is);
+    [] for a folder with neither."""
+    shards = {p.name.split("-", 1)[1]: (p, "feature shard") for p in data.glob("features-*.safetensors")}
+    shards |= {p.name.split("-", 1)[1]: (p, "answers file") for p in data.glob("answers-*.safetensors")}
+    return [shards[number] for number in sorted(shards)]
+
+
 def answered_prompts(*caches: Path) -> set[tuple[int, ...]]:
     """The prompt ids of every sequence in these feature caches (from their answers files, and from the feature
     shards that have none)."""
     found: set[tuple[int, ...]] = set()
     for data in caches:
-        files = sorted(data.glob("answers-*.safetensors")) + [
-            f for f in sorted(data.glob("features-*.safetensors")) if not _answers_path(f).exists()]
+        files = sequence_files(data)
         if not files:
             raise BeamtrtError(f"{data}: not a feature cache (no answers-*.safetensors or features-*.safetensors)")
-        for path in files:
-            t = read_sequences(path, "answers file" if path.name.startswith("answers-") else "feature shard")
+        for path, what in files:
+            t = read_sequences(path, what)
             ids = t["ids"].tolist()
             found.update(tuple(ids[a:a + n]) for a, n in zip(t["seq_start"].tolist(), t["prompt_len"].tolist()))
     return found
@@ -398,9 +405,9 @@ def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
         raise _corrupt(path, what, e) from None
 
 
-def check_cache(target: BeamForCausalLM, taps: Sequence[int], data: Path, digest: str | None = None) -> None:
+def check_cache(target: BeamForCausalLM, taps: Sequence[int], data: Path, digest: str | None = None) -> str | None:
     """`data` is a cache of this target's answers for these taps (what a run trains on is checked before its phase
-    1). digest: as for rebuild_features."""
+    1); returns the target digest it records (None: an older cache). digest: as for rebuild_features."""
     meta = read_meta(data)
     recorded = cache_target(data, meta)
     if recorded is not None:
@@ -410,6 +417,7 @@ def check_cache(target: BeamForCausalLM, taps: Sequence[int], data: Path, digest
     if meta.get("hidden_size", target.cfg.hidden_size) != target.cfg.hidden_size:
         raise BeamtrtError(f"{data}: a cache of a target with hidden size {meta['hidden_size']}, this target's is "
                            f"{target.cfg.hidden_size}")
+    return recorded
 
 
 def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
@@ -419,8 +427,7 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     target's `target_digest` (computed when the cache records one and it is not given)."""
     from tqdm import tqdm
 
-    check_cache(target, taps, data, digest)
-    recorded = cache_target(data, read_meta(data))
+    recorded = check_cache(target, taps, data, digest)
     for features in sorted(data.glob("features-*.safetensors")):
         if not _answers_path(features).exists():
             _save_answers(_read(features, "feature shard"), features)

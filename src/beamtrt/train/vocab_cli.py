@@ -20,18 +20,16 @@ from beamtrt.errors import BeamtrtError
 def training_tokens(dirs: list[Path], eval_sequences: int) -> torch.Tensor:
     """Sorted distinct token ids of the sequences the trainer trains on, over the caches in training order (--data
     last): their answers files (committed) or feature shards."""
-    from beamtrt.train.features import FeatureSet, concat_features, read_sequences
+    from beamtrt.train.features import FeatureSet, concat_features, read_sequences, sequence_files
     from beamtrt.train.trainer import TrainConfig, split
 
     parts = []
     for d in dirs:
-        shards: dict[str, Path] = {}  # shard number -> its answers file, else its feature shard
-        for p in [*d.glob("features-*.safetensors"), *d.glob("answers-*.safetensors")]:
-            shards[p.name.split("-", 1)[1]] = p
-        if not shards:
+        files = sequence_files(d)
+        if not files:
             raise BeamtrtError(f"{d}: no answers or feature shards")
-        for _, p in sorted(shards.items()):
-            t = read_sequences(p, "answers file" if p.name.startswith("answers-") else "feature shard")
+        for path, what in files:
+            t = read_sequences(path, what)
             parts.append(FeatureSet(ids=t["ids"], taps=torch.empty(t["ids"].shape[0], 0), seq_start=t["seq_start"],
                                     prompt_len=t["prompt_len"], greedy=t["greedy"]))
     data = concat_features(parts)
