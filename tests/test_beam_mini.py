@@ -106,3 +106,25 @@ def test_build_is_idempotent_and_atomic(beam_mini, smollm2, monkeypatch):
         build_beam_mini(out, source=smollm2, progress=False)
     assert not out.exists()
     assert [p.name for p in beam_mini.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_random_default_drafter_is_beam_minis_whatever_target_asked_first(beam_mini, tmp_path, monkeypatch):
+    """Without a trained drafter, another target asking first gets one line offering --drafter, and the random drafter
+    made on the way is beam-mini's (it used to be made from that target's layout, and beam-mini then got it)."""
+    from beamtrt.config import DrafterConfig
+    from beamtrt.errors import ConfigError
+    from beamtrt.models import beam_mini as bm
+    from beamtrt.models.random_beam import write_random_beam
+    from beamtrt.runtime.loader import load_hf
+
+    monkeypatch.setattr(bm, "DEFAULT_DIR", beam_mini)
+    monkeypatch.setattr(bm, "TRAINED_DRAFTER", tmp_path / "no-trained-drafter")
+    monkeypatch.setattr(bm, "RANDOM_DRAFTER", tmp_path / "random")
+    other = write_random_beam(tmp_path / "other", BeamConfig(
+        vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ConfigError, match="default drafter .* is beam-mini's and does not fit this target .* "
+                                          "pass --drafter DIR .*, or --no-spec$"):
+        load_hf(other, None, no_spec_flag="--no-spec")
+    assert DrafterConfig.from_file(tmp_path / "random" / "config.json").vocab_size == 49152
+    assert load_hf(beam_mini, None).drafter_dir == tmp_path / "random"

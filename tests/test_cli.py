@@ -655,11 +655,14 @@ def test_the_verification_point_times_both_places(sampled):
 
 def test_a_default_drafter_that_does_not_fit_offers_only_the_commands_own_flags(tmp_path, run):
     """beam-mini's drafter on another target: run.py offers --drafter or --no-spec; bench_spec, which has no
-    --no-spec (it runs both), offers --drafter only."""
+    --no-spec (it runs both), and build_engines.py offer --drafter only."""
     assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
-    proc = run("scripts/bench_spec.py", "--model", str(tmp_path / "m"), "--batches", "1")
-    assert_one_line_error(proc, "does not fit this target", "--drafter DIR")
-    assert "--no-spec" not in proc.stderr
+    for proc in (run("scripts/bench_spec.py", "--model", str(tmp_path / "m"), "--batches", "1"),
+                 run("build/build_engines.py", "--precision", "bf16", "--model", str(tmp_path / "m"), "--out",
+                     str(tmp_path / "out"))):
+        assert_one_line_error(proc, "does not fit this target", "--drafter DIR")
+        assert "--no-spec" not in proc.stderr
+    assert not (tmp_path / "out").exists()
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--prompt", "hi"),
                           "does not fit this target", "--drafter DIR", "or --no-spec")
 

@@ -651,11 +651,10 @@ def test_beam_mini_repository_validates(beam_mini, tmp_path):
     message through its ChatML template."""
     from beamtrt.build.pipeline import build
     from beamtrt.config import BuildConfig
-    from beamtrt.models.beam import load_beam
     from beamtrt.models.beam_mini import default_drafter
 
     engine, repo = tmp_path / "bf16-tp4", tmp_path / "repo"
-    build(BuildConfig(model=beam_mini, drafter=default_drafter(lambda: load_beam(beam_mini)), out=engine,
+    build(BuildConfig(model=beam_mini, drafter=default_drafter(), out=engine,
                       precision="bf16", tp=4), progress=False)
     lines = export.export(export.ExportConfig(engine, repo))
     assert lines[-1] == f"launch: scripts/launch_triton.sh --world-size 4 --model-repo {repo}"

