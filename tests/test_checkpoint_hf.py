@@ -415,7 +415,7 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # nothing aside, no staging left
 
 
-def test_staging_removes_what_killed_writers_left_and_keeps_a_running_ones(tmp_path, capsys):
+def test_staging_removes_what_killed_writers_left_and_refuses_beside_a_running_one(tmp_path, capsys):
     import os
     import signal
     import subprocess
@@ -427,10 +427,12 @@ def test_staging_removes_what_killed_writers_left_and_keeps_a_running_ones(tmp_p
               "    (tmp / 'rank0.safetensors').write_bytes(bytes(1000))\n    print(tmp, flush=True)\n"
               "    time.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": str(Path(hf.__file__).parents[2])}
-    procs = [subprocess.Popen([sys.executable, "-c", writer, str(out)], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", writer, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    procs = [start()]
     try:
-        killed, running = (Path(p.stdout.readline().strip()) for p in procs)
+        killed = Path(procs[0].stdout.readline().strip())
         procs[0].send_signal(signal.SIGKILL)  # nothing runs to remove its folder (kill -9, the OOM killer)
         procs[0].wait()
         assert killed.is_dir() and killed.name.startswith(".engines.tmp-")
@@ -438,14 +440,23 @@ def test_staging_removes_what_killed_writers_left_and_keeps_a_running_ones(tmp_p
         old.mkdir()
         other = tmp_path / ".engines2.tmp-x"  # another output's
         other.mkdir()
+        procs.append(start())
+        running = Path(procs[1].stdout.readline().strip())
+        assert not killed.exists() and not old.exists() and other.is_dir()
+        with pytest.raises(CheckpointError) as err, hf.staging(out):
+            pass
+        assert str(err.value) == (f"{out}: another running process is writing it (into {running}); let it finish, "
+                                  "or choose another output")
+        assert running.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [running.name, other.name])  # its own staging is gone again
+        procs[1].kill()
+        procs[1].wait()
         with hf.staging(out) as tmp:
-            assert not killed.exists() and not old.exists()
-            assert running.is_dir() and other.is_dir()  # a running writer's staging, and another output's, stay
+            assert not running.exists() and other.is_dir()
             assert tmp.name.startswith(".engines.tmp-") and tmp.is_dir()
         assert not tmp.exists()
         notes = capsys.readouterr().err.splitlines()
-        assert sorted(notes) == sorted(f"note: removed {p} ({size} MB), the unfinished output of an earlier run "
-                                       "that was killed" for p, size in ((killed, "0.0"), (old, "0.0")))
+        assert notes == [f"note: removed {running} (0.0 MB), the unfinished output of an earlier run that was killed"]
     finally:
         for p in procs:
             p.kill()

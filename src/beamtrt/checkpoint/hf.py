@@ -34,10 +34,10 @@ def staging(final: Path) -> Iterator[Path]:
     whatever is left of it when the block ends is removed. It has the mode a plain mkdir gives (mkdtemp's 0700
     would hide the output from other users, such as a tritonserver's), and this process holds a lock on it while
     the block runs, so that leftovers of killed writers (kill -9, the out-of-memory killer: nothing ran to remove
-    them) are told apart from a running writer's and removed first."""
+    them) are told apart from a running writer's: they are removed, while a running writer of the same output is
+    one line (two writers would each replace the other's output, or fail on it)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(final)
     try:  # made under another prefix and locked before it takes the one leftovers are looked for by
         new = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
         fd = os.open(new, os.O_RDONLY)
@@ -48,6 +48,7 @@ def staging(final: Path) -> Iterator[Path]:
         _lock(fd)
         new.chmod(0o777 & ~_UMASK)
         os.replace(new, tmp)
+        _remove_leftovers(final, tmp)  # after its own is in place: of two writers starting together, one sees the other
         yield tmp
     finally:
         shutil.rmtree(new, ignore_errors=True)
@@ -67,17 +68,22 @@ def _lock(fd: int) -> bool | None:
         return None
 
 
-def _remove_leftovers(final: Path) -> None:
-    """Removes the `staging` directories for `final` that no running process holds: a killed writer's."""
+def _remove_leftovers(final: Path, mine: Path) -> None:
+    """Removes the `staging` directories for `final` that no running process holds (a killed writer's) but `mine`;
+    one that a running process holds is one line."""
     for old in sorted(final.parent.glob(f".{glob.escape(final.name)}.tmp-*")):
-        if old.is_symlink() or not old.is_dir():
+        if old == mine or old.is_symlink() or not old.is_dir():
             continue
         try:
             fd = os.open(old, os.O_RDONLY)
         except OSError:
             continue
         try:
-            if _lock(fd) is not True:
+            held = _lock(fd)
+            if held is False:
+                raise CheckpointError(f"{final}: another running process is writing it (into {old}); let it finish, "
+                                      "or choose another output")
+            if held is None:  # a file system without locks: nothing is known of it
                 continue
             size = sum(f.lstat().st_blocks * 512 for f in old.rglob("*"))  # the disk space it held
             shutil.rmtree(old, ignore_errors=True)
