@@ -128,3 +128,17 @@ def test_the_random_default_drafter_is_beam_minis_whatever_target_asked_first(be
         load_hf(other, None, no_spec_flag="--no-spec")
     assert DrafterConfig.from_file(tmp_path / "random" / "config.json").vocab_size == 49152
     assert load_hf(beam_mini, None).drafter_dir == tmp_path / "random"
+
+
+def test_creating_says_so_before_the_gguf_is_read(tmp_path, monkeypatch, capsys):
+    """Reading the GGUF is the first quarter minute: a line says what is happening before it, not after."""
+    from beamtrt.models import beam_mini as bm
+
+    def read():
+        assert capsys.readouterr().out == (f"beam-mini: creating {tmp_path / 'm'} from {bm.GGUF_FILE} (about half a "
+                                           "minute; later runs reuse it)\n")
+        raise KeyboardInterrupt  # stop here
+    monkeypatch.setattr(bm, "load_smollm2", read)
+    with pytest.raises(KeyboardInterrupt):
+        bm.build_beam_mini(tmp_path / "m")
+    assert not (tmp_path / "m").exists()

@@ -126,6 +126,8 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     dtype = getattr(torch, recipe.dtype, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise CheckpointError(f"unknown storage dtype {recipe.dtype!r} (use bfloat16, float16 or float32)")
+    if source is None and progress:  # reading the GGUF (its tokenizer most of it) is the first 15 s or so
+        print(f"beam-mini: creating {out} from {GGUF_FILE} (about half a minute; later runs reuse it)", flush=True)
     model, tokenizer = source or load_smollm2()
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")  # the GGUF metadata names <|im_start|> as EOS
     tokenizer.eos_token = "<|im_end|>"
@@ -150,10 +152,9 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
 
 
 def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
-    """The default beam-mini directory, created on first use (about a minute on 2 cores)."""
+    """The default beam-mini directory, created on first use (about half a minute on 2 cores)."""
     path = Path(path)
     if not (path / MARKER).is_file():
-        print(f"beam-mini: creating {path} from {GGUF_FILE} (one-time, about a minute)", flush=True)
         build_beam_mini(path)
     return path
 
