@@ -30,6 +30,19 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def progress(total: int, desc: str, unit: str = "point"):
+    """A benchmark's bar over its measurements, drawn on a terminal only (piped output stays its JSON lines)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=None, dynamic_ncols=True, leave=False)
+
+
+def say(bar, line: str, file) -> None:
+    """`line` on `file` (now, even when piped) above `bar`, a `progress` bar."""
+    bar.write(line, file=file)
+    file.flush()
+
+
 def torch_device(name: str, flag: str = "--device"):
     """A --device value -> torch.device on this host, or a one-line error (a bad name, no CUDA, no such GPU)."""
     import torch

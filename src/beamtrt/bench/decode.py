@@ -20,7 +20,7 @@ import torch
 
 from beamtrt import native
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli, set_threads
+from beamtrt.cli_util import ArgumentParser, description, output_path, progress, run_cli, say, set_threads
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model) if args.model else ensure_beam_mini()
         result = {"model": str(model_dir), "threads": torch.get_num_threads(), "context": args.context,
                   "device": "cpu", "results": []}
+        bar = progress(len(args.dtypes) * len(args.batches), "bench_decode")
         for name in args.dtypes:
             model = load_beam(model_dir, dtype=DTYPES[name])
             if args.context + max(args.steps, 2) > model.cfg.max_position_embeddings:  # 2 warm-up steps, cropped
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             probe = GemvProbe(DTYPES[name])
             step_bytes = active_weight_bytes(model)
             for batch in args.batches:
+                bar.set_postfix_str(f"{name} batch {batch}")
                 rates, bandwidths = measure(model, probe, batch, args.context, args.steps, args.paths)
                 bandwidth = max(bandwidths.values())
                 bound = bandwidth / step_bytes  # tokens/s at batch 1 if only weight streaming took time
@@ -163,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                     if batch == 1:
                         point["fraction_of_bound"] = round(rate / bound, 3)
                     result["results"].append(point)
-                    print(json.dumps(point), file=sys.stderr, flush=True)
+                    say(bar, json.dumps(point), sys.stderr)
+                bar.update()
             del model, probe
+        bar.close()
         print(json.dumps(result, indent=2))
         if args.json:
             write_json(args.json, result)

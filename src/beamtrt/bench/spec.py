@@ -10,7 +10,7 @@ import time
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli, set_threads
+from beamtrt.cli_util import ArgumentParser, description, output_path, progress, run_cli, say, set_threads
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         result = {"model": str(loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir), "dtype": args.dtype,
                   "block_size": args.block_size, "draft_threshold": args.draft_threshold,
                   "threads": torch.get_num_threads(), "results": []}
+        bar = progress(len(args.batches), "bench_spec")
         for batch in args.batches:
+            bar.set_postfix_str(f"batch {batch}")
             requests = [Request(tuple(tok.apply_chat_template([{"role": "user", "content": q}],
                                                               add_generation_prompt=True)),
                                 args.max_new_tokens, eos) for q in BENCH_PROMPTS[:batch]]
@@ -95,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             point = {"batch": batch, "spec": spec, "no_spec": plain,
                      "decode_speedup": round(rates[0] / rates[1], 3) if all(rates) else None}
             result["results"].append(point)
-            print(json.dumps(point), file=sys.stderr, flush=True)
+            say(bar, json.dumps(point), sys.stderr)
+            bar.update()
+        bar.close()
         print(json.dumps(result, indent=2))
         if args.json:
             write_json(args.json, result)

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import ArgumentParser, child_error, output_path, run_child, run_cli, work_dir
+from beamtrt.cli_util import ArgumentParser, child_error, output_path, progress, run_child, run_cli, say, work_dir
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             output_path(args.json, "--json")
         work_dir(args.work, "--work", "bench_tp.py")
         results = {"precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
+        bar = progress(len(args.tp) * (1 + 2 * len(args.concurrency)), "bench_tp", unit="command")
         for tp in args.tp:
+            bar.set_postfix_str(f"tp {tp}: build")
             engine = build(args.precision, tp, args.work, args.model, args.drafter)
             for c in args.concurrency:
                 prompts = args.work / f"prompts-{c}.jsonl"
@@ -82,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                 prompts.write_text("\n".join((lines * (c // len(lines) + 1))[:c]) + "\n")
                 row = {"tp": tp, "concurrency": c}
                 for spec in (False, True):
+                    bar.update()
+                    bar.set_postfix_str(f"tp {tp}, c {c}: {'spec' if spec else 'plain'}")
                     row["spec" if spec else "plain"] = decode(engine, tp, prompts, c, spec, args.max_new_tokens)
                 row["speedup"] = round(row["spec"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
                 results["runs"].append(row)
-                print(json.dumps(row), flush=True)
+                say(bar, json.dumps(row), sys.stdout)
+            bar.update()
+        bar.close()
         if args.json:
             from beamtrt.checkpoint.hf import write_json  # imports torch, which this launcher does not need
 
