@@ -298,6 +298,30 @@ def test_a_build_loads_only_tensors_it_could_have_written(sources, tmp_path):
         read_manifest(out / "target")
 
 
+def test_one_process_reads_every_ranks_copy_of_the_activation_scales(sources, tmp_path):
+    """Every rank file holds the same activation and KV-cache scales; one process running them all used rank 0's and
+    never read the others, so a damaged copy (which that rank would use under mpirun) went unnoticed."""
+    from beamtrt.checkpoint.trtllm_files import load_target
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out"
+    assert build(sources, out, "--precision", "fp8", "--kv-cache", "fp8").returncode == 0, "build"
+    load_target(out / "target")
+    rank1 = out / "target" / "rank1.safetensors"
+    good = load_file(rank1)
+    for suffix in ("mlp.proj.activation_scaling_factor", "attention.kv_cache_scaling_factor"):
+        name = next(n for n in good if n.endswith(suffix))
+        for value, needle in ((float("nan"), "has NaN or Inf values"), (2.0, "differs from rank 0's copy")):
+            tensors = dict(good)
+            tensors[name] = good[name] * value
+            save_file(tensors, rank1, metadata={"format": "pt"})
+            with pytest.raises(CheckpointError, match=needle) as info:
+                load_target(out / "target")
+            assert str(info.value).startswith(f"{rank1}: ") and name in str(info.value)
+    save_file(good, rank1, metadata={"format": "pt"})
+    load_target(out / "target")
+
+
 def test_build_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
     """A failure inside a stage (here: the drafter writer) removes the temporary directory; no output appears."""
     from beamtrt.build import pipeline

@@ -209,21 +209,31 @@ def load_drafter_checkpoint(path: str | Path, target, dtype: torch.dtype | None 
     return model.eval()
 
 
-def install_emulation(model, ckpt: TrtllmCheckpoint, rank: int = 0) -> None:
-    """Set the model's activation hooks to the checkpoint's activation (and KV-cache) quantization (scales read
-    from `rank`'s file: every rank holds the same ones)."""
+def install_emulation(model, ckpt: TrtllmCheckpoint, rank: int | None = None) -> None:
+    """Set the model's activation hooks to the checkpoint's activation (and KV-cache) quantization, with the scales
+    of `rank`'s file; None (one process running every rank) reads every rank's copy, which must be the same."""
+    def scale(name: str) -> torch.Tensor:
+        if rank is not None:
+            return ckpt.scale(rank, name)
+        first = ckpt.scale(0, name)
+        for r in range(1, ckpt.mapping.tp_size):  # each read checks its value (NaN, Inf, zero) too
+            if not torch.equal(ckpt.scale(r, name), first):
+                raise CheckpointError(f"{rank_file(ckpt.path, r)}: tensor {name!r} differs from rank 0's copy (every "
+                                      "rank holds the same one): damaged, rebuild with build/build_engines.py")
+        return first
+
     sites = act_hooks(model)
     if ckpt.precision != "bf16":
         fake = fp8.fake_quant if ckpt.precision == "fp8" else nvfp4.fake_quant_activation
         for unit in ckpt.units():
             if isinstance(unit, trtllm.Linear) and unit.name in sites:
                 module, attr = sites[unit.name]
-                setattr(module, attr, partial(fake, scale=ckpt.scale(rank, f"{unit.name}.activation_scaling_factor"))
+                setattr(module, attr, partial(fake, scale=scale(f"{unit.name}.activation_scaling_factor"))
                         if ckpt.precision == "fp8" else
-                        partial(fake, scale_2=ckpt.scale(rank, f"{unit.name}.activation_scaling_factor")))
+                        partial(fake, scale_2=scale(f"{unit.name}.activation_scaling_factor")))
     if ckpt.kv_cache == "fp8":
         for site in trtllm.kv_sites(len(model.layers)):
-            scale = ckpt.scale(rank, f"{site}.kv_cache_scaling_factor")
+            kv_scale = scale(f"{site}.kv_cache_scaling_factor")
             for kind in ("k", "v"):
                 module, attr = sites[f"{site}.{kind}_cache"]
-                setattr(module, attr, partial(fp8.fake_quant, scale=scale))
+                setattr(module, attr, partial(fp8.fake_quant, scale=kv_scale))
