@@ -744,3 +744,20 @@ def test_a_cache_description_of_the_wrong_types_is_one_line(tmp_path, field, val
     assert "\n" not in str(info.value)
     (tmp_path / "meta.json").write_text(json.dumps({"recipe": {"prompts": 8, "temperature": 1}}))
     assert read_meta(tmp_path)["recipe"]["temperature"] == 1  # an int where a float is meant is fine
+
+
+def test_the_training_log_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """--work's train_log.jsonl: an interrupted write leaves the previous log, not a cut one, and no temporary file."""
+    import os
+
+    from beamtrt.train.trainer import write_log
+
+    path = tmp_path / "train_log.jsonl"
+    write_log(path, [{"step": 1}])
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_log(path, [{"step": 1}, {"step": 2}])
+    assert path.read_text() == '{"step": 1}\n' and [p.name for p in tmp_path.iterdir()] == [path.name]

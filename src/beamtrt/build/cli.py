@@ -98,7 +98,8 @@ def _run(args: argparse.Namespace) -> None:
         log(f"warning: {bc.model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): the build is complete, "
             "but runtime/run.py and the Triton export need them to encode prompts")
     if args.out is None:  # runtime/run.py runs the last default-location build unless told otherwise
-        LAST_BUILD.write_text(str(bc.out.resolve()) + "\n")
+        from beamtrt.checkpoint.hf import write_text
+        write_text(LAST_BUILD, str(bc.out.resolve()) + "\n")
     stage = read_manifest(bc.out)["stages"]["engines"]
     if stage["status"] == "skipped":
         log(f"engines: skipped ({stage['reason']}); the TensorRT-LLM checkpoints are complete in {bc.out}; to build "

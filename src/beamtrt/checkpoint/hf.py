@@ -202,17 +202,22 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    """Write `obj` as indented JSON, atomically (temp file in the same directory, then os.replace), making missing
-    folders: every config, manifest, --json and summary file."""
+    """Write `obj` as indented JSON with `write_text`: every config, manifest, --json and summary file."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n", "JSON")
+
+
+def write_text(path: str | Path, text: str, what: str = "a file") -> None:
+    """Write `text` atomically (temp file in the same directory, then os.replace), making missing folders; `what` is
+    what the file holds, for the one line refusing a path that is not a regular file."""
     path = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # a link's target is written, not the link
     if path.exists() and not path.is_file():
-        raise CheckpointError(f"{path}: not a regular file; cannot write JSON there")
+        raise CheckpointError(f"{path}: not a regular file; cannot write {what} there")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give (as save_safetensors does)

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from beamtrt.checkpoint.hf import write_text
 from beamtrt.cli_util import error_line
 from beamtrt.errors import BeamtrtError
 from beamtrt.models.dflash2 import DFlash2Drafter
@@ -459,4 +460,4 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
 
 
 def write_log(path: Path, log: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row) + "\n" for row in log))
+    write_text(path, "".join(json.dumps(row) + "\n" for row in log), "the training log")
