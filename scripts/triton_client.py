@@ -46,6 +46,7 @@ def check(args):
     """The first bad value, as one line (the server checks them too), or None."""
     int32 = 2**31 - 1  # the request's tensors are INT32
     bad = [(not 1 <= args.max_tokens <= int32, f"--max-tokens must be in [1, {int32}], got {args.max_tokens}"),
+           (not args.url.strip(), "--url is empty"),
            (not args.prompt.strip(), "--prompt is empty"),
            (not 0 <= args.temperature <= np.finfo(np.float32).max,  # sent as FP32
             f"--temperature must be a finite number >= 0, got {args.temperature}"),
@@ -82,7 +83,15 @@ def stream(args, out):
 
     responses = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
-    if not client.is_model_ready(args.model):  # also the clear error when nothing listens at the url
+    try:
+        ready = client.is_model_ready(args.model)
+    except grpcclient.InferenceServerException as e:
+        if e.status() != "StatusCode.UNAVAILABLE":
+            raise
+        why = str(e.message()).rsplit(": ", 1)[-1].strip(" ]")  # e.g. "Connection refused"
+        raise RuntimeError(f"no Triton server answers at {args.url} ({why}): start one with "
+                           "scripts/launch_triton.sh, or pass its --url") from None
+    if not ready:
         raise RuntimeError(f"model {args.model!r} is not ready on {args.url}")
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     last = {}

@@ -686,7 +686,10 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
         assert client.main(["--url", "localhost:1", flag, value]) == 2
         assert capsys.readouterr().err.startswith(f"error: {flag} must be")
     assert client.main(["--url", "localhost:1", "--timeout", "5"]) == 2
-    assert capsys.readouterr().err.count("\n") == 1
+    assert capsys.readouterr().err == ("error: no Triton server answers at localhost:1 (Connection refused): start one "
+                                       "with scripts/launch_triton.sh, or pass its --url\n")
+    assert client.main(["--url", ""]) == 2  # before gRPC, whose own log lines would come first
+    assert capsys.readouterr().err == "error: --url is empty\n"
 
 
 def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
