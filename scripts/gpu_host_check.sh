@@ -15,7 +15,8 @@ MAX_NEW=64
 fail() { echo "error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --tp|--precisions|--max-new-tokens) [ $# -ge 2 ] || fail "$1 needs a value (see --help)" ;;
+    --tp|--precisions|--max-new-tokens) [ $# -ge 2 ] || fail "$1 needs a value (see --help)"
+      [ -n "$2" ] || fail "$1: an empty value (an unset shell variable?)" ;;
   esac
   case "$1" in
     --tp) TP="$2"; shift 2 ;;

@@ -37,6 +37,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1; shift; continue ;;
     --world-size|--model-repo|--tritonserver|--mpirun|--http-port|--grpc-port|--metrics-port|--log-file)
       [ $# -ge 2 ] || fail "$1 needs a value"
+      [ -n "$2" ] || fail "$1: an empty value (an unset shell variable?)"
       case "$1" in
         --world-size) world=$2 ;; --model-repo) repo=$2 ;; --tritonserver) tritonserver=$2 ;; --mpirun) mpirun=$2 ;;
         --http-port) http=$2 ;; --grpc-port) grpc=$2 ;; --metrics-port) metrics=$2 ;; --log-file) log=$2 ;;

@@ -166,7 +166,7 @@ def test_gpu_check_help_and_bad_argument():
                                              env={**os.environ, "PY": sys.executable}), "no CUDA device")
     host = str(ROOT / "scripts/gpu_host_check.sh")
     for args, needle in ((["--tp"], "--tp needs a value"), (["--tp", "x"], "positive integer"),
-                         (["--bogus"], "unknown argument")):
+                         (["--bogus"], "unknown argument"), (["--precisions", ""], "--precisions: an empty value")):
         assert_one_line_error(subprocess.run([host, *args], capture_output=True, text=True, timeout=30), needle)
     assert "set -euo" not in subprocess.run([host, "--help"], capture_output=True, text=True, timeout=30).stdout
 

@@ -727,7 +727,9 @@ def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
                          (["--world-size", "2", "--model-repo", str(repo), "--grpc-port", "8010"],  # rank 1's HTTP
                           "port 8010 is given to two servers"),
                          (["--world-size", "2", "--model-repo", str(repo), "--log-file", str(tmp_path)],
-                          "is a directory")):
+                          "is a directory"),
+                         (["--world-size", "2", "--model-repo", str(repo), "--dry-run", "--tritonserver", ""],
+                          "--tritonserver: an empty value")):
         proc = subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=30)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
     assert "--world-size N --model-repo REPO" in subprocess.run([script, "--help"], capture_output=True,
