@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "convert",
                    help="folder for the generated sources and the builds, replaced as needed, so a folder holding "
                         "anything else is refused (default: bench/convert)")
-    p.add_argument("--size-gb", type=float, default=4.5, help="source checkpoint size in GB (default: %(default)s)")
+    p.add_argument("--size-gb", type=float, default=4.5,
+                   help="source checkpoint size in GB, rounded to whole MoE layers of about 0.2 GB each (default: "
+                        "%(default)s, which makes 21 layers, 4.3 GB)")
     p.add_argument("--precisions", nargs="+", default=["bf16", "nvfp4", "fp8"], choices=("bf16", "fp8", "nvfp4"),
                    help="precisions to build (default: %(default)s)")
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel ranks (default: %(default)s)")
