@@ -193,6 +193,29 @@ def test_streamed_text_keeps_sentencepiece_spaces():
     assert all(protocol.text_delta(decode, p[1], p[0], p[2]) == p[3] for p in pieces if p)
 
 
+def test_a_stream_holds_back_only_what_could_still_become_a_stop_word():
+    """Stop words starting with every letter the output uses (within the documented 64 x 1,024): each step used to
+    re-decode its whole unsent text once per candidate end and hold all of it (any text ends in some stop word's first
+    letter), so the request streamed nothing and stalled the decode thread for every other request. Now a step sends
+    all but the ending that could still grow into a stop word, decoding only its new tokens' ends."""
+    calls = []
+
+    def decode(ids):  # one letter per token
+        calls.append(len(ids))
+        return "".join(chr(97 + i % 26) for i in ids)
+    stops = tuple(chr(97 + i) + "\0" * 1023 for i in range(26))
+    text = serving._Text(decode, stops, stream=True)
+    ids = [(7 * i) % 26 for i in range(400)]
+    pieces = []
+    for start in range(0, len(ids), 4):
+        text.ids.extend(ids[start:start + 4])
+        pieces.append(text.take(final=False))
+    pieces.append(text.take(final=True))
+    assert "".join(p[3] for p in pieces if p) == decode(ids)
+    assert all(p is not None and len(p[0]) == 4 for p in pieces[1:-1])  # every step but the last token, sent at once
+    assert len(calls) - 1 <= 4 * len(pieces)  # two text_delta calls a step (each decodes the context and the delta)
+
+
 def test_stop_words_cut_the_text_and_postprocessing_rebuilds_every_delta(server):
     full = collect(server, {"text_input": PROMPTS[2], "max_tokens": 40, "stream": True})
     text = "".join(d.text for d in full)

@@ -17,6 +17,7 @@ from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, read_chats, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
+from beamtrt.spec.stops import first_stop, held_from
 
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -82,18 +83,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def cut_at_stop(text: str, stops: list[str]) -> str:
     """The text before the earliest stop string (the whole text when none occurs)."""
-    cut = min((text.index(s) for s in stops if s in text), default=len(text))
-    return text[:cut]
+    return text[:first_stop(text, stops)]
 
 
 def streamable(text: str, stops: list[str]) -> str:
     """What of a request's text so far may be shown: the text before a stop string, and without an ending that more
     tokens could still complete into one (shown once they do not)."""
-    cut = cut_at_stop(text, stops)
-    if len(cut) < len(text):
-        return cut
-    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[:len(text) - held]
+    cut = first_stop(text, stops)
+    return text[:cut if cut < len(text) else held_from(text, stops)]
 
 
 def _validate(args: argparse.Namespace) -> SamplingParams:

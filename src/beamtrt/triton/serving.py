@@ -30,6 +30,7 @@ from beamtrt.prompts import load_tokenizer
 from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
+from beamtrt.spec.stops import first_stop, held_from
 from beamtrt.triton.protocol import (CONTEXT_TOKENS, Delta, Metrics, RequestError, RequestParams, encode_prompt,
                                      make_decode, parse_request, text_delta)
 
@@ -100,24 +101,18 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def _stop_at(text: str, stops: tuple[str, ...]) -> int:
-    """Where the earliest stop string starts in text, or -1."""
-    return min((text.index(s) for s in stops if s in text), default=-1)
-
-
-def _ends_in_stop_prefix(text: str, stops: tuple[str, ...]) -> bool:
-    return any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
-
-
 class _Text:
     """One request's committed tokens and how many were sent. A streamed delta ends where its text is settled: not
-    in the middle of a UTF-8 character (U+FFFD at the end) and not on what could start a stop string, so a stop
-    string always lies inside the final delta, which is cut before it."""
+    in the middle of a UTF-8 character (U+FFFD at the end), and not past where the unsent text's ending could still
+    grow into a stop string, so a stop string always lies inside the final delta, which is cut before it. For as long
+    as `sent` stays, the text of each candidate end is decoded once (a held-back ending is at most a stop string
+    long), so a step decodes only its new tokens' ends however long the stop list."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], stream: bool):
         self.decode, self.stops, self.stream = decode, stops, stream
         self.ids: list[int] = []
         self.sent = 0  # tokens already sent
+        self._texts: dict[int, str] = {}  # end -> the text of ids[sent:end] after the context, while `sent` stays
 
     def take(self, final: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, str] | None:
         """(token_ids, context_ids, text_end, text) of the next delta; None when nothing new is settled."""
@@ -128,15 +123,22 @@ class _Text:
         if end == self.sent and not final:
             return None
         new = self.ids[self.sent:end]
-        text = text_delta(self.decode, context, new)
-        cut = _stop_at(text, self.stops) if final else -1
-        self.sent = end
-        return tuple(new), tuple(context), cut, text if cut < 0 else text[:cut]
+        text = self._text(context, end)
+        cut = first_stop(text, self.stops) if final else len(text)
+        self.sent, self._texts = end, {}
+        return tuple(new), tuple(context), cut if cut < len(text) else -1, text[:cut]
+
+    def _text(self, context: list[int], end: int) -> str:
+        if end not in self._texts:
+            self._texts[end] = text_delta(self.decode, context, self.ids[self.sent:end])
+        return self._texts[end]
 
     def _settled(self, context: list[int]) -> int:
+        full = self._text(context, len(self.ids))
+        limit = min(first_stop(full, self.stops), held_from(full, self.stops))
         for end in range(len(self.ids), self.sent, -1):
-            text = text_delta(self.decode, context, self.ids[self.sent:end])
-            if not text.endswith("\ufffd") and not _ends_in_stop_prefix(text, self.stops):
+            text = self._text(context, end)
+            if len(text) <= limit and full.startswith(text) and not text.endswith("\ufffd"):
                 return end
         return self.sent
 
