@@ -337,8 +337,11 @@ def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_pa
     lowest = protocol.parse_request({"input_ids": [5], "max_tokens": 1, "temperature": np.array([[1e-5]], np.float32)})
     assert lowest.sampling.temperature == 1e-5  # the documented minimum, as FP32 holds it (9.99999975e-06: refused)
     scalars = protocol.parse_request({"input_ids": np.array([5, 6], np.int64), "max_tokens": np.int64(4),
-                                      "top_p": np.float64(0.5), "stream": np.bool_(True)})  # NumPy scalars
+                                      "temperature": np.float64(0.5), "top_p": np.float64(0.5),
+                                      "stream": np.bool_(True)})  # NumPy scalars
     assert (scalars.prompt_ids, scalars.max_tokens, scalars.sampling.top_p, scalars.stream) == ((5, 6), 4, 0.5, True)
+    greedy = protocol.parse_request({"input_ids": [5], "max_tokens": 1, "temperature": 0.0, "top_p": 0.9, "top_k": 40})
+    assert greedy.sampling == protocol.SamplingParams()  # argmax is in every top-p / top-k set: batched with plain greedy ones
     for not_fields in (None, ["text_input"]):
         with pytest.raises(RequestError, match="a request is a mapping of field names to values"):
             protocol.parse_request(not_fields)

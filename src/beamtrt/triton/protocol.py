@@ -141,8 +141,9 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
     if len(stop) > MAX_STOP_WORDS or any(len(s) > MAX_STOP_CHARS for s in stop):  # each is matched at every step
         raise RequestError(f"stop_words: at most {MAX_STOP_WORDS} of at most {MAX_STOP_CHARS} characters each, got "
                            f"{len(stop)} of up to {max(map(len, stop))}")
-    return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),
-                         SamplingParams(temperature, top_p, top_k), stop, got.get("stream", False))
+    sampling = SamplingParams(temperature, top_p, top_k) if temperature else SamplingParams()  # greedy ignores top-p/k:
+    return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),  # one decoder group for all
+                         sampling, stop, got.get("stream", False))
 
 
 # ---- text ---------------------------------------------------------------------------------------------------------
