@@ -341,7 +341,7 @@ def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_pa
                                       "stream": np.bool_(True)})  # NumPy scalars
     assert (scalars.prompt_ids, scalars.max_tokens, scalars.sampling.top_p, scalars.stream) == ((5, 6), 4, 0.5, True)
     greedy = protocol.parse_request({"input_ids": [5], "max_tokens": 1, "temperature": 0.0, "top_p": 0.9, "top_k": 40})
-    assert greedy.sampling == protocol.SamplingParams()  # argmax is in every top-p / top-k set: batched with plain greedy ones
+    assert greedy.sampling == protocol.SamplingParams()  # argmax is in every top-p / top-k set: batched with greedy
     for not_fields in (None, ["text_input"]):
         with pytest.raises(RequestError, match="a request is a mapping of field names to values"):
             protocol.parse_request(not_fields)
@@ -464,6 +464,10 @@ def test_model_adapters_chain_like_the_ensemble(builds, tmp_path, monkeypatch):
         assert "max_tokens must be >= 1" in bad.sender.sent[0].error.message
         [empty] = pre.execute([FakeRequest(text_input=np.array([[b""]], dtype=object))])
         assert empty.error.code == "INVALID_ARG"
+        [negative] = post.execute([FakeRequest(output_ids=np.array([[-1]], np.int32),  # was an OverflowError
+                                               context_ids=np.zeros((1, 0), np.int32),
+                                               text_end=np.array([[-1]], np.int32))])
+        assert negative.error.code == "INVALID_ARG" and "token ids >= 0, got -1" in negative.error.message
 
         gone = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[100]], np.int32),
                            stream=np.array([[True]]))

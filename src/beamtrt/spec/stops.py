@@ -1,4 +1,4 @@
-"""Stop strings in decoded text: where the first one starts, and where an ending that could still grow into one starts."""
+"""Stop strings in decoded text: where the first one starts, and where an ending that could still become one starts."""
 
 from __future__ import annotations
 

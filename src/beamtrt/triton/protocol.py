@@ -230,4 +230,6 @@ def preprocess(tokenizer, values: Mapping[str, object], chat_template: bool) -> 
 def postprocess(decode: Callable[[list[int]], str], values: Mapping[str, object]) -> dict[str, np.ndarray]:
     """postprocessing's step: output_ids after context_ids, cut to text_end -> text_output [1, 1]."""
     ids, context, end = (_convert(t, values[t.name]) for t in POST_INPUTS)
+    if min(ids + context, default=0) < 0:  # the tokenizer's own error would be an OverflowError
+        raise RequestError(f"output_ids and context_ids must be token ids >= 0, got {min(ids + context)}")
     return {"text_output": _array(POST_OUTPUTS[0], text_delta(decode, context, ids, end))}

@@ -23,6 +23,11 @@ class TritonPythonModel:
         for request in requests:
             values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy()
                       for t in self.protocol.POST_INPUTS}
-            outputs = self.protocol.postprocess(self.decode, values)
+            try:
+                outputs = self.protocol.postprocess(self.decode, values)
+            except self.protocol.RequestError as e:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+                continue
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
         return responses
