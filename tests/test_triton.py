@@ -216,6 +216,20 @@ def test_a_stream_holds_back_only_what_could_still_become_a_stop_word():
     assert len(calls) - 1 <= 4 * len(pieces)  # two text_delta calls a step (each decodes the context and the delta)
 
 
+def test_a_stop_word_that_is_a_special_token_stops_on_that_token(server):
+    """Text is decoded without special tokens, so a stop word such as <|im_start|> never appeared in it and the request
+    ran to max_tokens; it now stops on the token, as TensorRT-LLM's token-level stop words do."""
+    tok = server.tokenizer
+    plain = tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 100}))
+    special = {i: t for t, i in tok.get_added_vocab().items() if tok.decode([i], skip_special_tokens=True) == ""}
+    at = next(k for k, i in enumerate(plain) if i in special and i not in server.stop_ids)  # the first one it makes
+    deltas = collect(server, {"input_ids": [294, 35], "max_tokens": 100, "stop_words": [special[plain[at]], "zzz"]})
+    assert tokens(deltas) == plain[:at + 1] and deltas[-1].finish_reason == "stop"
+    from beamtrt.prompts import special_stops  # run.py's --stop goes through it too
+
+    assert special_stops(tok, ("zzz", special[plain[at]])) == (frozenset({plain[at]}), ("zzz",))
+
+
 def test_stop_words_cut_the_text_and_postprocessing_rebuilds_every_delta(server):
     full = collect(server, {"text_input": PROMPTS[2], "max_tokens": 40, "stream": True})
     text = "".join(d.text for d in full)

@@ -35,6 +35,14 @@ def load_tokenizer(path: str | Path):
                               "(tokenizer.json, tokenizer_config.json)") from None
 
 
+def special_stops(tokenizer, stops) -> tuple[frozenset[int], tuple[str, ...]]:
+    """Stop strings that are one special token (`<|im_start|>`) stop on that token: text is decoded without special
+    tokens, where such a string never appears. Returns (their token ids, the other stop strings)."""
+    added = tokenizer.get_added_vocab()
+    ids = {s: added[s] for s in stops if s in added and tokenizer.decode([added[s]], skip_special_tokens=True) == ""}
+    return frozenset(ids.values()), tuple(s for s in stops if s not in ids)
+
+
 def utf8_text(text: str, where: str) -> str:
     """`text` if it is valid Unicode; else one line: non-UTF-8 bytes on the command line (Python holds them as
     surrogate escapes) or a lone surrogate \\uXXXX escape in a JSON string, which the tokenizer cannot encode."""

@@ -14,7 +14,7 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, read_chats, utf8_text
+from beamtrt.prompts import load_tokenizer, read_chats, special_stops, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import first_stop, held_from
@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[],
-                   help="stop a request when its text contains this string (repeatable; the text is cut before it)")
+                   help="stop a request when its text contains this string (repeatable; the text is cut before it); "
+                        "a special token such as <|im_start|>, which the text never shows, stops on that token")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests decoded at once; when one finishes, its cache slot is refilled from the queue "
                         "before the next step (continuous batching); 0 = every prompt at once, or as many as a "
@@ -189,7 +190,8 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
     except Exception as e:  # a malformed chat (roles the template rejects)
         raise BeamtrtError(f"the chat template rejected a prompt: {str(e).strip().splitlines()[0]}") from None
-    requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids), tuple(args.stop))
+    stop_ids, stop_strings = special_stops(tokenizer, args.stop)
+    requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids) | stop_ids, stop_strings)
                 for ids in prompt_ids]
     decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
                                  detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

@@ -26,7 +26,7 @@ import torch
 
 from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.errors import ConfigError
-from beamtrt.prompts import load_tokenizer
+from beamtrt.prompts import load_tokenizer, special_stops
 from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
@@ -233,8 +233,9 @@ class Server:
             raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than this "
                                f"server's {room} (max_seq_len {self.settings.max_seq_len}, the model's context "
                                f"{self.model_context or 'unknown'})")
-        live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids, params.stop), params, on_delta,
-                     is_cancelled, _Text(self.decode, params.stop, params.stream))
+        stop_ids, stops = special_stops(self.tokenizer, params.stop)
+        live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids | stop_ids, stops), params,
+                     on_delta, is_cancelled, _Text(self.decode, stops, params.stream))
         with self._lock:
             if self._closed:
                 raise RequestError("the server is shutting down")
