@@ -354,6 +354,8 @@ def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_pa
                                       "temperature": np.float64(0.5), "top_p": np.float64(0.5),
                                       "stream": np.bool_(True)})  # NumPy scalars
     assert (scalars.prompt_ids, scalars.max_tokens, scalars.sampling.top_p, scalars.stream) == ((5, 6), 4, 0.5, True)
+    with pytest.raises(RequestError, match="^input_ids has a batch of 2: send one request per call$"):
+        protocol.parse_request({"input_ids": np.array([[5, 6], [7, 8]], np.int32), "max_tokens": 1})  # not [5, 6, 7, 8]
     greedy = protocol.parse_request({"input_ids": [5], "max_tokens": 1, "temperature": 0.0, "top_p": 0.9, "top_k": 40})
     assert greedy.sampling == protocol.SamplingParams()  # argmax is in every top-p / top-k set: batched with greedy
     for not_fields in (None, ["text_input"]):
