@@ -223,6 +223,22 @@ def _array(t: Tensor, value: object) -> np.ndarray:
     return np.array(items, dtype=NUMPY[t.dtype]).reshape(1, len(items))
 
 
+def respond(pb_utils, requests, inputs: tuple[Tensor, ...], step: Callable[[dict], dict]) -> list:
+    """The execute() of a model that answers each request at once (preprocessing, postprocessing): each request's
+    `inputs` through `step`; a RequestError is that request's INVALID_ARG response. `pb_utils` is Triton's module."""
+    responses = []
+    for request in requests:
+        values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy() for t in inputs}
+        try:
+            outputs = step(values)
+        except RequestError as e:
+            responses.append(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+            continue
+        responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
+    return responses
+
+
 def preprocess(tokenizer, values: Mapping[str, object], chat_template: bool) -> dict[str, np.ndarray]:
     """preprocessing's step: text_input -> input_ids [1, n] int32."""
     text = _convert(PRE_INPUTS[0], values.get("text_input", ""))

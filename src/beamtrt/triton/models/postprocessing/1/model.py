@@ -19,15 +19,5 @@ class TritonPythonModel:
         self.decode = protocol.make_decode(tokenizer)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy()
-                      for t in self.protocol.POST_INPUTS}
-            try:
-                outputs = self.protocol.postprocess(self.decode, values)
-            except self.protocol.RequestError as e:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
-                continue
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
-        return responses
+        return self.protocol.respond(pb_utils, requests, self.protocol.POST_INPUTS,
+                                     lambda values: self.protocol.postprocess(self.decode, values))

@@ -19,15 +19,6 @@ class TritonPythonModel:
         self.chat_template = params["chat_template"] == "true"
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            values = {t.name: pb_utils.get_input_tensor_by_name(request, t.name).as_numpy()
-                      for t in self.protocol.PRE_INPUTS}
-            try:
-                outputs = self.protocol.preprocess(self.tokenizer, values, self.chat_template)
-            except self.protocol.RequestError as e:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
-                continue
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
-        return responses
+        def step(values):
+            return self.protocol.preprocess(self.tokenizer, values, self.chat_template)
+        return self.protocol.respond(pb_utils, requests, self.protocol.PRE_INPUTS, step)
