@@ -496,3 +496,18 @@ def test_writing_holds_a_folder_against_other_processes(tmp_path, capsys):
     with hf.writing(tmp_path / "new"):
         pass
     assert not (tmp_path / "new").exists()  # made for the block and left empty: removed
+
+
+def test_staging_a_relative_output_is_not_refused_for_its_own_folder(tmp_path, monkeypatch):
+    """Python 3.12's mkdtemp returns an absolute path for a relative dir: the writer's own folder, globbed relative,
+    must still be told apart by its name, or every relative --out was 'written by another running process'."""
+    import os
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(hf.tempfile, "mkdtemp", lambda *a, **k: os.path.abspath(real(*a, **k)))  # as 3.12+ does
+    with hf.staging(Path("out")) as tmp:
+        (tmp / "x").write_text("1")
+        hf.replace_dir(tmp, Path("out"))
+    assert (tmp_path / "out" / "x").read_text() == "1"

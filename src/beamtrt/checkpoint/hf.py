@@ -48,7 +48,8 @@ def staging(final: Path) -> Iterator[Path]:
         _lock(fd)
         new.chmod(0o777 & ~_UMASK)
         os.replace(new, tmp)
-        _remove_leftovers(final, tmp)  # after its own is in place: of two writers starting together, one sees the other
+        _remove_leftovers(final, tmp)  # after its own is in place: of two writers starting at once, one sees the other
+        # (or each sees the other, and both stop)
         yield tmp
     finally:
         shutil.rmtree(new, ignore_errors=True)
@@ -72,7 +73,7 @@ def _remove_leftovers(final: Path, mine: Path) -> None:
     """Removes the `staging` directories for `final` that no running process holds (a killed writer's) but `mine`;
     one that a running process holds is one line."""
     for old in sorted(final.parent.glob(f".{glob.escape(final.name)}.tmp-*")):
-        if old == mine or old.is_symlink() or not old.is_dir():
+        if old.name == mine.name or old.is_symlink() or not old.is_dir():  # a name: mkdtemp's path is absolute (3.12)
             continue
         try:
             fd = os.open(old, os.O_RDONLY)
