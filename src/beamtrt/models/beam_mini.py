@@ -184,7 +184,7 @@ def default_drafter() -> Path:
     if not (RANDOM_DRAFTER / "config.json").is_file():
         print(f"drafter: no trained drafter yet; creating a deterministic random one in {RANDOM_DRAFTER} "
               "(acceptance length ~1)", file=sys.stderr)
-        target = load_beam(ensure_beam_mini())  # beam-mini's layout whatever the target is: the folder is beam-mini's
+        target = load_beam(ensure_beam_mini(DEFAULT_DIR))  # beam-mini's layout whatever the target: the folder is its
         save_drafter(random_drafter(drafter_layout(target.cfg), target, seed=0), RANDOM_DRAFTER)
     return RANDOM_DRAFTER
 
