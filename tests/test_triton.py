@@ -213,7 +213,27 @@ def test_a_stream_holds_back_only_what_could_still_become_a_stop_word():
     pieces.append(text.take(final=True))
     assert "".join(p[3] for p in pieces if p) == decode(ids)
     assert all(p is not None and len(p[0]) == 4 for p in pieces[1:-1])  # every step but the last token, sent at once
-    assert len(calls) - 1 <= 4 * len(pieces)  # two text_delta calls a step (each decodes the context and the delta)
+    assert len(calls) <= 8 * len(pieces)  # a few text_delta calls a step (each decodes the context and the delta)
+
+    calls.clear()  # a held-back ending as long as the stop string allows, moving on every step
+    text = serving._Text(decode, ("a" * 1023 + "b",), stream=True)
+    sent = []
+    for step in range(600):
+        text.ids.extend([0] * 4)  # "aaaa"
+        sent.append(text.take(final=False))
+    assert sum(len(p[0]) for p in sent if p) == 4 * 600 - 1023  # all but the ending that could still be the stop
+    assert len(calls) <= 30 * 600  # bisection: it was 2,048 decodes of up to 1,000 tokens a step
+
+    def utf8(ids):  # one byte per token: a character can be split across tokens
+        return bytes(ids).decode("utf-8", errors="replace")
+    text = serving._Text(utf8, ("!\u7b54",), stream=True)
+    streamed = []
+    for byte in "Hi!\u7b54".encode():  # the request stops when the stop string's last byte comes
+        text.ids.append(byte)
+        streamed.append(text.take(final=False))
+    last = text.take(final=True)
+    assert "".join(p[3] for p in streamed if p) == "Hi"  # "!" waited for the character after it, not just its bytes
+    assert last[3] == "" and last[2] == 0  # the final delta holds the stop string, cut before it
 
 
 def test_a_stop_word_that_is_a_special_token_stops_on_that_token(server):

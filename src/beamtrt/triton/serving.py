@@ -103,10 +103,11 @@ def resolve_device(device: str) -> str:
 
 class _Text:
     """One request's committed tokens and how many were sent. A streamed delta ends where its text is settled: not
-    in the middle of a UTF-8 character (U+FFFD at the end), and not past where the unsent text's ending could still
-    grow into a stop string, so a stop string always lies inside the final delta, which is cut before it. For as long
-    as `sent` stays, the text of each candidate end is decoded once (a held-back ending is at most a stop string
-    long), so a step decodes only its new tokens' ends however long the stop list."""
+    in the middle of a UTF-8 character (U+FFFD at the end), and not past where the unsent text's settled part ends in
+    what could still grow into a stop string, so a stop string always lies inside the final delta, which is cut
+    before it. For as long as `sent` stays, the text of each candidate end is decoded once, and the largest end that
+    fits is found by bisection (text grows with its tokens), so a step decodes a few ends however long the stop
+    list or the held-back ending."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], stream: bool):
         self.decode, self.stops, self.stream = decode, stops, stream
@@ -135,8 +136,13 @@ class _Text:
 
     def _settled(self, context: list[int]) -> int:
         full = self._text(context, len(self.ids))
-        limit = min(first_stop(full, self.stops), held_from(full, self.stops))
-        for end in range(len(self.ids), self.sent, -1):
+        stable = full.rstrip("\ufffd")  # a character still missing bytes: what follows it is not known yet
+        limit = min(first_stop(stable, self.stops), held_from(stable, self.stops))
+        low, high = self.sent, len(self.ids)  # the largest end whose text fits within `limit`
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if len(self._text(context, mid)) <= limit else (low, mid - 1)
+        for end in range(low, self.sent, -1):
             text = self._text(context, end)
             if len(text) <= limit and full.startswith(text) and not text.endswith("\ufffd"):
                 return end
