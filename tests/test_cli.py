@@ -550,6 +550,7 @@ def test_streamed_text_holds_back_what_may_become_a_stop_string():
     assert streamable("The capital is Pe", ["Paris"]) == "The capital is Pe"  # cannot
     assert streamable("a\n\nb", ["\n\n", "b!"]) == "a" and streamable("ab", ["bc", "x"]) == "a"
     assert streamable("abc", []) == "abc"
+    assert streamable("Hi!\ufffd", ["!\u7b54"]) == "Hi" and streamable("ok \ufffd", []) == "ok "  # bytes to come
 
 
 @pytest.mark.slow

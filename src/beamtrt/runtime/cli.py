@@ -89,9 +89,12 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 def streamable(text: str, stops: list[str]) -> str:
     """What of a request's text so far may be shown: the text before a stop string, and without an ending that more
-    tokens could still complete into one (shown once they do not)."""
+    tokens could still complete into one (shown once they do not), nor a character still missing bytes (U+FFFD)."""
     cut = first_stop(text, stops)
-    return text[:cut if cut < len(text) else held_from(text, stops)]
+    if cut < len(text):
+        return text[:cut]
+    stable = text.rstrip("\ufffd")
+    return stable[:held_from(stable, stops)]
 
 
 def _validate(args: argparse.Namespace) -> SamplingParams:
@@ -204,12 +207,12 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
 
     def on_tokens(i: int, ids: list[int]) -> None:  # streams the text of a single request as it is committed
         streamed.extend(ids)
-        text = streamable(tokenizer.decode(streamed, skip_special_tokens=True), args.stop)
+        text = streamable(tokenizer.decode(streamed, skip_special_tokens=True), stop_strings)
         print(text[len(shown[0]):], end="", flush=True)
         shown[0] = text
 
     def text(c) -> str:
-        return cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), args.stop).strip()
+        return cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), stop_strings).strip()
 
     def on_finish(i: int, c) -> None:  # several requests: each is printed as soon as it finishes
         print(f"\n>>> {chats[i][-1]['content']}\n{text(c)}", flush=True)
@@ -225,7 +228,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     elapsed = time.perf_counter() - start
     texts = [text(c) for c in completions]
     if stream:  # what was held back as the start of a stop string that did not come
-        print(cut_at_stop(tokenizer.decode(streamed, skip_special_tokens=True), args.stop)[len(shown[0]):])
+        print(cut_at_stop(tokenizer.decode(streamed, skip_special_tokens=True), stop_strings)[len(shown[0]):])
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
     mode = "no-spec" if args.no_spec else f"block {args.block_size}" + (
