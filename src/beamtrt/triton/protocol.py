@@ -64,10 +64,11 @@ POST_OUTPUTS = tuple(t for t in OUTPUTS if t.name == "text_output")
 
 def _convert(t: Tensor, value: object) -> object:
     """A Triton tensor (any shape, a batch dimension of 1 included) or a Python value -> a checked Python value."""
-    if isinstance(value, np.ndarray) and value.ndim >= 2 and value.shape[0] != 1:  # Triton's max_batch_size is 1
-        raise RequestError(f"{t.name} has a batch of {value.shape[0]}: send one request per call")
+    array = np.asarray(value, dtype=object)
+    if array.ndim >= 2 and array.shape[0] != 1:  # Triton's max_batch_size is 1; a nested list from a direct caller
+        raise RequestError(f"{t.name} has a batch of {array.shape[0]}: send one request per call")
     out = []
-    for v in np.asarray(value, dtype=object).reshape(-1).tolist():
+    for v in array.reshape(-1).tolist():
         if isinstance(v, np.generic):  # a NumPy scalar (np.int64(4), np.float32, np.bool_): its Python value
             v = v.item()
         if t.dtype == "TYPE_STRING":
