@@ -580,15 +580,12 @@ def read_draft_vocab(directory: str | Path, cfg: DrafterConfig) -> torch.Tensor 
 
 def write_draft_vocab(directory: str | Path, ids: torch.Tensor) -> None:
     """Store a draft vocabulary (one line of JSON) in a checkpoint directory being written."""
+    from beamtrt.checkpoint.hf import write_text
+
     text = json.dumps({"about": "the token ids this drafter drafts from (beamtrt: DFlash2Drafter.set_draft_vocab)",
                        "token_ids": [int(i) for i in ids.tolist()]})
-    path = Path(directory) / DRAFT_VOCAB_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:  # whole or not at all: it may replace the one a served drafter drafts from
-        tmp.write_text(text + "\n", encoding="utf-8")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # whole or not at all: it may replace the one a served drafter drafts from
+    write_text(Path(directory) / DRAFT_VOCAB_FILE, text + "\n", "a draft vocabulary")
 
 
 def drafter_config_for(path: str | Path, target_cfg: BeamConfig) -> DrafterConfig:
