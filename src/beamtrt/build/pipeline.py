@@ -68,12 +68,13 @@ class Plan:
         self.drafter_dtype = self.drafter_reader.dtype("fc.weight")
         self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
         prompts = bc.calib_prompts or _default_prompts()
-        if bc.needs_calibration or bc.calib_prompts:
-            read_chats(prompts)  # a bad prompt file fails here, before any output exists (even one not needed)
-        if has_tokenizer(bc.model):  # copied into the build for decoding and Triton: one that cannot encode a chat
-            from beamtrt.quant.calibrate import tokenize  # fails the build now (a bf16 one built, then they failed)
+        tokenizer = has_tokenizer(bc.model)
+        if bc.needs_calibration or bc.calib_prompts or tokenizer:  # a bad prompt file fails here, before any output
+            chats = read_chats(prompts)                            # exists (even one not needed)
+        if tokenizer:  # copied into the build for decoding and Triton: one that cannot encode a chat fails the build
+            from beamtrt.quant.calibrate import tokenize  # now (a bf16 one built, then they failed)
 
-            tokenize(bc.model, read_chats(prompts)[:1], 1, self.target_cfg.vocab_size)
+            tokenize(bc.model, chats[:1], 1, self.target_cfg.vocab_size)
         target_files = mf.model_files(bc.model) + _tokenizer_files(bc.model)  # calibration tokenizes its prompts
         drafter_files = mf.model_files(bc.drafter)
         drafter_fp8 = bc.drafter_precision == "fp8"
