@@ -570,6 +570,26 @@ def test_run_streams_nothing_of_a_stop_string(beam_mini, tmp_path):
 
 
 @pytest.mark.slow
+def test_run_prints_the_text_as_generated(beam_mini, tmp_path):
+    """The tokenizer's clean-up of spaces (on by default for SmolLM2) rewrote the answer: `echo "Hello !"` was printed
+    as `echo "Hello!"`, and a stream lost characters already shown ("I do n" then "I don't" printed "t")."""
+    import json
+
+    from beamtrt.prompts import load_tokenizer
+
+    proc = run_script("runtime/run.py", "--model", str(beam_mini), "--prompt",
+                      "Write a shell command that prints 'Hello !'", "--max-new-tokens", "12", "--dtype", "bfloat16",
+                      "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    request = json.loads((tmp_path / "r.json").read_text())["requests"][0]
+    tokenizer = load_tokenizer(beam_mini)
+    generated = tokenizer.decode(request["output_ids"], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert tokenizer.decode(request["output_ids"], skip_special_tokens=True) != generated  # the case this checks
+    streamed = proc.stdout.split("\n", 1)[1]
+    assert request["output_text"] == generated.strip() and streamed.strip() == generated.strip(), proc.stdout
+
+
+@pytest.mark.slow
 def test_ctrl_c_mid_answer_ends_on_a_line_of_its_own(beam_mini):
     """On a terminal the streamed answer and the closing line share the screen: 'interrupted' was glued to the
     unfinished line of text ('...transform intointerrupted')."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from beamtrt.cli_util import error_line
 from beamtrt.errors import BeamtrtError, CheckpointError
@@ -33,6 +34,12 @@ def load_tokenizer(path: str | Path):
         line = line if len(line) <= 200 else line[:200] + " ..."  # transformers may list every model type
         raise CheckpointError(f"{path}: cannot load the tokenizer ({line}); a checkpoint needs its tokenizer files "
                               "(tokenizer.json, tokenizer_config.json)") from None
+
+
+def make_decode(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids -> text, as generated: no clean-up of spaces, which rewrites what the model wrote (`print("Hi !")`
+    -> `print("Hi!")`) and text already streamed (" ." -> ".")."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def special_stops(tokenizer, stops) -> tuple[frozenset[int], tuple[str, ...]]:

@@ -14,7 +14,7 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, read_chats, special_stops, utf8_text
+from beamtrt.prompts import load_tokenizer, make_decode, read_chats, special_stops, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import first_stop, held_from
@@ -189,6 +189,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
 
     chats, params = setup.chats, setup.params
     tokenizer = load_tokenizer(tokenizer_dir)
+    decode = make_decode(tokenizer)
     try:
         prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
     except Exception as e:  # a malformed chat (roles the template rejects)
@@ -197,7 +198,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids) | stop_ids, stop_strings)
                 for ids in prompt_ids]
     decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
-                                 detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                 detokenize=decode,
                                  draft_threshold=args.draft_threshold)
     stream = not args.quiet and len(requests) == 1
     if stream:
@@ -207,12 +208,12 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
 
     def on_tokens(i: int, ids: list[int]) -> None:  # streams the text of a single request as it is committed
         streamed.extend(ids)
-        text = streamable(tokenizer.decode(streamed, skip_special_tokens=True), stop_strings)
+        text = streamable(decode(streamed), stop_strings)
         print(text[len(shown[0]):], end="", flush=True)
         shown[0] = text
 
     def text(c) -> str:
-        return cut_at_stop(tokenizer.decode(c.output_ids, skip_special_tokens=True), stop_strings).strip()
+        return cut_at_stop(decode(c.output_ids), stop_strings).strip()
 
     def on_finish(i: int, c) -> None:  # several requests: each is printed as soon as it finishes
         print(f"\n>>> {chats[i][-1]['content']}\n{text(c)}", flush=True)
@@ -228,7 +229,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     elapsed = time.perf_counter() - start
     texts = [text(c) for c in completions]
     if stream:  # what was held back as the start of a stop string that did not come
-        print(cut_at_stop(tokenizer.decode(streamed, skip_special_tokens=True), stop_strings)[len(shown[0]):])
+        print(cut_at_stop(decode(streamed), stop_strings)[len(shown[0]):])
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
     mode = "no-spec" if args.no_spec else f"block {args.block_size}" + (

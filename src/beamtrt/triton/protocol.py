@@ -155,11 +155,6 @@ MAX_STOP_WORDS, MAX_STOP_CHARS = 64, 1024  # stop strings are matched on the dec
 CONTEXT_TOKENS = 8  # tokens sent before a delta that its text is decoded after (leading-space / byte-merge rules)
 
 
-def make_decode(tokenizer) -> Callable[[list[int]], str]:
-    """Token ids -> text. No clean-up of spaces: it rewrites text already sent (" ." -> "."), breaking streaming."""
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     """A user message through the chat template (with the assistant turn opened), or raw text."""
     if not text.strip():

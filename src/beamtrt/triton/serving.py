@@ -26,13 +26,13 @@ import torch
 
 from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.errors import ConfigError
-from beamtrt.prompts import load_tokenizer, special_stops
+from beamtrt.prompts import load_tokenizer, make_decode, special_stops
 from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import first_stop, held_from
 from beamtrt.triton.protocol import (CONTEXT_TOKENS, Delta, Metrics, RequestError, RequestParams, encode_prompt,
-                                     make_decode, parse_request, text_delta)
+                                     parse_request, text_delta)
 
 
 # ---- how a server runs a build -------------------------------------------------------------------------------

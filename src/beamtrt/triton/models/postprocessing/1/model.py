@@ -11,12 +11,12 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         sys.path.insert(0, params["python_path"])  # the folder holding the beamtrt package
-        from beamtrt.prompts import load_tokenizer
+        from beamtrt.prompts import load_tokenizer, make_decode
         from beamtrt.triton import protocol
 
         self.protocol = protocol
         tokenizer = load_tokenizer(Path(args["model_repository"]).parent / params["tokenizer_dir"])
-        self.decode = protocol.make_decode(tokenizer)
+        self.decode = make_decode(tokenizer)
 
     def execute(self, requests):
         return self.protocol.respond(pb_utils, requests, self.protocol.POST_INPUTS,
