@@ -196,6 +196,21 @@ def test_stop_strings(target, prompts, reference):
     assert out[0].output_ids == reference[1][:words.index(stop) + 1]
 
 
+def test_stop_strings_decode_a_tail_not_the_whole_output(target, prompts):
+    """Each step decoded the whole output to look for a stop string (0.8 ms a step at 4,096 tokens); it decodes a tail
+    of about the longest stop's length."""
+    decoded = []
+
+    def detokenize(ids):
+        decoded.append(len(ids))
+        return "".join(f"<{t}>" for t in ids)
+
+    dec = SpeculativeDecoder(TorchTarget(target), None, block_size=8, detokenize=detokenize)
+    out = dec.generate([Request(tuple(prompts[1]), 200, stop_strings=("<never>",))])[0]
+    assert len(out.output_ids) == 200 and out.finish_reason == "length"
+    assert max(decoded) <= 2 * (len("<never>") + 8), max(decoded)
+
+
 def test_a_stop_string_before_a_stop_token_in_one_step_ends_there(target, prompts, reference):
     """A step that commits [..., b, EOS] where b completes a stop string ends at b, as plain decoding does (the stop
     token was found first and the stop string no longer looked for: the output kept the EOS)."""

@@ -22,6 +22,7 @@ from beamtrt.config import check_draft_threshold, drafter_block_error
 from beamtrt.runtime.backend import DrafterBackend, DraftStep, TargetBackend
 from beamtrt.spec.metrics import SpecMetrics
 from beamtrt.spec.sampling import SamplingParams, sample, target_probs
+from beamtrt.spec.stops import completed_by
 from beamtrt.spec.verify import verify_greedy, verify_sampled
 
 
@@ -275,7 +276,7 @@ class SpeculativeDecoder:
                 completion.finish_reason = "stop"
                 break
         if request.stop_strings and self.detokenize is not None:  # one completed before the stop token ends first
-            end = self._stop_string_end(completion.output_ids, kept, request.stop_strings)
+            end = completed_by(self.detokenize, completion.output_ids, kept, request.stop_strings)
             if end is not None:
                 kept = kept[:end]
                 completion.finish_reason = "stop"
@@ -285,13 +286,3 @@ class SpeculativeDecoder:
         if on_tokens is not None and kept:
             on_tokens(i, kept)
         return len(kept)
-
-    def _stop_string_end(self, before: list[int], new: list[int], stops: tuple[str, ...]) -> int | None:
-        """How many of `new` to keep when they complete a stop string (up to the completing token), else None."""
-        def stopped(ids: list[int]) -> bool:
-            text = self.detokenize(ids)
-            return any(s in text for s in stops)
-
-        if not stopped(before + new):
-            return None
-        return next(j for j in range(1, len(new) + 1) if stopped(before + new[:j]))

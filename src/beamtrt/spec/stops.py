@@ -24,3 +24,30 @@ def held_from(text: str, stops) -> int:
                 break
             i = text.find(s[0], i + 1)
     return start
+
+
+MARGIN = 8  # characters a tail's start may differ by (a split character's up to 3 U+FFFD, a dropped space), and more
+
+
+def completed_by(decode, before: list[int], new: list[int], stops) -> int | None:
+    """How many of `new` token ids to keep when they complete a stop string in the text `decode` gives (up to the
+    completing token), else None. No stop string is in the text of `before` (it would have ended the request), so one
+    that `new` completes ends in new text: only a tail of `before` long enough to hold the rest of it is decoded, not
+    the whole output each step. A tail's first characters may differ from the whole text's (a character split across
+    tokens, a leading space dropped), so the tail holds MARGIN characters more than the longest stop, and only a match
+    that ends in the new text counts."""
+    longest = max(map(len, stops))
+    width = longest + MARGIN  # tokens; ones of no text (special tokens) can make that too few characters: doubled
+    while width < len(before) and len(decode(before[-width:])) < longest + MARGIN:
+        width *= 2
+    tail = before[-width:]
+    settled = len(decode(tail).rstrip("\ufffd"))  # a trailing character still missing bytes may change
+
+    def completes(j: int) -> bool:
+        text = decode(tail + new[:j])
+        return any(text.find(s, max(0, settled - len(s) + 1)) != -1 for s in stops if s)
+
+    if not completes(len(new)):
+        return None
+    return next(j for j in range(1, len(new) + 1) if completes(j))
+
