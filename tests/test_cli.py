@@ -743,6 +743,9 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
         shutil.copy2(cache / name, both / name)
     assert torch.equal(training_tokens([mixed], 0), training_tokens([both], 0))
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(tmp_path / "gone")), "gone")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(both), str(tmp_path / "empty")),
+                          f"--data {tmp_path / 'empty'}: not a feature cache (no answers-*.safetensors")
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(both), str(both) + "/"),
                           "--data names the same cache twice")
     assert [p.name for p in drafter.glob("*draft_vocab*")] == ["draft_vocab.json"]  # no temporary file left
@@ -851,9 +854,10 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     shutil.copytree(out, broken)
     (broken / "model.safetensors").write_bytes((broken / "model.safetensors").read_bytes()[:-100])
     assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--init", str(broken)), str(broken))
-    (tmp_path / "empty").mkdir()  # an --extra-data cache with nothing to train on: likewise
-    assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--extra-data", str(tmp_path / "empty")),
-                          f"--extra-data {tmp_path / 'empty'}: no answers files or feature shards")
+    (tmp_path / "empty").mkdir()  # an --extra-data or --skip-answered-in cache with no sequences: likewise
+    for flag in ("--extra-data", "--skip-answered-in"):
+        assert_one_line_error(run("scripts/train_drafter.py", *fresh, flag, str(tmp_path / "empty")),
+                              f"{flag} {tmp_path / 'empty'}: not a feature cache (no answers-*.safetensors")
     for flag in ("--seed", "--data-seed"):  # seed × 1,000,003 + n must stay a seed torch takes
         assert_one_line_error(run("scripts/train_drafter.py", *fresh, flag, str(2**32)),
                               f"{flag} must be in [0, 2**32)")

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--init {args.init}: not a drafter checkpoint (no config.json)")
         for flag, dirs in (("--extra-data", args.extra_data), ("--skip-answered-in", args.skip_answered_in or [])):
             for d in dirs:
-                require_dir(d, "a feature cache directory", flag)
+                sequence_files(require_dir(d, "a feature cache directory", flag), f"{flag} {d}")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
@@ -276,9 +276,6 @@ def main(argv: list[str] | None = None) -> int:
                 check_state(work / "train_state.pt", cfg, dcfg, digest)
             for extra in map(Path, args.extra_data):
                 check_cache(target, dcfg.target_layer_ids, extra, digest)
-                if not sequence_files(extra):
-                    raise BeamtrtError(f"--extra-data {extra}: no answers files or feature shards (answers-*, "
-                                       "features-*.safetensors)")
             drafter = (start_from(init, dcfg, target, cfg.seed) if init else  # --init's weights read here
                        init_drafter(dcfg, target, cfg.seed))
         tokenizer = AutoTokenizer.from_pretrained(target_dir)

@@ -223,11 +223,13 @@ def check_target(data: Path, meta: dict, digest: str | None) -> None:
                            "target that made it, or another directory")
 
 
-def sequence_files(data: Path) -> list[tuple[Path, str]]:
-    """A cache's shards in order, each as (its answers file, else its feature shard: the same sequences, what it is);
-    [] for a folder with neither."""
+def sequence_files(data: Path, name: str = "") -> list[tuple[Path, str]]:
+    """A cache's shards in order, each as (its answers file, else its feature shard: the same sequences, what it is).
+    A folder with neither is one line naming it as `name` (default: its path)."""
     shards = {p.name.split("-", 1)[1]: (p, "feature shard") for p in data.glob("features-*.safetensors")}
     shards |= {p.name.split("-", 1)[1]: (p, "answers file") for p in data.glob("answers-*.safetensors")}
+    if not shards:
+        raise BeamtrtError(f"{name or data}: not a feature cache (no answers-*.safetensors or features-*.safetensors)")
     return [shards[number] for number in sorted(shards)]
 
 
@@ -236,10 +238,7 @@ def answered_prompts(*caches: Path) -> set[tuple[int, ...]]:
     shards that have none)."""
     found: set[tuple[int, ...]] = set()
     for data in caches:
-        files = sequence_files(data)
-        if not files:
-            raise BeamtrtError(f"{data}: not a feature cache (no answers-*.safetensors or features-*.safetensors)")
-        for path, what in files:
+        for path, what in sequence_files(data):
             t = read_sequences(path, what)
             ids = t["ids"].tolist()
             found.update(tuple(ids[a:a + n]) for a, n in zip(t["seq_start"].tolist(), t["prompt_len"].tolist()))

@@ -25,10 +25,7 @@ def training_tokens(dirs: list[Path], eval_sequences: int) -> torch.Tensor:
 
     parts = []
     for d in dirs:
-        files = sequence_files(d)
-        if not files:
-            raise BeamtrtError(f"{d}: no answers or feature shards")
-        for path, what in files:
+        for path, what in sequence_files(d, f"--data {d}"):
             t = read_sequences(path, what)
             parts.append(FeatureSet(ids=t["ids"], taps=torch.empty(t["ids"].shape[0], 0), seq_start=t["seq_start"],
                                     prompt_len=t["prompt_len"], greedy=t["greedy"]))
