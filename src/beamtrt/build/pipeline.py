@@ -71,10 +71,12 @@ class Plan:
         tokenizer = has_tokenizer(bc.model)
         if bc.needs_calibration or bc.calib_prompts or tokenizer:  # a bad prompt file fails here, before any output
             chats = read_chats(prompts)                            # exists (even one not needed)
+        self.calib_ids = None  # the calibration prompts' token ids; None: random ids (a checkpoint with no tokenizer)
         if tokenizer:  # copied into the build for decoding and Triton: one that cannot encode a chat fails the build
             from beamtrt.quant.calibrate import tokenize  # now (a bf16 one built, then they failed)
 
-            tokenize(bc.model, chats[:1], 1, self.target_cfg.vocab_size)
+            self.calib_ids = tokenize(bc.model, chats, bc.calib_samples if bc.needs_calibration else 1,
+                                      self.target_cfg.vocab_size)
         target_files = mf.model_files(bc.model) + _tokenizer_files(bc.model)  # calibration tokenizes its prompts
         drafter_files = mf.model_files(bc.drafter)
         drafter_fp8 = bc.drafter_precision == "fp8"
@@ -200,9 +202,8 @@ def _calibrate(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
     from beamtrt.quant import calibrate as cal
 
     bc = plan.bc
-    if (bc.model / "tokenizer.json").is_file() or (bc.model / "tokenizer_config.json").is_file():
-        sequences = cal.tokenize(bc.model, read_chats(bc.calib_prompts or cal.default_prompts_path()),
-                                 bc.calib_samples, plan.target_cfg.vocab_size)
+    if plan.calib_ids is not None:
+        sequences = plan.calib_ids
         source = str(bc.calib_prompts or "packaged calibration prompts")
     else:
         sequences = cal.random_tokens(plan.target_cfg.vocab_size, bc.calib_samples)
