@@ -338,6 +338,33 @@ def test_build_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
     no_leftovers(tmp_path)
 
 
+def test_a_build_that_does_not_fit_its_disk_stops_before_calibrating(sources, tmp_path, monkeypatch):
+    """The rank files a build writes are known before it calibrates (hours on a large model): a file system without
+    room for them is one line, before any output. Measured against the files a build then writes."""
+    import shutil
+
+    from beamtrt.build import pipeline
+    from beamtrt.config import BuildConfig
+    from beamtrt.errors import ConfigError
+
+    bc = BuildConfig(model=sources / "target", drafter=sources / "drafter", out=tmp_path / "a" / "out",
+                     precision="nvfp4", tp=2)
+    disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=10_000))
+    monkeypatch.setattr(pipeline, "_calibrate", lambda *a: pytest.fail("calibrated"))
+    with pytest.raises(ConfigError) as info:
+        pipeline.build(bc, progress=False)
+    said = re.fullmatch(rf"{bc.out}: the build writes about (\S+) MB \(target (\S+) MB \+ drafter (\S+) MB\) and "
+                        rf"{tmp_path} has 0.0 MB free: free some space or choose another --out", str(info.value))
+    assert said, info.value
+    assert not (tmp_path / "a").exists()
+    monkeypatch.undo()
+    pipeline.build(bc, progress=False)
+    for part, mb in zip(("target", "drafter"), said.groups()[1:]):
+        written = sum(p.stat().st_size for p in (bc.out / part).glob("rank*.safetensors"))
+        assert abs(written / 1e6 - float(mb)) <= 0.05 + 0.01 * written / 1e6, (part, written, mb)
+
+
 def test_tokenizer_files_are_inputs_and_outputs_take_the_umask(sources, tmp_path):
     """A changed chat template changes the target stage (it is copied into the output and tokenizes calibration);
     outputs get a plain mkdir's and open()'s modes, readable by a tritonserver running as another user."""

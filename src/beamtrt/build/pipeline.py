@@ -19,6 +19,7 @@ import torch
 from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.hf import CheckpointReader, replace_dir, staging, write_json
+from beamtrt.checkpoint.stream import nbytes
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
 from beamtrt.errors import CheckpointError, ConfigError
@@ -67,6 +68,9 @@ class Plan:
         read_draft_vocab(bc.drafter, self.drafter_cfg)  # a bad one fails here, before any output exists
         self.drafter_dtype = self.drafter_reader.dtype("fc.weight")
         self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
+        self.target_specs = trtllm.unit_specs(self.target_units, bc.precision, self.dtype, bc.kv_cache,
+                                              self.target_cfg.num_hidden_layers)  # each rank file's tensors
+        self.drafter_specs = trtllm.unit_specs(self.drafter_units, bc.drafter_precision, self.drafter_dtype)
         prompts = bc.calib_prompts or _default_prompts()
         tokenizer = has_tokenizer(bc.model)
         if bc.needs_calibration or bc.calib_prompts or tokenizer:  # a bad prompt file fails here, before any output
@@ -127,10 +131,35 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
         raise ConfigError(f"{bc.out} already exists and " + (
             f"files of its stage {needed[0]} were changed or removed since it was built" if damaged else
             f"was built from other inputs or settings (stage {needed[0]} differs)") + "; pass --force to replace it")
+    _check_space(plan, reusable)
     with staging(bc.out) as tmp:
         summary = _run(plan, tmp, reusable, progress)
         replace_dir(tmp, bc.out)
     return [line.replace(str(tmp), str(bc.out)) for line in summary]
+
+
+def _check_space(plan: Plan, reusable: dict) -> None:
+    """Before calibration (hours, on a large model): the output's file system must hold the rank files and tokenizer
+    the build writes, and as much again for engines, which hold the same weights. Reused stages are hard links."""
+    bc = plan.bc
+    sizes = {name: bc.tp * sum(map(nbytes, specs.values()))
+             for name, specs in (("target", plan.target_specs), ("drafter", plan.drafter_specs))}
+    sizes["target"] += sum(p.stat().st_size for p in _tokenizer_files(bc.model))  # copied beside the target
+    parts = {name: size for name, size in sizes.items() if name not in reusable}
+    if plan.engines_why is None and "engines" not in reusable:
+        parts["engines"] = sum(sizes.values())
+    where = bc.out.absolute().parent
+    while not where.exists():
+        where = where.parent
+    need, free = sum(parts.values()), shutil.disk_usage(where).free
+    if need > free:
+        what = " + ".join(f"{name} {_size(size)}" for name, size in parts.items())
+        raise ConfigError(f"{bc.out}: the build writes about {_size(need)} ({what}) and {where} has {_size(free)} "
+                          "free: free some space or choose another --out")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _old_manifest(bc: BuildConfig) -> dict | None:
@@ -236,14 +265,13 @@ def _progress(units: list, desc: str, progress: bool):
 def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool) -> list[Path]:
     bc, cfg = plan.bc, plan.target_cfg
     out.mkdir()
-    specs = trtllm.unit_specs(plan.target_units, bc.precision, plan.dtype, bc.kv_cache, cfg.num_hidden_layers)
     config = trtllm.target_config(cfg, plan.mapping, bc.precision, bc.kv_cache, plan.dtype)
     items = trtllm.produce(_progress(plan.target_units, f"target {bc.precision}", progress),
                            plan.target_reader.get, plan.mapping, bc.precision, plan.dtype, amax)
     if bc.kv_cache == "fp8":
         kv = list(trtllm.kv_cache_scales(cfg.num_hidden_layers, amax))
         items = _chain(items, ((r, n, t, None) for n, t in kv for r in range(bc.tp)))
-    return write_checkpoint(out, config, specs, bc.tp, items) + _copy_tokenizer(bc.model, out.parent / "tokenizer")
+    return write_checkpoint(out, config, plan.target_specs, bc.tp, items) + _copy_tokenizer(bc.model, out.parent / "tokenizer")
 
 
 def _tokenizer_files(model: Path) -> list[Path]:
@@ -272,11 +300,10 @@ def _chain(*iterables):
 def _write_drafter(plan: Plan, out: Path, amax: dict[str, float], progress: bool) -> list[Path]:
     out.mkdir()
     precision = plan.bc.drafter_precision
-    specs = trtllm.unit_specs(plan.drafter_units, precision, plan.drafter_dtype)
     config = trtllm.drafter_config(plan.drafter_cfg, plan.mapping, plan.drafter_dtype, precision)
     items = trtllm.produce(_progress(plan.drafter_units, f"drafter {precision}", progress), plan.drafter_reader.get,
                            plan.mapping, precision, plan.drafter_dtype, amax)
-    files = write_checkpoint(out, config, specs, plan.bc.tp, items)
+    files = write_checkpoint(out, config, plan.drafter_specs, plan.bc.tp, items)
     from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE
 
     vocab = plan.bc.drafter / DRAFT_VOCAB_FILE
