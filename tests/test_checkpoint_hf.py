@@ -511,3 +511,28 @@ def test_staging_a_relative_output_is_not_refused_for_its_own_folder(tmp_path, m
         (tmp / "x").write_text("1")
         hf.replace_dir(tmp, Path("out"))
     assert (tmp_path / "out" / "x").read_text() == "1"
+
+
+def test_streaming_writer_writes_on_after_a_partial_write(tmp_path, monkeypatch):
+    """One pwrite moves at most ~2 GiB on Linux (0x7ffff000 bytes): a larger tensor was a 'short write' error. Here
+    pwrite writes at most 1,000 bytes a call; the file is still whole. A write the OS refuses is one line."""
+    import os
+
+    from beamtrt.checkpoint.stream import StreamingSafetensors
+
+    pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: pwrite(fd, data[:1000], offset))
+    w = torch.randn(70, 50)
+    f = StreamingSafetensors(tmp_path / "a.safetensors", {"w": (tuple(w.shape), w.dtype)})
+    f.write("w", w)
+    f.close()
+    assert torch.equal(safetensors.torch.load_file(tmp_path / "a.safetensors")["w"], w)
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", full)
+    f = StreamingSafetensors(tmp_path / "b.safetensors", {"w": (tuple(w.shape), w.dtype)})
+    with pytest.raises(CheckpointError, match=r"b.safetensors: cannot write 'w' \(No space left on device\)$"):
+        f.write("w", w)
+    f.abort()
+    assert not (tmp_path / "b.safetensors").exists()

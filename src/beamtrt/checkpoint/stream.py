@@ -139,8 +139,15 @@ class StreamingSafetensors:
                                   f"{tuple(tensor.shape)} {tensor.dtype}, declared {tuple(want)} {dtype}")
         data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()  # no copy
         start = self._offset[name] + (0 if index is None else index * data.nbytes)
-        if os.pwrite(self._fd, data.data, self._base + start) != data.nbytes:
-            raise CheckpointError(f"{self.path}: short write of {name!r} (disk full?)")
+        view, done = data.data, 0
+        try:
+            while done < data.nbytes:  # one pwrite moves at most ~2 GiB; a full disk ends the next one in ENOSPC
+                wrote = os.pwrite(self._fd, view[done:], self._base + start + done)
+                if wrote <= 0:
+                    raise CheckpointError(f"{self.path}: short write of {name!r}")
+                done += wrote
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot write {name!r} ({e.strerror or e})") from None
         self._pending[name] -= data.nbytes
 
     def close(self) -> None:
