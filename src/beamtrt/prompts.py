@@ -4,8 +4,8 @@ checkpoint tokenizer that encodes them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from beamtrt.cli_util import error_line
 from beamtrt.errors import BeamtrtError, CheckpointError

@@ -271,7 +271,8 @@ def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool)
     if bc.kv_cache == "fp8":
         kv = list(trtllm.kv_cache_scales(cfg.num_hidden_layers, amax))
         items = _chain(items, ((r, n, t, None) for n, t in kv for r in range(bc.tp)))
-    return write_checkpoint(out, config, plan.target_specs, bc.tp, items) + _copy_tokenizer(bc.model, out.parent / "tokenizer")
+    files = write_checkpoint(out, config, plan.target_specs, bc.tp, items)
+    return files + _copy_tokenizer(bc.model, out.parent / "tokenizer")
 
 
 def _tokenizer_files(model: Path) -> list[Path]:

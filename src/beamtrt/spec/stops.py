@@ -50,4 +50,3 @@ def completed_by(decode, before: list[int], new: list[int], stops) -> int | None
     if not completes(len(new)):
         return None
     return next(j for j in range(1, len(new) + 1) if completes(j))
-
