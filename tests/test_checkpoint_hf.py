@@ -536,3 +536,11 @@ def test_streaming_writer_writes_on_after_a_partial_write(tmp_path, monkeypatch)
         f.write("w", w)
     f.abort()
     assert not (tmp_path / "b.safetensors").exists()
+
+
+def test_a_refused_safetensors_write_is_one_line(tmp_path):
+    """safetensors reports a write the OS refuses as its own SafetensorError, not an OSError: a full disk (or, here, a
+    folder that is a file) was a traceback."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match=r"file/w.safetensors: cannot write it \(.*Not a directory"):
+        hf.save_safetensors({"w": torch.zeros(4)}, tmp_path / "file" / "w.safetensors")

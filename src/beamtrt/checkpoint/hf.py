@@ -16,9 +16,11 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from beamtrt.checkpoint.stream import DTYPES, SafetensorsError, SafetensorsFile
+from beamtrt.cli_util import error_line
 from beamtrt.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
@@ -197,8 +199,11 @@ def read_json(path: Path, what: str) -> dict:
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     """safetensors' save_file, with the mode open() would give (it creates its files 0600: unreadable to a
-    tritonserver running as another user)."""
-    save_file(tensors, str(path), metadata=metadata)
+    tritonserver running as another user); a write the OS refuses (a full disk) is one line."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:  # not an OSError: 'Error while serializing: I/O error: No space left on device ...'
+        raise CheckpointError(f"{path}: cannot write it ({error_line(e)})") from None
     os.chmod(path, 0o666 & ~_UMASK)
 
 
