@@ -544,3 +544,19 @@ def test_a_refused_safetensors_write_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match=r"file/w.safetensors: cannot write it \(.*Not a directory"):
         hf.save_safetensors({"w": torch.zeros(4)}, tmp_path / "file" / "w.safetensors")
+
+
+def test_an_error_inside_staging_names_the_output_not_the_staging_folder(tmp_path):
+    """A full disk named the hidden staging folder ('.bm.tmp-utwk71y8/model-00002.partial.safetensors'), which is gone
+    by the time the error is shown: names under it become names under the output the user gave."""
+    from beamtrt.cli_util import error_line
+
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as err, hf.staging(out) as tmp:
+        raise CheckpointError(f"{tmp / 'target' / 'rank0.safetensors'}: cannot write it (No space left on device)")
+    assert str(err.value) == f"{out / 'target' / 'rank0.safetensors'}: cannot write it (No space left on device)"
+    with pytest.raises(OSError) as err, hf.staging(out) as tmp:
+        (tmp / "file").write_text("")
+        (tmp / "file" / "x").write_text("")
+    assert error_line(err.value) == f"{out / 'file' / 'x'}: Not a directory"
+    assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from beamtrt.checkpoint.stream import DTYPES, SafetensorsError, SafetensorsFile
 from beamtrt.cli_util import error_line
-from beamtrt.errors import CheckpointError
+from beamtrt.errors import BeamtrtError, CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,10 +53,25 @@ def staging(final: Path) -> Iterator[Path]:
         _remove_leftovers(final, tmp)  # after its own is in place: of two writers starting at once, one sees the other
         # (or each sees the other, and both stop)
         yield tmp
+    except (BeamtrtError, OSError) as e:  # a file that cannot be written is named where the user will look for it
+        _rename_in_error(e, tmp, final)
+        raise
     finally:
         shutil.rmtree(new, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(fd)
+
+
+def _rename_in_error(e: BaseException, tmp: Path, final: Path) -> None:
+    """Names under the staging folder `tmp` in an error's message (or an OSError's file names) become names under
+    `final`, the output the user gave: the staging folder is gone once the error is shown."""
+    def renamed(text):
+        return text.replace(str(tmp), str(final)) if isinstance(text, str) else text
+
+    if isinstance(e, OSError):
+        e.filename, e.filename2 = renamed(e.filename), renamed(e.filename2)
+    elif e.args:
+        e.args = (renamed(e.args[0]), *e.args[1:])
 
 
 def _lock(fd: int) -> bool | None:
