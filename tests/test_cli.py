@@ -472,6 +472,8 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
                           ("surrogate.jsonl", [":1: not valid UTF-8 text"])):
         assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / name)), f"{name}", *needles)
     assert_one_line_error(run("runtime/run.py", "--prompt", "caf\udce9"), "--prompt: not valid UTF-8 text")
+    assert_one_line_error(run("runtime/run.py", "--stop", "caf\udce9"), "--stop: not valid UTF-8 text")  # it was
+    # accepted, and never matched
 
 
 def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):
@@ -566,7 +568,7 @@ def test_run_streams_nothing_of_a_stop_string(beam_mini, tmp_path):
     request = json.loads((tmp_path / "r.json").read_text())["requests"][0]
     assert request["finish_reason"] == "stop" and request["output_text"]  # the stop string came, after some text
     streamed = proc.stdout.split("\n", 1)[1]  # after the ">>> prompt" line
-    assert "Pari" not in streamed and streamed.strip() == request["output_text"], proc.stdout
+    assert "Pari" not in streamed and streamed.strip() == request["output_text"].strip(), proc.stdout
 
 
 @pytest.mark.slow
@@ -586,7 +588,36 @@ def test_run_prints_the_text_as_generated(beam_mini, tmp_path):
     generated = tokenizer.decode(request["output_ids"], skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert tokenizer.decode(request["output_ids"], skip_special_tokens=True) != generated  # the case this checks
     streamed = proc.stdout.split("\n", 1)[1]
-    assert request["output_text"] == generated.strip() and streamed.strip() == generated.strip(), proc.stdout
+    assert request["output_text"] == generated and streamed.strip() == generated.strip(), proc.stdout
+
+
+@pytest.mark.slow
+def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
+    """A prompt too long for the context was 'request 1' (its index among non-blank lines, from 0), after the 54 KB
+    prompt was echoed; it is now FILE:LINE, before any answer. An answer is labelled with what its chat asks (the
+    last user message: a chat ending in an assistant turn was labelled with that turn). A stop string holding a
+    special token among other text never matched; it is refused."""
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    chats = [{"prompt": "Say hi."}, {"messages": [{"role": "user", "content": "Count to three."},
+                                                  {"role": "assistant", "content": "One, two,"}]}]
+    prompts.write_text("\n" + "\n".join(map(json.dumps, chats)) + "\n")
+    proc = run_script("runtime/run.py", "--model", str(beam_mini), "--prompts", str(prompts), "--max-new-tokens", "4",
+                      "--dtype", "bfloat16", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert ">>> Count to three.\n" in proc.stdout and ">>> One, two," not in proc.stdout
+    assert [r["prompt"] for r in json.loads((tmp_path / "r.json").read_text())["requests"]] == [
+        "Say hi.", "Count to three."]
+    prompts.write_text(prompts.read_text() + json.dumps({"prompt": "hello " * 9000}) + "\n")
+    proc = run_script("runtime/run.py", "--model", str(beam_mini), "--prompts", str(prompts), "--max-new-tokens", "4",
+                      "--dtype", "bfloat16")
+    assert_one_line_error(proc, f"{prompts}:4: its prompt (9031 tokens), --max-new-tokens 4 and the 9 positions of "
+                                "a verify block exceed the target's context of 8192 tokens; shorten the prompt")
+    assert ">>>" not in proc.stdout
+    assert_one_line_error(run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--stop",
+                                     "Paris.<|im_end|>"), "--stop 'Paris.<|im_end|>' holds the special token "
+                          "<|im_end|>, which the decoded text never shows")
 
 
 @pytest.mark.slow

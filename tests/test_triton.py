@@ -248,6 +248,9 @@ def test_a_stop_word_that_is_a_special_token_stops_on_that_token(server):
     from beamtrt.prompts import special_stops  # run.py's --stop goes through it too
 
     assert special_stops(tok, ("zzz", special[plain[at]])) == (frozenset({plain[at]}), ("zzz",))
+    mixed = "x" + special[plain[at]]  # a special token among other text could never match: refused, not ignored
+    with pytest.raises(protocol.RequestError, match=f"stop_words {mixed!r} holds the special token"):
+        server.submit({"input_ids": [294, 35], "max_tokens": 4, "stop_words": [mixed]}, lambda d: None)
 
 
 def test_stop_words_cut_the_text_and_postprocessing_rebuilds_every_delta(server):

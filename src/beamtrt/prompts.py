@@ -42,11 +42,19 @@ def make_decode(tokenizer) -> Callable[[list[int]], str]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def special_stops(tokenizer, stops) -> tuple[frozenset[int], tuple[str, ...]]:
+def special_stops(tokenizer, stops, what: str = "--stop") -> tuple[frozenset[int], tuple[str, ...]]:
     """Stop strings that are one special token (`<|im_start|>`) stop on that token: text is decoded without special
-    tokens, where such a string never appears. Returns (their token ids, the other stop strings)."""
+    tokens, where such a string never appears. Returns (their token ids, the other stop strings). A stop string that
+    holds a special token among other text could never match: a ValueError naming it (`what` names the field)."""
     added = tokenizer.get_added_vocab()
-    ids = {s: added[s] for s in stops if s in added and tokenizer.decode([added[s]], skip_special_tokens=True) == ""}
+    special = {t: i for t, i in added.items() if any(t in s for s in stops)  # decoded only when a stop holds it
+               and tokenizer.decode([i], skip_special_tokens=True) == ""}
+    for s in stops:
+        inside = next((t for t in special if t in s and t != s), None)
+        if inside is not None:
+            raise ValueError(f"{what} {s!r} holds the special token {inside}, which the decoded text never shows, so "
+                             f"it could never match: give {inside} as a stop string of its own")
+    ids = {s: special[s] for s in stops if s in special}
     return frozenset(ids.values()), tuple(s for s in stops if s not in ids)
 
 
@@ -56,13 +64,18 @@ def utf8_text(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BeamtrtError(f"{where}: not valid UTF-8 text (character {e.start + 1}); give prompts as UTF-8") from None
+        raise BeamtrtError(f"{where}: not valid UTF-8 text (character {e.start + 1}); give text as UTF-8") from None
     return text
 
 
 def read_chats(path: str | Path) -> list[list[dict]]:
     """Chats from a JSONL file (UTF-8, a BOM allowed); each line {"prompt": str} or {"messages": [{"role",
     "content"}, ...]}."""
+    return [chat for _, chat in read_chat_lines(path)]
+
+
+def read_chat_lines(path: str | Path) -> list[tuple[int, list[dict]]]:
+    """read_chats' chats, each with the number of the line it is on (for messages about one of them)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -76,7 +89,7 @@ def read_chats(path: str | Path) -> list[list[dict]]:
         raise BeamtrtError(f"{path}:{line}: not UTF-8 text (byte offset {e.start}); a prompts file must be UTF-8"
                            ) from None
     one_per_line = "a prompts file is JSON Lines: one object per line"
-    chats = []
+    chats, numbers = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -95,8 +108,9 @@ def read_chats(path: str | Path) -> list[list[dict]]:
         else:
             raise BeamtrtError(f'{path}:{n}: expected {{"prompt": str}} or {{"messages": [{{"role", "content"}}]}}; '
                                f"{one_per_line}")
+        numbers.append(n)
         for message in chats[-1]:
             utf8_text(message["content"], f"{path}:{n}")
     if not chats:
         raise BeamtrtError(f"{path}: no prompts")
-    return chats
+    return list(zip(numbers, chats))

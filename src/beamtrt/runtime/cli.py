@@ -14,7 +14,7 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, make_decode, read_chats, special_stops, utf8_text
+from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, special_stops, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import first_stop, held_from
@@ -122,6 +122,7 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
 class Setup:
     params: SamplingParams
     chats: list[list[dict]]
+    where: list[str]            # where each chat came from, for messages about it: FILE:LINE, or --prompt
     engine_dir: Path | None     # a build output (TensorRT-LLM checkpoints), or None for the Hugging Face path
     manifest: dict | None
     backend: str                # "torch" or "trt" (beamtrt.runtime.loader.pick_backend)
@@ -147,15 +148,22 @@ def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
 def _setup(args: argparse.Namespace, dist) -> Setup:
     """Everything checked before any weight is loaded (identical on every rank)."""
     params = _validate(args)
-    chats = read_chats(args.prompts) if args.prompts else [
-        [{"role": "user", "content": utf8_text(p, "--prompt")}] for p in (args.prompt or DEFAULT_PROMPTS)]
+    if args.prompts:
+        numbered = read_chat_lines(args.prompts)
+        chats, where = [chat for _, chat in numbered], [f"{args.prompts}:{n}" for n, _ in numbered]
+    else:
+        prompts = args.prompt or DEFAULT_PROMPTS
+        chats = [[{"role": "user", "content": utf8_text(p, "--prompt")}] for p in prompts]
+        where = ["--prompt" if args.prompt else "a default prompt"] * len(prompts)
+    for stop in args.stop:
+        utf8_text(stop, "--stop")
     engine_dir = resolve_engine_dir(args)
     if engine_dir is not None and (args.model or args.drafter):
         raise ValueError("--model / --drafter run a Hugging Face checkpoint; they cannot be combined with an "
                          "engine directory (pass --engine-dir, or --model alone)")
     manifest = open_build(engine_dir, dist)
     backend, why = pick_backend(args.backend, manifest)
-    return Setup(params, chats, engine_dir, manifest, backend, why)
+    return Setup(params, chats, where, engine_dir, manifest, backend, why)
 
 
 def _load(args: argparse.Namespace, setup: Setup, dist):
@@ -194,15 +202,18 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
     except Exception as e:  # a malformed chat (roles the template rejects)
         raise BeamtrtError(f"the chat template rejected a prompt: {str(e).strip().splitlines()[0]}") from None
-    stop_ids, stop_strings = special_stops(tokenizer, args.stop)
+    stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")
     requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids) | stop_ids, stop_strings)
                 for ids in prompt_ids]
     decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
                                  detokenize=decode,
                                  draft_threshold=args.draft_threshold)
+    for where, request in zip(setup.where, requests):  # before the first answer, naming the prompt's line
+        if why := decoder.too_long(request, "--max-new-tokens"):
+            raise BeamtrtError(f"{where}: {why}; shorten the prompt or lower --max-new-tokens")
     stream = not args.quiet and len(requests) == 1
     if stream:
-        print(f">>> {chats[0][-1]['content']}", flush=True)
+        print(f">>> {asked(chats[0])}", flush=True)
     streamed: list[int] = []
     shown = [""]  # the streamed text printed so far
 
@@ -212,11 +223,11 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
         print(text[len(shown[0]):], end="", flush=True)
         shown[0] = text
 
-    def text(c) -> str:
-        return cut_at_stop(decode(c.output_ids), stop_strings).strip()
+    def text(c) -> str:  # as generated, up to a stop string
+        return cut_at_stop(decode(c.output_ids), stop_strings)
 
     def on_finish(i: int, c) -> None:  # several requests: each is printed as soon as it finishes
-        print(f"\n>>> {chats[i][-1]['content']}\n{text(c)}", flush=True)
+        print(f"\n>>> {asked(chats[i])}\n{text(c).strip()}", flush=True)
 
     start = time.perf_counter()
     try:
@@ -240,7 +251,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
           f"acceptance length {'-' if tau is None else f'{tau:.2f}'}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:
         report = {
-            "requests": [{"prompt": chat[-1]["content"], "messages": chat, "output_text": text,
+            "requests": [{"prompt": asked(chat), "messages": chat, "output_text": text,
                           "output_ids": c.output_ids, "steps": c.steps, "acceptance_length": c.acceptance_length,
                           "finish_reason": c.finish_reason}
                          for chat, text, c in zip(chats, texts, completions)],
@@ -251,6 +262,12 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
                         **_time_split(decoder, dist)},
         }
         write_json(args.json, report)
+
+
+def asked(chat: list[dict]) -> str:
+    """What a chat asks, to label its answer: its last user message (a chat may end with a system or an assistant
+    turn, which the template closes before the answer's turn opens)."""
+    return next((m["content"] for m in reversed(chat) if m["role"] == "user"), chat[-1]["content"])
 
 
 def _time_split(decoder, dist) -> dict:

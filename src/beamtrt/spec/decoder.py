@@ -113,15 +113,12 @@ class SpeculativeDecoder:
         n = len(requests)
         if n == 0:
             return []
-        context = getattr(self.target, "max_seq_len", None)  # the target's context (None: a backend without one)
         room = self.headroom
         for i, r in enumerate(requests):
             if not r.prompt_ids or r.max_new_tokens < 1:
                 raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
-            if context is not None and len(r.prompt_ids) + r.max_new_tokens + room > context:
-                raise ValueError(f"request {i}: its prompt ({len(r.prompt_ids)} tokens), max_new_tokens "
-                                 f"{r.max_new_tokens} and the {room} positions of a verify block exceed the target's "
-                                 f"context of {context} tokens")
+            if why := self.too_long(r):
+                raise ValueError(f"request {i}: {why}")
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
         slots = min(concurrency or getattr(self.target, "max_batch_size", n), n)
@@ -255,6 +252,15 @@ class SpeculativeDecoder:
     def _comm_s(self) -> float:
         """Seconds the backends have spent in collectives so far (tensor-parallel rank 0; 0 in one process)."""
         return getattr(self.target, "comm_s", 0.0) + (getattr(self.drafter, "comm_s", 0.0) if self.drafter else 0.0)
+
+    def too_long(self, request: Request, field: str = "max_new_tokens") -> str | None:
+        """Why `request` does not fit the target's context (its prompt, max_new_tokens and the positions of a verify
+        block), or None; `field` is what the message calls max_new_tokens."""
+        context = getattr(self.target, "max_seq_len", None)  # the target's context (None: a backend without one)
+        if context is None or len(request.prompt_ids) + request.max_new_tokens + self.headroom <= context:
+            return None
+        return (f"its prompt ({len(request.prompt_ids)} tokens), {field} {request.max_new_tokens} and the "
+                f"{self.headroom} positions of a verify block exceed the target's context of {context} tokens")
 
     def release(self, slot: int, completion: Completion) -> None:
         """A request finished (or was cancelled): free its slot (reset when the next request is prefilled into it)."""

@@ -239,7 +239,10 @@ class Server:
             raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than this "
                                f"server's {room} (max_seq_len {self.settings.max_seq_len}, the model's context "
                                f"{self.model_context or 'unknown'})")
-        stop_ids, stops = special_stops(self.tokenizer, params.stop)
+        try:
+            stop_ids, stops = special_stops(self.tokenizer, params.stop, "stop_words")
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids | stop_ids, stops), params,
                      on_delta, is_cancelled, _Text(self.decode, stops, params.stream))
         with self._lock:
