@@ -8,6 +8,7 @@ subprocess tests below run real scripts end to end.
 import importlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -618,6 +619,30 @@ def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
     assert_one_line_error(run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--stop",
                                      "Paris.<|im_end|>"), "--stop 'Paris.<|im_end|>' holds the special token "
                           "<|im_end|>, which the decoded text never shows")
+
+
+@pytest.mark.slow
+def test_an_output_that_is_closed_or_whose_reader_goes_does_not_stop_the_command(beam_mini, tmp_path):
+    """`run.py --json F | head -1` was 'error: Broken pipe', exit 2, and no F: the decode was lost. A closed stderr
+    (`2>&-`, as cron may start a command) was a traceback from the first progress line or `sys.stderr.isatty()`."""
+    import json
+
+    cmd = [sys.executable, str(ROOT / "runtime/run.py"), "--model", str(beam_mini), "--prompt", "Tell me a story.",
+           "--max-new-tokens", "24", "--dtype", "bfloat16", "--json", str(tmp_path / "r.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline() == ">>> Tell me a story.\n"
+    proc.stdout.close()  # the reader goes, as `head -1` does after its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0 and "error" not in err, err
+    assert len(json.loads((tmp_path / "r.json").read_text())["requests"][0]["output_ids"]) == 24
+    quoted = " ".join(map(shlex.quote, cmd[:-1] + [str(tmp_path / "closed.json")]))
+    closed = subprocess.run(["bash", "-c", f"{quoted} 2>&-"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert closed.returncode == 0 and closed.stdout.startswith(">>> Tell me a story.\n"), closed
+    assert (tmp_path / "closed.json").is_file()
+    made = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} scripts/make_random_beam.py --out "
+                           f"{shlex.quote(str(tmp_path / 'm'))} --layers 2 2>&-"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert made.returncode == 0 and (tmp_path / "m" / "config.json").is_file(), made
 
 
 @pytest.mark.slow

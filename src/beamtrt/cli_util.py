@@ -240,9 +240,64 @@ def _terminate(signum: int, frame) -> None:
     raise Terminated(signum)
 
 
+class _Output:
+    """stdout or stderr, kept writable when its reader goes away (`run.py --json F | head -1`): from the first broken
+    pipe on, what is written is dropped, and the command goes on to write its files and exit as it would have."""
+
+    def __init__(self, stream):
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self._gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the interpreter's last flush of the buffer must not fail
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def usable_outputs() -> Iterator[None]:
+    """stdout and stderr as a command needs them while it runs: a closed one (`2>&-`, as cron and daemons may start a
+    process) is os.devnull, not None, and a reader that goes away (a broken pipe) stops the printing, not the
+    command."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, open(os.devnull, "w"))
+        elif not isinstance(stream, _Output):
+            setattr(sys, name, _Output(stream))
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def run_cli(body: Callable[[], None]) -> int:
     """Runs one process's command: user errors give one `error:` line and exit 2; Ctrl-C, SIGTERM and SIGHUP unwind
     through the command's clean-up and exit 128 + the signal's number."""
+    with usable_outputs():
+        return _run_cli(body)
+
+
+def _run_cli(body: Callable[[], None]) -> int:
     sigs = (signal.SIGTERM, signal.SIGHUP)
     main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
     saved = {sig: signal.getsignal(sig) for sig in sigs} if main else {}
@@ -282,6 +337,11 @@ def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], N
     mpirun rank 0 prints the one line and every rank exits 2. execute(setup's result, dist) loads and runs; a later
     failure on any rank (a missing rank file, an exception, Ctrl-C) prints that rank's message and aborts every rank.
     """
+    with usable_outputs():
+        return _run_ranks_cli(setup, execute)
+
+
+def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], None]) -> int:
     from beamtrt.runtime import tp
     from beamtrt.runtime.dist import Dist
 
