@@ -104,13 +104,15 @@ def test_a_family_with_nothing_decoded_is_one_line():
         timed(Run(outputs=[[2]], decode_tokens_per_s=0.0, acceptance_length=None, per_position=[]), "gsm8k")
 
 
-def test_a_failure_at_the_end_writes_none_of_the_three_files(mini_vocab_sources, tmp_path, monkeypatch, one_thread):
+def test_a_failure_at_the_end_writes_none_of_the_three_files(mini_vocab_sources, tmp_path, monkeypatch, one_thread,
+                                                            capsys):
     """The JSON was written, then the table, then the chart: a chart that failed left a new JSON and table beside an
-    old chart. Now all three are written and renamed into place together, or none."""
+    old chart. Now all three are written and renamed into place together, or none. matplotlib's error on a full disk
+    names no file ('error: No space left on device'): the message names the chart's."""
     import beamtrt.bench.benchmark as bench
 
     def no_room(result, path):
-        raise OSError(28, "No space left on device", str(path))
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(bench, "chart", no_room)
     src = mini_vocab_sources
@@ -118,3 +120,4 @@ def test_a_failure_at_the_end_writes_none_of_the_three_files(mini_vocab_sources,
                f"chat={src / 'prompts.jsonl'}", "--num-prompts", "2", "--c1-prompts", "1", "--concurrency", "1",
                "--max-new-tokens", "4", "--no-block16", "--out", str(tmp_path / "b")])
     assert rc == 2 and list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'b.png'}: cannot write it (No space left on device)\n")

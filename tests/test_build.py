@@ -355,7 +355,7 @@ def test_a_build_that_does_not_fit_its_disk_stops_before_calibrating(sources, tm
     with pytest.raises(ConfigError) as info:
         pipeline.build(bc, progress=False)
     said = re.fullmatch(rf"{bc.out}: the build writes about (\S+) MB \(target (\S+) MB \+ drafter (\S+) MB\) and "
-                        rf"{tmp_path} has 0.0 MB free: free some space or choose another --out", str(info.value))
+                        rf"{tmp_path} has 0.0 MB free: free some space or write the build elsewhere", str(info.value))
     assert said, info.value
     assert not (tmp_path / "a").exists()
     monkeypatch.undo()

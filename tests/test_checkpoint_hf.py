@@ -1,6 +1,7 @@
 """Tests for beamtrt.checkpoint.hf: sharded safetensors reading/writing and JSON helpers."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -559,4 +560,20 @@ def test_an_error_inside_staging_names_the_output_not_the_staging_folder(tmp_pat
         (tmp / "file").write_text("")
         (tmp / "file" / "x").write_text("")
     assert error_line(err.value) == f"{out / 'file' / 'x'}: Not a directory"
+    with pytest.raises(shutil.Error) as err, hf.staging(out) as tmp:  # copytree's list of (src, dst, why)
+        raise shutil.Error([("/a/rank0", str(tmp / "e" / "rank0"), f"[Errno 28] No space: '{tmp / 'e' / 'rank0'}'")])
+    assert error_line(err.value) == f"copying /a/rank0: [Errno 28] No space: '{out / 'e' / 'rank0'}'"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_feature_shard_that_cannot_be_written_is_named_once(tmp_path):
+    """It was '.../features-00000.safetensors: cannot write it (.../features-00000.safetensors.tmp: cannot write it
+    (...)); the cache's directory must be writable'."""
+    from beamtrt.errors import BeamtrtError
+    from beamtrt.train.features import _save
+
+    (tmp_path / "file").write_text("")
+    shard = tmp_path / "file" / "features-00000.safetensors"
+    with pytest.raises(BeamtrtError) as err:
+        _save({"ids": torch.zeros(4)}, shard)
+    assert str(err.value).startswith(f"{shard}: cannot write it (") and ".tmp" not in str(err.value), err.value

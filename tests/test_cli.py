@@ -824,6 +824,15 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
                           "--eval-sequences")
 
 
+def test_train_drafter_needs_a_target_with_a_tokenizer(tmp_path, run):
+    """A random model (make_random_beam.py) has no tokenizer: phase 1 was a TypeError traceback from transformers."""
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "m"), "--data", str(tmp_path / "d"),
+                              "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--prompts", "4"),
+                          f"--target {tmp_path / 'm'}: no tokenizer files")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--per-kind", "0"), "--per-kind")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path / "gone")), "gone", "no such directory")

@@ -316,8 +316,11 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
     out[".json"].parent.mkdir(parents=True, exist_ok=True)
     staged = {ext: path.with_name(f".{path.name}.tmp") for ext, path in out.items() if ext != ".json"}
     try:  # all three or none: the chart and the table first, then the JSON, then the two renamed into place
-        chart(result, staged[".png"])
-        staged[".md"].write_text(table)
+        for ext, write in ((".png", lambda path: chart(result, path)), (".md", lambda path: path.write_text(table))):
+            try:
+                write(staged[ext])
+            except OSError as e:  # matplotlib's names no file; the temporary name is not the user's
+                raise BeamtrtError(f"{out[ext]}: cannot write it ({e.strerror or e})") from None
         write_json(out[".json"], result)
         for ext, tmp in staged.items():
             tmp.replace(out[ext])

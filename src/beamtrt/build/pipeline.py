@@ -155,7 +155,7 @@ def _check_space(plan: Plan, reusable: dict) -> None:
     if need > free:
         what = " + ".join(f"{name} {_size(size)}" for name, size in parts.items())
         raise ConfigError(f"{bc.out}: the build writes about {_size(need)} ({what}) and {where} has {_size(free)} "
-                          "free: free some space or choose another --out")
+                          "free: free some space or write the build elsewhere")
 
 
 def _size(n: int) -> str:

@@ -7,6 +7,7 @@ import fnmatch
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -68,7 +69,9 @@ def _rename_in_error(e: BaseException, tmp: Path, final: Path) -> None:
     def renamed(text):
         return text.replace(str(tmp), str(final)) if isinstance(text, str) else text
 
-    if isinstance(e, OSError):
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list):  # copytree's [(src, dst, why), ...]
+        e.args = ([tuple(map(renamed, failed)) for failed in e.args[0]], *e.args[1:])
+    elif isinstance(e, OSError):
         e.filename, e.filename2 = renamed(e.filename), renamed(e.filename2)
     elif e.args:
         e.args = (renamed(e.args[0]), *e.args[1:])
@@ -212,13 +215,16 @@ def read_json(path: Path, what: str) -> dict:
     return obj
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None,
+                     name: str | Path | None = None) -> None:
     """safetensors' save_file, with the mode open() would give (it creates its files 0600: unreadable to a
-    tritonserver running as another user); a write the OS refuses (a full disk) is one line."""
+    tritonserver running as another user); a write the OS refuses (a full disk) is one line naming the file as
+    `name` (default: `path`; a temporary file's final name)."""
     try:
         save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as e:  # not an OSError: 'Error while serializing: I/O error: No space left on device ...'
-        raise CheckpointError(f"{path}: cannot write it ({error_line(e)})") from None
+    except SafetensorError as e:  # not an OSError: 'Error while serializing: I/O error: No space left on device (os
+        why = re.search(r"I/O error: (.+?) \(os error \d+\)", str(e))  # error 28) at path "<its temporary file>"'
+        raise CheckpointError(f"{name or path}: cannot write it ({why[1] if why else error_line(e)})") from None
     os.chmod(path, 0o666 & ~_UMASK)
 
 

@@ -198,12 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             command(held)
 
     def command(held: contextlib.ExitStack) -> None:
-        from transformers import AutoTokenizer
-
         from beamtrt.config import check_block_size
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
+        from beamtrt.prompts import TOKENIZER_FILES, has_tokenizer, load_tokenizer
         from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, check_cache, load_features,
                                             rebuild_features, sequence_files, target_digest)
         from beamtrt.train.prompts import training_prompts
@@ -237,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
+        if not has_tokenizer(target_dir):  # phase 1 asks the target chat prompts (a random model has no tokenizer)
+            raise BeamtrtError(f"--target {target_dir}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                               "the drafter learns from the target's answers to chat prompts")
         name = target_dir.resolve().name
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_cache(target, dcfg.target_layer_ids, extra, digest)
             drafter = (start_from(init, dcfg, target, cfg.seed) if init else  # --init's weights read here
                        init_drafter(dcfg, target, cfg.seed))
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = load_tokenizer(target_dir)
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
         skip = None if args.skip_answered_in is None else answered_prompts(*map(Path, args.skip_answered_in))

@@ -15,6 +15,7 @@ is present but whose features are not gets its taps back from one teacher-forced
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -341,13 +342,14 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")  # written whole: temporary file, then rename
     try:
-        save_safetensors(tensors, tmp)
+        save_safetensors(tensors, tmp, name=path)
         os.replace(tmp, path)
-    except BaseException as e:  # safetensors reports a failed write as its own error type; Ctrl-C leaves no tmp
-        tmp.unlink(missing_ok=True)
-        if not isinstance(e, Exception):
-            raise
-        raise BeamtrtError(f"{path}: cannot write it ({e}); the cache's directory must be writable") from None
+    except BaseException as e:  # Ctrl-C leaves no tmp either
+        with contextlib.suppress(OSError):  # (the folder may be the problem)
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # the rename (save_safetensors names its own file in one line)
+            raise BeamtrtError(f"{path}: cannot write it ({e.strerror or e})") from None
+        raise
 
 
 def _check_header(path: Path, what: str) -> None:
