@@ -827,8 +827,8 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
 def test_train_drafter_needs_a_target_with_a_tokenizer(tmp_path, run):
     """A random model (make_random_beam.py) has no tokenizer: phase 1 was a TypeError traceback from transformers."""
     assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
-    assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "m"), "--data", str(tmp_path / "d"),
-                              "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--prompts", "4"),
+    outputs = [f"--{flag}={tmp_path / flag}" for flag in ("data", "work", "out")]
+    assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "m"), *outputs, "--prompts", "4"),
                           f"--target {tmp_path / 'm'}: no tokenizer files")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
