@@ -577,3 +577,18 @@ def test_a_feature_shard_that_cannot_be_written_is_named_once(tmp_path):
     with pytest.raises(BeamtrtError) as err:
         _save({"ids": torch.zeros(4)}, shard)
     assert str(err.value).startswith(f"{shard}: cannot write it (") and ".tmp" not in str(err.value), err.value
+
+
+def test_an_output_that_is_a_symbolic_link_is_written_through(tmp_path):
+    """The link was replaced by a directory and its target kept the old output; a dangling one became a directory.
+    Now the target is replaced, or made, and the link stays (as write_text does for files)."""
+    real = tmp_path / "v1"
+    real.mkdir()
+    (real / "old").write_text("")
+    for link, target in ((tmp_path / "live", real), (tmp_path / "next", tmp_path / "v2" / "x")):
+        link.symlink_to(target)
+        with hf.staging(link) as tmp:
+            (tmp / "new").write_text("")
+            hf.replace_dir(tmp, link)
+        assert link.is_symlink() and sorted(p.name for p in target.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live", "next", "v1", "v2"]

@@ -18,7 +18,7 @@ import torch
 
 from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint import trtllm
-from beamtrt.checkpoint.hf import CheckpointReader, replace_dir, staging, write_json
+from beamtrt.checkpoint.hf import CheckpointReader, followed, replace_dir, staging, write_json
 from beamtrt.checkpoint.stream import nbytes
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
@@ -148,7 +148,7 @@ def _check_space(plan: Plan, reusable: dict) -> None:
     parts = {name: size for name, size in sizes.items() if name not in reusable}
     if plan.engines_why is None and "engines" not in reusable:
         parts["engines"] = sum(sizes.values())
-    where = bc.out.absolute().parent
+    where = followed(bc.out).absolute().parent
     while not where.exists():
         where = where.parent
     need, free = sum(parts.values()), shutil.disk_usage(where).free

@@ -38,8 +38,9 @@ def staging(final: Path) -> Iterator[Path]:
     would hide the output from other users, such as a tritonserver's), and this process holds a lock on it while
     the block runs, so that leftovers of killed writers (kill -9, the out-of-memory killer: nothing ran to remove
     them) are told apart from a running writer's: they are removed, while a running writer of the same output is
-    one line (two writers would each replace the other's output, or fail on it)."""
-    final = Path(final)
+    one line (two writers would each replace the other's output, or fail on it). A symbolic link is written
+    through: its target is staged beside and replaced, and the link stays."""
+    final = followed(Path(final))
     final.parent.mkdir(parents=True, exist_ok=True)
     try:  # made under another prefix and locked before it takes the one leftovers are looked for by
         new = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
@@ -161,10 +162,15 @@ def holds_cwd(path: Path) -> bool:
     return holds(path, Path.cwd())
 
 
+def followed(path: Path) -> Path:
+    """Where an output at `path` goes: a symbolic link's target (even one not made yet), else `path`."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def replace_dir(tmp: Path, out: Path) -> None:
     """Move a finished temp_dir to `out`. Whatever is at `out` (a directory or a file) is moved aside first and
     deleted only once the new one is in place; if the move fails, it is put back."""
-    tmp, out = Path(tmp), Path(out)
+    tmp, out = Path(tmp), followed(Path(out))
     if holds_cwd(out):
         raise CheckpointError(f"{out}: cannot replace the current directory or one holding it; choose another output")
     aside = None
@@ -236,7 +242,7 @@ def write_json(path: str | Path, obj: dict) -> None:
 def write_text(path: str | Path, text: str, what: str = "a file") -> None:
     """Write `text` atomically (temp file in the same directory, then os.replace), making missing folders; `what` is
     what the file holds, for the one line refusing a path that is not a regular file."""
-    path = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # a link's target is written, not the link
+    path = followed(Path(path))  # a link's target is written, not the link
     if path.exists() and not path.is_file():
         raise CheckpointError(f"{path}: not a regular file; cannot write {what} there")
     path.parent.mkdir(parents=True, exist_ok=True)
