@@ -635,13 +635,15 @@ def test_an_output_that_is_closed_or_whose_reader_goes_does_not_stop_the_command
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 0 and "error" not in err, err
     assert len(json.loads((tmp_path / "r.json").read_text())["requests"][0]["output_ids"]) == 24
-    quoted = " ".join(map(shlex.quote, cmd[:-1] + [str(tmp_path / "closed.json")]))
-    closed = subprocess.run(["bash", "-c", f"{quoted} 2>&-"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    def with_stderr_closed(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f"{' '.join(map(shlex.quote, args))} 2>&-"], capture_output=True,
+                              text=True, timeout=300, cwd=ROOT, check=False)
+    closed = with_stderr_closed(*cmd[:-1], str(tmp_path / "closed.json"))
     assert closed.returncode == 0 and closed.stdout.startswith(">>> Tell me a story.\n"), closed
     assert (tmp_path / "closed.json").is_file()
-    made = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} scripts/make_random_beam.py --out "
-                           f"{shlex.quote(str(tmp_path / 'm'))} --layers 2 2>&-"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    made = with_stderr_closed(sys.executable, "scripts/make_random_beam.py", "--layers", "2",
+                              "--out", str(tmp_path / "m"))
     assert made.returncode == 0 and (tmp_path / "m" / "config.json").is_file(), made
 
 
