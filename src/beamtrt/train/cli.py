@@ -236,9 +236,6 @@ def main(argv: list[str] | None = None) -> int:
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
-        if not has_tokenizer(target_dir):  # phase 1 asks the target chat prompts (a random model has no tokenizer)
-            raise BeamtrtError(f"--target {target_dir}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
-                               "the drafter learns from the target's answers to chat prompts")
         name = target_dir.resolve().name
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
@@ -246,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         outputs = (("--data", data_dir),) + (() if args.data_only else (("--work", work), ("--out", out)))
         for flag, d in outputs:  # before hours of work (--data-only writes neither --work nor --out)
             output_path(d, flag, directory=True)
+        if not has_tokenizer(target_dir):  # phase 1 asks the target chat prompts (a random model has no tokenizer)
+            raise BeamtrtError(f"--target {target_dir}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                               "the drafter learns from the target's answers to chat prompts")
         if not args.data_only:
             held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds "
                                              "the folder's lock): wait for it to end, or choose another --work"))
