@@ -545,17 +545,6 @@ def test_run_generates_coherent_text(beam_mini):
     assert "tok/s" in proc.stderr
 
 
-def test_streamed_text_holds_back_what_may_become_a_stop_string():
-    from beamtrt.runtime.cli import streamable
-
-    assert streamable("The capital is Paris.", ["Paris"]) == "The capital is "
-    assert streamable("The capital is Pa", ["Paris"]) == "The capital is "  # may still become "Paris"
-    assert streamable("The capital is Pe", ["Paris"]) == "The capital is Pe"  # cannot
-    assert streamable("a\n\nb", ["\n\n", "b!"]) == "a" and streamable("ab", ["bc", "x"]) == "a"
-    assert streamable("abc", []) == "abc"
-    assert streamable("Hi!\ufffd", ["!\u7b54"]) == "Hi" and streamable("ok \ufffd", []) == "ok "  # bytes to come
-
-
 @pytest.mark.slow
 def test_run_streams_nothing_of_a_stop_string(beam_mini, tmp_path):
     """One request's text is streamed as it is committed: the stop string (and what follows it) was shown there,

@@ -17,7 +17,7 @@ from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, special_stops, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
 from beamtrt.spec.sampling import SamplingParams
-from beamtrt.spec.stops import first_stop, held_from
+from beamtrt.spec.stops import TextStream, first_stop
 
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -85,16 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 def cut_at_stop(text: str, stops: list[str]) -> str:
     """The text before the earliest stop string (the whole text when none occurs)."""
     return text[:first_stop(text, stops)]
-
-
-def streamable(text: str, stops: list[str]) -> str:
-    """What of a request's text so far may be shown: the text before a stop string, and without an ending that more
-    tokens could still complete into one (shown once they do not), nor a character still missing bytes (U+FFFD)."""
-    cut = first_stop(text, stops)
-    if cut < len(text):
-        return text[:cut]
-    stable = text.rstrip("\ufffd")
-    return stable[:held_from(stable, stops)]
 
 
 def _validate(args: argparse.Namespace) -> SamplingParams:
@@ -214,14 +204,14 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     stream = not args.quiet and len(requests) == 1
     if stream:
         print(f">>> {asked(chats[0])}", flush=True)
-    streamed: list[int] = []
-    shown = [""]  # the streamed text printed so far
+    streamed = TextStream(decode, tuple(stop_strings), stream=True)
+    shown = [False]  # whether any streamed text was printed
 
     def on_tokens(i: int, ids: list[int]) -> None:  # streams the text of a single request as it is committed
-        streamed.extend(ids)
-        text = streamable(decode(streamed), stop_strings)
-        print(text[len(shown[0]):], end="", flush=True)
-        shown[0] = text
+        streamed.ids.extend(ids)
+        if (delta := streamed.take(final=False)) and delta[3]:
+            print(delta[3], end="", flush=True)
+            shown[0] = True
 
     def text(c) -> str:  # as generated, up to a stop string
         return cut_at_stop(decode(c.output_ids), stop_strings)
@@ -240,7 +230,7 @@ def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str,
     elapsed = time.perf_counter() - start
     texts = [text(c) for c in completions]
     if stream:  # what was held back as the start of a stop string that did not come
-        print(cut_at_stop(decode(streamed), stop_strings)[len(shown[0]):])
+        print(streamed.take(final=True)[3])
     summary = decoder.metrics.summary()
     n_tokens = sum(len(c.output_ids) for c in completions)
     mode = "no-spec" if args.no_spec else f"block {args.block_size}" + (

@@ -1,6 +1,9 @@
-"""Stop strings in decoded text: where the first one starts, and where an ending that could still become one starts."""
+"""Stop strings in decoded text (where the first one starts, where an ending that could still become one starts) and the
+streamed text of a request, held back where a stop string could still come."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 
 def first_stop(text: str, stops) -> int:
@@ -50,3 +53,62 @@ def completed_by(decode, before: list[int], new: list[int], stops) -> int | None
     if not completes(len(new)):
         return None
     return next(j for j in range(1, len(new) + 1) if completes(j))
+
+
+CONTEXT_TOKENS = 8  # tokens sent before a delta that its text is decoded after (leading-space / byte-merge rules)
+
+
+def text_delta(decode: Callable[[list[int]], str], context_ids, new_ids, end: int = -1) -> str:
+    """The text `new_ids` add after `context_ids` (the tokens sent just before them), cut to `end` chars (-1: all)."""
+    context = list(context_ids)
+    before = decode(context) if context else ""
+    text = decode(context + list(new_ids))[len(before):]
+    return text if end < 0 else text[:end]
+
+
+class TextStream:
+    """One request's committed tokens and how many were sent. A streamed delta ends where its text is settled: not
+    in the middle of a UTF-8 character (U+FFFD at the end), and not past where the unsent text's settled part ends in
+    what could still grow into a stop string, so a stop string always lies inside the final delta, which is cut
+    before it. For as long as `sent` stays, the text of each candidate end is decoded once, and the largest end that
+    fits is found by bisection (text grows with its tokens), so a step decodes a few ends however long the stop
+    list or the held-back ending."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], stream: bool):
+        self.decode, self.stops, self.stream = decode, stops, stream
+        self.ids: list[int] = []
+        self.sent = 0  # tokens already sent
+        self._texts: dict[int, str] = {}  # end -> the text of ids[sent:end] after the context, while `sent` stays
+
+    def take(self, final: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, str] | None:
+        """(token_ids, context_ids, text_end, text) of the next delta; None when nothing new is settled."""
+        if not (final or self.stream):
+            return None
+        context = self.ids[max(0, self.sent - CONTEXT_TOKENS):self.sent]
+        end = len(self.ids) if final else self._settled(context)
+        if end == self.sent and not final:
+            return None
+        new = self.ids[self.sent:end]
+        text = self._text(context, end)
+        cut = first_stop(text, self.stops) if final else len(text)
+        self.sent, self._texts = end, {}
+        return tuple(new), tuple(context), cut if cut < len(text) else -1, text[:cut]
+
+    def _text(self, context: list[int], end: int) -> str:
+        if end not in self._texts:
+            self._texts[end] = text_delta(self.decode, context, self.ids[self.sent:end])
+        return self._texts[end]
+
+    def _settled(self, context: list[int]) -> int:
+        full = self._text(context, len(self.ids))
+        stable = full.rstrip("\ufffd")  # a character still missing bytes: what follows it is not known yet
+        limit = min(first_stop(stable, self.stops), held_from(stable, self.stops))
+        low, high = self.sent, len(self.ids)  # the largest end whose text fits within `limit`
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if len(self._text(context, mid)) <= limit else (low, mid - 1)
+        for end in range(low, self.sent, -1):
+            text = self._text(context, end)
+            if len(text) <= limit and full.startswith(text) and not text.endswith("\ufffd"):
+                return end
+        return self.sent

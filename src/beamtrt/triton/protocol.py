@@ -12,6 +12,7 @@ import numpy as np
 
 from beamtrt.errors import BeamtrtError
 from beamtrt.spec.sampling import MIN_TEMPERATURE, SamplingParams
+from beamtrt.spec.stops import text_delta
 
 
 class RequestError(BeamtrtError):
@@ -152,7 +153,6 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
 # ---- text ---------------------------------------------------------------------------------------------------------
 
 MAX_STOP_WORDS, MAX_STOP_CHARS = 64, 1024  # stop strings are matched on the decode thread, every request each step
-CONTEXT_TOKENS = 8  # tokens sent before a delta that its text is decoded after (leading-space / byte-merge rules)
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
@@ -165,14 +165,6 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
     except Exception as e:  # a template that rejects the message
         raise RequestError(f"the chat template rejected the prompt: {str(e).strip().splitlines()[0]}") from None
-
-
-def text_delta(decode: Callable[[list[int]], str], context_ids, new_ids, end: int = -1) -> str:
-    """The text `new_ids` add after `context_ids` (the tokens sent just before them), cut to `end` chars (-1: all)."""
-    context = list(context_ids)
-    before = decode(context) if context else ""
-    text = decode(context + list(new_ids))[len(before):]
-    return text if end < 0 else text[:end]
 
 
 # ---- responses -----------------------------------------------------------------------------------------------

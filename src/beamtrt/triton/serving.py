@@ -30,9 +30,8 @@ from beamtrt.prompts import load_tokenizer, make_decode, special_stops
 from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
-from beamtrt.spec.stops import first_stop, held_from
-from beamtrt.triton.protocol import (CONTEXT_TOKENS, Delta, Metrics, RequestError, RequestParams, encode_prompt,
-                                     parse_request, text_delta)
+from beamtrt.spec.stops import TextStream
+from beamtrt.triton.protocol import Delta, Metrics, RequestError, RequestParams, encode_prompt, parse_request
 
 
 # ---- how a server runs a build -------------------------------------------------------------------------------
@@ -101,54 +100,6 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-class _Text:
-    """One request's committed tokens and how many were sent. A streamed delta ends where its text is settled: not
-    in the middle of a UTF-8 character (U+FFFD at the end), and not past where the unsent text's settled part ends in
-    what could still grow into a stop string, so a stop string always lies inside the final delta, which is cut
-    before it. For as long as `sent` stays, the text of each candidate end is decoded once, and the largest end that
-    fits is found by bisection (text grows with its tokens), so a step decodes a few ends however long the stop
-    list or the held-back ending."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], stream: bool):
-        self.decode, self.stops, self.stream = decode, stops, stream
-        self.ids: list[int] = []
-        self.sent = 0  # tokens already sent
-        self._texts: dict[int, str] = {}  # end -> the text of ids[sent:end] after the context, while `sent` stays
-
-    def take(self, final: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, str] | None:
-        """(token_ids, context_ids, text_end, text) of the next delta; None when nothing new is settled."""
-        if not (final or self.stream):
-            return None
-        context = self.ids[max(0, self.sent - CONTEXT_TOKENS):self.sent]
-        end = len(self.ids) if final else self._settled(context)
-        if end == self.sent and not final:
-            return None
-        new = self.ids[self.sent:end]
-        text = self._text(context, end)
-        cut = first_stop(text, self.stops) if final else len(text)
-        self.sent, self._texts = end, {}
-        return tuple(new), tuple(context), cut if cut < len(text) else -1, text[:cut]
-
-    def _text(self, context: list[int], end: int) -> str:
-        if end not in self._texts:
-            self._texts[end] = text_delta(self.decode, context, self.ids[self.sent:end])
-        return self._texts[end]
-
-    def _settled(self, context: list[int]) -> int:
-        full = self._text(context, len(self.ids))
-        stable = full.rstrip("\ufffd")  # a character still missing bytes: what follows it is not known yet
-        limit = min(first_stop(stable, self.stops), held_from(stable, self.stops))
-        low, high = self.sent, len(self.ids)  # the largest end whose text fits within `limit`
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if len(self._text(context, mid)) <= limit else (low, mid - 1)
-        for end in range(low, self.sent, -1):
-            text = self._text(context, end)
-            if len(text) <= limit and full.startswith(text) and not text.endswith("\ufffd"):
-                return end
-        return self.sent
-
-
 # ---- the server --------------------------------------------------------------------------------------------------
 
 @dataclass(eq=False)
@@ -159,7 +110,7 @@ class _Live:
     params: RequestParams
     on_delta: Callable[[Delta], None]
     is_cancelled: Callable[[], bool] | None
-    text: _Text
+    text: TextStream
     completion: Completion = field(default_factory=Completion)
     cancel: threading.Event = field(default_factory=threading.Event)
     slot: int = -1
@@ -244,7 +195,7 @@ class Server:
         except ValueError as e:
             raise RequestError(str(e)) from None
         live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids | stop_ids, stops), params,
-                     on_delta, is_cancelled, _Text(self.decode, stops, params.stream))
+                     on_delta, is_cancelled, TextStream(self.decode, stops, params.stream))
         with self._lock:
             if self._closed:
                 raise RequestError("the server is shutting down")
