@@ -605,6 +605,17 @@ def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
     assert_one_line_error(proc, f"{prompts}:4: its prompt (9031 tokens), --max-new-tokens 4 and the 9 positions of "
                                 "a verify block exceed the target's context of 8192 tokens; shorten the prompt")
     assert ">>>" not in proc.stdout
+    unreadable = tmp_path / "unreadable"  # beam-mini's configs and tokenizer, weights that cannot load: refused first
+    unreadable.mkdir()
+    for f in beam_mini.iterdir():
+        if f.suffix == ".safetensors":
+            (unreadable / f.name).write_bytes(b"not safetensors")
+        else:
+            (unreadable / f.name).symlink_to(f)
+    proc = run_script("runtime/run.py", "--model", str(unreadable), "--prompt", "hi", "--max-new-tokens", "9000",
+                      "--no-spec")
+    assert_one_line_error(proc, "--prompt: its prompt (", "--max-new-tokens 9000 and the 2 positions of a verify "
+                          "block exceed the target's context of 8192 tokens")
     assert_one_line_error(run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--stop",
                                      "Paris.<|im_end|>"), "--stop 'Paris.<|im_end|>' holds the special token "
                           "<|im_end|>, which the decoded text never shows")

@@ -129,6 +129,10 @@ def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
                            "--engine-dir", str(broken), "--max-new-tokens", "4"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
+    # A prompt too long for the target is refused before any weight loads (it came after a 501B load), on rank 0 alone
+    proc = run(broken, 2, "--prompt", "hi", "--max-new-tokens", "40000", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0].startswith("error: --prompt: its prompt ("), proc.stderr
+    assert proc.stderr.count("error:") == 1 and "exceed the target's context of 32768 tokens" in proc.stderr
 
 
 def test_the_same_error_on_every_rank_is_one_line():

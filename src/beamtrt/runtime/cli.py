@@ -15,7 +15,8 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, special_stops, utf8_text
-from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend
+from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend, source_limits
+from beamtrt.spec.decoder import too_long
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import TextStream, first_stop
 
@@ -117,6 +118,10 @@ class Setup:
     manifest: dict | None
     backend: str                # "torch" or "trt" (beamtrt.runtime.loader.pick_backend)
     backend_why: str
+    tokenizer: object           # the target's (a transformers tokenizer)
+    prompt_ids: list[list[int]]  # each chat through the chat template, the assistant turn opened
+    stop_ids: frozenset[int]    # --stop strings that are one special token (beamtrt.prompts.special_stops)
+    stop_strings: list[str]     # the other --stop strings
 
 
 def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
@@ -153,7 +158,20 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
                          "engine directory (pass --engine-dir, or --model alone)")
     manifest = open_build(engine_dir, dist)
     backend, why = pick_backend(args.backend, manifest)
-    return Setup(params, chats, where, engine_dir, manifest, backend, why)
+    tokenizer_dir, context = source_limits(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec,
+                                           "--no-spec")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    try:
+        prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    except Exception as e:  # a malformed chat (roles the template rejects)
+        raise BeamtrtError(f"the chat template rejected a prompt: {str(e).strip().splitlines()[0]}") from None
+    stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")
+    for place, ids in zip(where, prompt_ids):  # a prompt too long for the target, before its weights load
+        if bad := too_long(len(ids), args.max_new_tokens, 1 if args.no_spec else args.block_size, context,
+                           "--max-new-tokens"):
+            raise BeamtrtError(f"{place}: {bad}; shorten the prompt or lower --max-new-tokens")
+    return Setup(params, chats, where, engine_dir, manifest, backend, why, tokenizer, prompt_ids, stop_ids,
+                 stop_strings)
 
 
 def _load(args: argparse.Namespace, setup: Setup, dist):
@@ -179,28 +197,19 @@ def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
     loaded = _load(args, setup, dist)
     driven = tp.drive(dist, loaded.target, loaded.drafter)
     if driven is not None:  # rank 0
-        _decode(args, setup, *driven, loaded.tokenizer_dir, loaded.what, dist)
+        _decode(args, setup, *driven, loaded.what, dist)
 
 
-def _decode(args, setup: Setup, target, drafter, tokenizer_dir: Path, what: str, dist) -> None:
+def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
     from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
-    chats, params = setup.chats, setup.params
-    tokenizer = load_tokenizer(tokenizer_dir)
-    decode = make_decode(tokenizer)
-    try:
-        prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
-    except Exception as e:  # a malformed chat (roles the template rejects)
-        raise BeamtrtError(f"the chat template rejected a prompt: {str(e).strip().splitlines()[0]}") from None
-    stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")
-    requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids) | stop_ids, stop_strings)
-                for ids in prompt_ids]
+    chats, params, stop_strings = setup.chats, setup.params, setup.stop_strings
+    decode = make_decode(setup.tokenizer)
+    requests = [Request(tuple(ids), args.max_new_tokens, frozenset(target.eos_token_ids) | setup.stop_ids,
+                        stop_strings) for ids in setup.prompt_ids]
     decoder = SpeculativeDecoder(target, drafter, args.block_size, params, args.seed,
                                  detokenize=decode,
                                  draft_threshold=args.draft_threshold)
-    for where, request in zip(setup.where, requests):  # before the first answer, naming the prompt's line
-        if why := decoder.too_long(request, "--max-new-tokens"):
-            raise BeamtrtError(f"{where}: {why}; shorten the prompt or lower --max-new-tokens")
     stream = not args.quiet and len(requests) == 1
     if stream:
         print(f">>> {asked(chats[0])}", flush=True)

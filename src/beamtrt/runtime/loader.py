@@ -54,6 +54,29 @@ def build_tokenizer_dir(root: Path, manifest: dict) -> Path:
     return root / tokenizer if tokenizer else Path(manifest["target"]["source"])
 
 
+def build_context(root: Path, manifest: dict, backend: str) -> int:
+    """The longest request (prompt, new tokens and a verify block's positions) a build's target runs, from its configs:
+    its engines' --max-seq-len on TensorRT; on torch its max_position_embeddings, bounded by the engines' --max-seq-len
+    where they were built (the same command fails the same way on either backend)."""
+    built = mf.field(manifest, "engines.settings.max_seq_len", None)
+    if backend == "trt":
+        return built
+    from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
+
+    context = TrtllmCheckpoint(root / manifest["target"]["dir"]).beam_config().max_position_embeddings
+    return min(context, built) if built else context
+
+
+def source_limits(engine_dir: Path | None, manifest: dict | None, backend: str, model_dir: str | Path | None,
+                  drafter_dir: str | Path | None, spec: bool, no_spec_flag: str = "") -> tuple[Path, int]:
+    """(tokenizer folder, the target's context in tokens: `build_context`) of what load_build or load_hf will load,
+    read from configs before any weight is (with load_hf's checks, `hf_sources`)."""
+    if engine_dir is not None:
+        return build_tokenizer_dir(engine_dir, manifest), build_context(engine_dir, manifest, backend)
+    model_dir, _ = hf_sources(model_dir, drafter_dir, spec, no_spec_flag)
+    return model_dir, BeamConfig.from_file(model_dir / "config.json").max_position_embeddings
+
+
 def missing_engines(manifest: dict | None) -> str | None:
     """Why a build has no engines to run (None when its engine stage ran or was reused)."""
     engines = (manifest or {}).get("stages", {}).get("engines", {})
@@ -109,9 +132,7 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
         model = tp.load_target_shard(target_dir, dist, dtype=dtype)
         drafter = TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist)) if spec else None
     target = TorchTarget(model)
-    built = mf.field(manifest, "engines.settings.max_seq_len", None)
-    if built:  # the build's --max-seq-len bounds a request as its engines would (the same command fails the same way)
-        target.max_seq_len = min(target.max_seq_len, built)
+    target.max_seq_len = build_context(root, manifest, "torch")
     return Loaded(target, drafter, tokenizer_dir, "torch", what, drafter_dir if spec else None)
 
 
@@ -121,20 +142,31 @@ def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: to
     beam-mini's); `no_spec_flag` is the caller's flag for decoding without one, offered when the default drafter does
     not fit."""
     from beamtrt.models.beam import load_beam
-    from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
-    from beamtrt.models.dflash2 import drafter_config_for, load_drafter
+    from beamtrt.models.dflash2 import load_drafter
     from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 
-    if spec and drafter_dir:  # a bad --drafter is reported before beam-mini is created or a target is loaded
+    model_dir, drafter_dir = hf_sources(model_dir, drafter_dir, spec, no_spec_flag)
+    model = load_beam(model_dir, dtype=dtype, device=device)
+    drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if spec else None
+    used = Path(drafter_dir) if spec else None
+    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)
+
+
+def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spec: bool,
+               no_spec_flag: str = "") -> tuple[Path, str | Path | None]:
+    """(target, drafter) folders load_hf loads, checked before any weight is: the target is `model_dir` or beam-mini
+    (created on first use, after a bad --drafter is reported), the drafter `drafter_dir` or the default one for the
+    target, and a drafter made for another target is refused."""
+    from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
+    from beamtrt.models.dflash2 import drafter_config_for
+
+    if spec and drafter_dir:
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
-    if spec and (model_dir / "config.json").is_file():  # a drafter for another target: before the target's weights
+    if spec and (model_dir / "config.json").is_file():
         target_cfg = BeamConfig.from_file(model_dir / "config.json")
         if drafter_dir:
             drafter_config_for(drafter_dir, target_cfg)
         else:
             drafter_dir = default_drafter_for(target_cfg, no_spec_flag)
-    model = load_beam(model_dir, dtype=dtype, device=device)
-    drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if spec else None
-    used = Path(drafter_dir) if spec else None
-    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)
+    return model_dir, drafter_dir

@@ -70,6 +70,25 @@ def proposal_lengths(proposal: DraftStep, threshold: float) -> torch.Tensor:
     return (proposal.confidence.cumprod(-1) >= threshold).sum(-1)  # a prefix: the product never grows
 
 
+def headroom(block_size: int) -> int:
+    """Cache positions a request needs beyond its prompt and max_new_tokens at `block_size` (1 without a drafter): a
+    last verify writes up to a block past the tokens kept (a request fits a context of prompt + max_new_tokens +
+    headroom)."""
+    return block_size + 1
+
+
+def too_long(prompt_tokens: int, max_new_tokens: int, block_size: int, context: int | None,
+             field: str = "max_new_tokens") -> str | None:
+    """Why a request does not fit a target's `context` (its prompt, max_new_tokens and the positions of a verify
+    block), or None (also for a context of None: a backend without one); `field` is what the message calls
+    max_new_tokens."""
+    room = headroom(block_size)
+    if context is None or prompt_tokens + max_new_tokens + room <= context:
+        return None
+    return (f"its prompt ({prompt_tokens} tokens), {field} {max_new_tokens} and the {room} positions of a verify "
+            f"block exceed the target's context of {context} tokens")
+
+
 class SpeculativeDecoder:
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None = None, block_size: int = 8,
                  params: SamplingParams = SamplingParams(), seed: int = 0,
@@ -94,9 +113,7 @@ class SpeculativeDecoder:
 
     @property
     def headroom(self) -> int:
-        """Cache positions a request needs beyond its prompt and max_new_tokens: a last verify writes up to a block
-        past the tokens kept (a request fits a context of prompt + max_new_tokens + headroom)."""
-        return self.block_size + 1
+        return headroom(self.block_size)
 
     def _uniforms(self, *shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=self.generator)
@@ -254,13 +271,9 @@ class SpeculativeDecoder:
         return getattr(self.target, "comm_s", 0.0) + (getattr(self.drafter, "comm_s", 0.0) if self.drafter else 0.0)
 
     def too_long(self, request: Request, field: str = "max_new_tokens") -> str | None:
-        """Why `request` does not fit the target's context (its prompt, max_new_tokens and the positions of a verify
-        block), or None; `field` is what the message calls max_new_tokens."""
+        """Why `request` does not fit the target's context, or None (`too_long`)."""
         context = getattr(self.target, "max_seq_len", None)  # the target's context (None: a backend without one)
-        if context is None or len(request.prompt_ids) + request.max_new_tokens + self.headroom <= context:
-            return None
-        return (f"its prompt ({len(request.prompt_ids)} tokens), {field} {request.max_new_tokens} and the "
-                f"{self.headroom} positions of a verify block exceed the target's context of {context} tokens")
+        return too_long(len(request.prompt_ids), request.max_new_tokens, self.block_size, context, field)
 
     def release(self, slot: int, completion: Completion) -> None:
         """A request finished (or was cancelled): free its slot (reset when the next request is prefilled into it)."""
