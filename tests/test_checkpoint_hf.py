@@ -497,6 +497,10 @@ def test_writing_holds_a_folder_against_other_processes(tmp_path, capsys):
     with hf.writing(tmp_path / "new"):
         pass
     assert not (tmp_path / "new").exists()  # made for the block and left empty: removed
+    (tmp_path / "link").symlink_to(tmp_path / "target")  # train_drafter.py --work LINK: it was 'File exists'
+    with hf.writing(tmp_path / "link"):
+        (tmp_path / "link" / "state").write_text("x")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "state").is_file()
 
 
 def test_staging_a_relative_output_is_not_refused_for_its_own_folder(tmp_path, monkeypatch):

@@ -122,8 +122,9 @@ _WRITING: set[Path] = set()  # folders this process holds through `writing`
 def writing(folder: Path, busy: str | None = None) -> Iterator[None]:
     """Holds `folder` (made if missing, removed again if left empty) for writing while the block runs: another process
     asking for it waits until this one is done, saying so, or, given `busy` (the line to say), fails at once.
-    Re-entrant within a process; on a file system without locks nothing is held."""
-    folder = Path(folder)
+    Re-entrant within a process; on a file system without locks nothing is held. A symbolic link is followed (its
+    target is made if missing)."""
+    folder = followed(Path(folder))
     key = folder.resolve()
     if key in _WRITING:
         yield
