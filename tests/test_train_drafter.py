@@ -345,6 +345,11 @@ def test_feature_shards_round_trip_and_corruption(target, tmp_path):
     (tmp_path / "features-00001.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(BeamtrtError, match="corrupt feature shard"):
         load_features(tmp_path)
+    (tmp_path / "features-00001.safetensors").unlink()
+    (tmp_path / "features-00001.safetensors").mkdir()  # safetensors said 'No such device'
+    with pytest.raises(BeamtrtError, match="features-00001.safetensors: a directory, not a feature shard; remove it"):
+        load_features(tmp_path)
+    (tmp_path / "features-00001.safetensors").rmdir()
     for bad in ({"taps": data.taps[:-10]}, {"seq_start": data.seq_start[:-1]}, {"prompt_len": data.prompt_len + 999}):
         save_file({"ids": data.ids, "taps": data.taps, "seq_start": data.seq_start, "prompt_len": data.prompt_len,
                    "greedy": data.greedy, **bad}, str(tmp_path / "features-00001.safetensors"))

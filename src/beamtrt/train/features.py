@@ -396,6 +396,8 @@ _REMEDY = {"feature shard": "remove it: its taps are rebuilt from its answers fi
 def _corrupt(path: Path, what: str, e: Exception) -> BeamtrtError:
     """One line for a file safetensors cannot read, with what to do about it."""
     remedy = f"; {_REMEDY[what]}" if what in _REMEDY else ""
+    if path.is_dir():  # safetensors' own reason would be 'No such device'
+        return BeamtrtError(f"{path}: a directory, not a {what}{remedy}")
     return BeamtrtError(f"{path}: corrupt {what} ({' '.join(str(e).split())}){remedy}")
 
 
