@@ -152,6 +152,10 @@ def test_validate_catches_a_modified_file(sources, tmp_path):
     one_line_error(build(sources, out), "files of its stage drafter were changed or removed", "--force")
     assert build(sources, out, "--force").returncode == 0
     assert subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120).returncode == 0
+    (out / "drafter" / "rank1.safetensors").unlink()
+    (out / "drafter" / "rank1.safetensors").mkdir()  # was 'listed in manifest.json but missing'
+    one_line_error(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120),
+                   f"{out / 'drafter' / 'rank1.safetensors'}: listed in manifest.json but a directory")
 
 
 def _corrupt_copy(sources: Path, tmp_path: Path, edit) -> Path:
