@@ -616,6 +616,9 @@ def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
                       "--no-spec")
     assert_one_line_error(proc, "--prompt: its prompt (", "--max-new-tokens 9000 and the 2 positions of a verify "
                           "block exceed the target's context of 8192 tokens")
+    (tmp_path / "b\udcff").symlink_to(beam_mini)  # a folder name that is not UTF-8 (b"b\xff"): the tokenizer was blamed
+    assert_one_line_error(run_script("runtime/run.py", "--model", str(tmp_path / "b\udcff"), "--prompt", "hi"),
+                          "the tokenizer library opens only UTF-8 paths; rename the folder whose name is not UTF-8")
     assert_one_line_error(run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--stop",
                                      "Paris.<|im_end|>"), "--stop 'Paris.<|im_end|>' holds the special token "
                           "<|im_end|>, which the decoded text never shows")

@@ -28,6 +28,11 @@ def load_tokenizer(path: str | Path):
         raise CheckpointError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}) to encode prompts "
                               "with; a build copies its source model's, so add them there and rebuild")
     try:
+        str(path).encode()
+    except UnicodeEncodeError:  # the tokenizer library takes only UTF-8 paths (the folder is fine otherwise)
+        raise CheckpointError(f"{path}: the tokenizer library opens only UTF-8 paths; rename the folder whose name is "
+                              "not UTF-8") from None
+    try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         line = error_line(e)
