@@ -648,6 +648,10 @@ def test_an_output_that_is_closed_or_whose_reader_goes_does_not_stop_the_command
     made = with_stderr_closed(sys.executable, "scripts/make_random_beam.py", "--layers", "2",
                               "--out", str(tmp_path / "m"))
     assert made.returncode == 0 and (tmp_path / "m" / "config.json").is_file(), made
+    closed = subprocess.run(["bash", "-c", f"{' '.join(map(shlex.quote, cmd))} >&-"], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT, check=False)  # the answers were dropped without a word
+    assert closed.returncode == 0 and closed.stderr.startswith("warning: stdout is closed: what this command prints "
+                                                               "is dropped"), closed
 
 
 @pytest.mark.slow

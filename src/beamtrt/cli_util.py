@@ -276,7 +276,7 @@ class _Output:
 def usable_outputs() -> Iterator[None]:
     """stdout and stderr as a command needs them while it runs: a closed one (`2>&-`, as cron and daemons may start a
     process) is os.devnull, not None, and a reader that goes away (a broken pipe) stops the printing, not the
-    command."""
+    command. A closed stdout is said on stderr: what the command prints (run.py's answers) is lost."""
     saved = sys.stdout, sys.stderr
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
@@ -284,6 +284,9 @@ def usable_outputs() -> Iterator[None]:
             setattr(sys, name, open(os.devnull, "w"))
         elif not isinstance(stream, _Output):
             setattr(sys, name, _Output(stream))
+    if saved[0] is None:
+        print("warning: stdout is closed: what this command prints is dropped (its output files are written)",
+              file=sys.stderr, flush=True)
     try:
         yield
     finally:
