@@ -195,6 +195,15 @@ def test_a_checkpoint_config_of_the_wrong_shape_is_one_line(tmp_path, config, ne
         TrtllmCheckpoint(tmp_path).units()
 
 
+def test_a_directory_in_place_of_a_rank_file_is_named(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"mapping": {"tp_size": 1}, "dtype": "bfloat16"}))
+    (tmp_path / "rank0.safetensors").mkdir()  # was 'missing rank file (the checkpoint has tp_size 1)'
+    with pytest.raises(CheckpointError, match="rank0.safetensors: a directory, not a rank file$"):
+        TrtllmCheckpoint(tmp_path).open(0)
+
+
 def test_an_interrupt_while_rank_files_are_synced_leaves_nothing_and_stays_an_interrupt(tmp_path, monkeypatch):
     """Ctrl-C while the second rank file is being synced: the first is already closed, and aborting must not close
     its descriptor again (that raised EBADF in place of the interrupt, or could close another file's descriptor)."""

@@ -80,6 +80,8 @@ class TrtllmCheckpoint:
     def open(self, rank: int):
         if rank not in self._files:
             file = rank_file(self.path, rank)
+            if file.is_dir():
+                raise CheckpointError(f"{file}: a directory, not a rank file")
             if not file.is_file():
                 raise CheckpointError(f"{file}: missing rank file (the checkpoint has tp_size {self.mapping.tp_size})")
             try:
