@@ -83,7 +83,8 @@ def check_files(root: Path, manifest: dict, weights: bool = True) -> None:
             continue
         file = root / rel
         if not file.is_file():
-            raise CheckpointError(f"{file}: listed in {mf.MANIFEST} but " + ("a directory" if file.is_dir() else "missing"))
+            found = "a directory" if file.is_dir() else "missing"
+            raise CheckpointError(f"{file}: listed in {mf.MANIFEST} but {found}")
         if mf.sha256_file(file) != digest:
             raise CheckpointError(f"{file}: sha256 differs from {mf.MANIFEST} (modified or corrupt: rebuild with "
                                   "build/build_engines.py)")
