@@ -226,6 +226,9 @@ def test_a_bad_drafter_is_refused_before_the_target_is_loaded(tmp_path, run, mon
     assert_one_line_error(run("runtime/run.py", "--drafter", str(tmp_path / "d"), "--prompt", "hi"), no_drafter)
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--drafter", str(tmp_path / "d")),
                           no_drafter)
+    (tmp_path / "last-build").write_text(f"{tmp_path / 'bf16-tp4'}\n")  # --drafter alone runs beam-mini's, as the
+    monkeypatch.setattr(build_cli, "LAST_BUILD", tmp_path / "last-build")  # README says, not the last build
+    assert_one_line_error(run("runtime/run.py", "--drafter", str(tmp_path / "d"), "--prompt", "hi"), no_drafter)
     assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--drafter", str(tmp_path / "d"),
                               "--out", str(tmp_path / "out")), no_drafter)
     assert not (tmp_path / "out").exists()

