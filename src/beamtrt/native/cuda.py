@@ -30,7 +30,7 @@ def extension():
     if missing:
         raise DeviceError(f"the plugins/ sources are not here ({PLUGINS}): {', '.join(missing)}")
     major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # the arch-specific target, as plugins/CMakeLists.txt
+    arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # arch-specific (CMakeLists.txt: sm_100a, sm_103a, sm_90)
     build = cache_dir() / "cuda" / f"sm_{arch}"
     build.mkdir(parents=True, exist_ok=True)
     return load(name="beamtrt_cuda", sources=[str(PLUGINS / s) for s in SOURCES], build_directory=str(build),
