@@ -121,3 +121,22 @@ def test_a_failure_at_the_end_writes_none_of_the_three_files(mini_vocab_sources,
                "--max-new-tokens", "4", "--no-block16", "--out", str(tmp_path / "b")])
     assert rc == 2 and list(tmp_path.iterdir()) == []
     assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'b.png'}: cannot write it (No space left on device)\n")
+
+
+def test_a_prompt_too_long_for_the_target_is_refused_before_any_family_is_measured(mini_vocab_sources, tmp_path,
+                                                                                  monkeypatch, one_thread, capsys):
+    """A request that does not fit the target's context failed inside the decoder, after the families before it had
+    been measured (and with the request's index, not its family's prompt number)."""
+    import beamtrt.bench.benchmark as bench
+
+    monkeypatch.setattr(bench, "decode", lambda *a, **k: pytest.fail("a family was measured"))
+    src = mini_vocab_sources
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n" + json.dumps({"prompt": "go " * 33000}))
+    rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat", "long",
+               "--prompts", f"chat={src / 'prompts.jsonl'}", "--prompts", f"long={tmp_path / 'long.jsonl'}",
+               "--num-prompts", "2", "--c1-prompts", "1", "--concurrency", "1", "--max-new-tokens", "4",
+               "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.splitlines()[-1].startswith("error: long: prompt 2: its prompt ("), err
+    assert "exceed the target's context of 32768 tokens; leave it out or lower --max-new-tokens" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.jsonl"]

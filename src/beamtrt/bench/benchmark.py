@@ -243,7 +243,7 @@ def timed(run: Run, family: str) -> Run:
 def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], target, drafter, tok,
               result: dict) -> None:
     """The published table's measurements for every family (rank 0), written to OUT.json, OUT.md and OUT.png."""
-    from beamtrt.spec.decoder import Request
+    from beamtrt.spec.decoder import Request, too_long
     from beamtrt.spec.sampling import SamplingParams
 
     if importlib.util.find_spec("matplotlib") is None:  # the chart, drawn at the end: said before measuring
@@ -259,6 +259,14 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
     block16 = not args.no_block16 and drafter.block_size >= 16  # a drafter of a smaller block has no τ at 16
     if not args.no_block16 and not block16:
         print(f"benchmark: no block-16 column: the drafter's own block is {drafter.block_size}", file=sys.stderr)
+    family_requests = {fam: [Request(tuple(tok.apply_chat_template(c, add_generation_prompt=True)),
+                                     args.max_new_tokens, eos) for c in fam_chats] for fam, fam_chats in chats.items()}
+    context = getattr(target, "max_seq_len", None)
+    for fam, requests in family_requests.items():  # every prompt fits, before the first family is measured
+        for i, r in enumerate(requests):
+            if why := too_long(len(r.prompt_ids), r.max_new_tokens, 16 if block16 else args.block_size, context,
+                               "--max-new-tokens"):
+                raise BeamtrtError(f"{fam}: prompt {i + 1}: {why}; leave it out or lower --max-new-tokens")
 
     def requests_decoded(n: int) -> int:  # plain and speculative at each concurrency, sampled, whole blocks, block 16
         return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (
@@ -268,9 +276,7 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
                file=sys.stderr)
     finished = lambda i, completion: bar.update()  # noqa: E731
     log = lambda line: bar.write(json.dumps(line), file=sys.stderr)  # noqa: E731  above the bar, not through it
-    for f, (fam, fam_chats) in enumerate(chats.items()):
-        requests = [Request(tuple(tok.apply_chat_template(c, add_generation_prompt=True)), args.max_new_tokens,
-                            eos) for c in fam_chats]
+    for f, (fam, requests) in enumerate(family_requests.items()):
         row = {"family": fam, "prompts": len(requests), "concurrency": {}}
         spec_runs = {}
         for i, c in enumerate(cs):
