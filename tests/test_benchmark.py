@@ -140,3 +140,38 @@ def test_a_prompt_too_long_for_the_target_is_refused_before_any_family_is_measur
     assert rc == 2 and err.splitlines()[-1].startswith("error: long: prompt 2: its prompt ("), err
     assert "exceed the target's context of 32768 tokens; leave it out or lower --max-new-tokens" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.jsonl"]
+
+
+def test_prompts_that_cannot_be_rendered_are_refused_before_the_models_load(mini_vocab_sources, tmp_path,
+                                                                            monkeypatch, capsys):
+    """A target without tokenizer files was a transformers TypeError traceback, a chat its template rejects a jinja2
+    traceback, both after the models loaded; a family name that is not UTF-8 a matplotlib traceback after the whole
+    benchmark had run. Each is one line now, before anything loads."""
+    from beamtrt.runtime import loader
+
+    monkeypatch.setattr(loader, "load_hf", lambda *a, **k: pytest.fail("the models were loaded"))
+    src = mini_vocab_sources
+    no_tok, strict = tmp_path / "no-tok", tmp_path / "strict"
+    for folder in (no_tok, strict):
+        folder.mkdir()
+        for f in (src / "target").iterdir():
+            if folder is strict or not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                (folder / f.name).symlink_to(f)
+    (strict / "chat_template.jinja").unlink()  # a template that wants a user turn first, as Mistral's does
+    (strict / "chat_template.jinja").write_text("{% if messages[0]['role'] != 'user' %}{{ raise_exception("
+                                                "'Conversation roles must alternate user/assistant') }}{% endif %}"
+                                                "{{ messages }}")
+    (tmp_path / "sys.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]}) + "\n")
+    common = ["--drafter", str(src / "drafter"), "--families", "sys", "--prompts", f"sys={tmp_path / 'sys.jsonl'}",
+              "--num-prompts", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "out" / "b")]
+    for model, needle in ((no_tok, f"error: {no_tok}: no tokenizer files"),
+                          (strict, ("error: sys: prompt 2: the chat template rejected it (Conversation roles must "
+                                    "alternate user/assistant)"))):
+        assert main(["--model", str(model), *common]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(needle) and len(err.splitlines()) == 1, err
+    assert main(["--model", str(src / "target"), *common[:4], "--prompts", f"f\udcff={tmp_path / 'sys.jsonl'}",
+                 *common[6:]]) == 2
+    assert capsys.readouterr().err.startswith("error: --prompts FAMILY: not valid UTF-8 text (character 2)")
+    assert not (tmp_path / "out").exists()

@@ -622,6 +622,17 @@ def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
     (tmp_path / "b\udcff").symlink_to(beam_mini)  # a folder name that is not UTF-8 (b"b\xff"): the tokenizer was blamed
     assert_one_line_error(run_script("runtime/run.py", "--model", str(tmp_path / "b\udcff"), "--prompt", "hi"),
                           "the tokenizer library opens only UTF-8 paths; rename the folder whose name is not UTF-8")
+    strict = tmp_path / "strict"  # a template that wants a user turn first, as Mistral's does: the line is named
+    strict.mkdir()
+    for f in beam_mini.iterdir():
+        if f.name != "chat_template.jinja":
+            (strict / f.name).symlink_to(f)
+    (strict / "chat_template.jinja").write_text("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Roles must "
+                                                "alternate') }}{% endif %}{{ messages }}")
+    prompts.write_text(json.dumps({"prompt": "Hi."}) + "\n" + json.dumps({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]}) + "\n")
+    assert_one_line_error(run_script("runtime/run.py", "--model", str(strict), "--prompts", str(prompts)),
+                          f"{prompts}:2: the chat template rejected it (Roles must alternate)")
     assert_one_line_error(run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--stop",
                                      "Paris.<|im_end|>"), "--stop 'Paris.<|im_end|>' holds the special token "
                           "<|im_end|>, which the decoded text never shows")
@@ -702,6 +713,39 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_loading(beam_mini
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(beam_mini), "--data", str(tmp_path / "d"),
                               "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")), "1.5 GB in float32")
     assert free == [torch.device("cpu")] * 2 and not list(tmp_path.iterdir())
+
+
+def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_vocab_sources, tmp_path, run, monkeypatch):
+    """bench_spec.py and eval_drafter.py on a target without tokenizer files were transformers TypeError tracebacks
+    after the models loaded; draft_vocab.py took any --target (read only when a cache records its target), and a
+    drafter of a smaller vocabulary than the caches' tokens was told a draft vocabulary's general rule."""
+    import json
+
+    from beamtrt.models import beam
+
+    monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target was loaded"))
+    src, no_tok = mini_vocab_sources, tmp_path / "no-tok"
+    no_tok.mkdir()
+    for f in (src / "target").iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (no_tok / f.name).symlink_to(f)
+    assert_one_line_error(run("scripts/bench_spec.py", "--model", str(no_tok), "--drafter", str(src / "drafter"),
+                              "--batches", "1"), f"{no_tok}: no tokenizer files")
+    cache = ROOT / "checkpoints" / "beam-mini-dflash2-data-s6"
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(no_tok), "--drafter",
+                              str(src / "drafter")), f"{no_tok}: no tokenizer files")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(no_tok)),
+                          "-dflash2: not a checkpoint directory (no config.json) (the default for the target's name: "
+                          "pass --drafter DIR)")
+    small = tmp_path / "small"
+    small.mkdir()
+    cfg = json.loads((ROOT / "checkpoints" / "beam-mini-dflash2" / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1024}))
+    assert_one_line_error(run("scripts/draft_vocab.py", str(small), "--data", str(cache)), "--data holds token id ",
+                          "beyond the drafter's vocabulary of 1024: the caches are another target's answers")
+    assert_one_line_error(run("scripts/draft_vocab.py", str(small), "--data", str(cache), "--target",
+                              str(tmp_path / "nosuch")), f"--target {tmp_path / 'nosuch'}: ")
+    assert not (small / "draft_vocab.json").exists()
 
 
 def test_bench_bad_values_are_one_line(tmp_path, run):

@@ -41,6 +41,18 @@ def load_tokenizer(path: str | Path):
                               "(tokenizer.json, tokenizer_config.json)") from None
 
 
+def render_chats(tokenizer, chats: list[list[dict]], where: list[str]) -> list[list[int]]:
+    """Each chat through the tokenizer's chat template, the assistant turn opened; a chat the template rejects (roles
+    out of its order, a template that raises) is one line naming where it came from (`where`, one per chat)."""
+    ids = []
+    for chat, place in zip(chats, where):
+        try:
+            ids.append(list(tokenizer.apply_chat_template(chat, add_generation_prompt=True)))
+        except Exception as e:  # jinja2's TemplateError, transformers' ValueError for a tokenizer without a template
+            raise BeamtrtError(f"{place}: the chat template rejected it ({error_line(e)})") from None
+    return ids
+
+
 def make_decode(tokenizer) -> Callable[[list[int]], str]:
     """Token ids -> text, as generated: no clean-up of spaces, which rewrites what the model wrote (`print("Hi !")`
     -> `print("Hi!")`) and text already streamed (" ." -> ".")."""

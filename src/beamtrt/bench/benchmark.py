@@ -25,6 +25,7 @@ from beamtrt.cli_util import (ArgumentParser, check_threads, description, output
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
+from beamtrt.prompts import load_tokenizer, render_chats, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
@@ -167,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Plan:
     """Everything checked before any weight is loaded (the same on every rank)."""
 
-    chats: dict[str, list[list[dict]]]  # family -> its prompts as chats
+    prompt_ids: dict[str, list[list[int]]]  # family -> its prompts through the target's chat template
     engine_dir: Path | None
     manifest: dict | None
     backend: str
@@ -175,14 +176,14 @@ class Plan:
 
 def _setup(args: argparse.Namespace, dist) -> Plan:
     from beamtrt.bench.prompt_sets import load_chats
-    from beamtrt.runtime.loader import open_build, pick_backend
+    from beamtrt.runtime.loader import open_build, pick_backend, source_limits
 
     files = {}
     for item in args.prompts:
         fam, sep, path = item.partition("=")
         if not sep or not fam or not path:
             raise ValueError(f"--prompts {item!r}: expected FAMILY=FILE.jsonl")
-        files[fam] = path
+        files[utf8_text(fam, "--prompts FAMILY")] = path  # it names a row of the table and the chart
     families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
     if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1:
         raise ValueError("--concurrency, --num-prompts and --c1-prompts must be >= 1")
@@ -204,14 +205,17 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     engine_dir = Path(args.engine_dir) if args.engine_dir else None
     manifest = open_build(engine_dir, dist)
     backend, _ = pick_backend(args.backend, manifest)
-    chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # fail before loading models
-    return Plan(chats, engine_dir, manifest, backend)
+    tokenizer_dir, _ = source_limits(engine_dir, manifest, backend, args.model, args.drafter, True)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompt_ids = {}  # every prompt read and rendered before the models load
+    for fam in families:
+        chats = load_chats(fam, args.num_prompts, files)
+        prompt_ids[fam] = render_chats(tokenizer, chats, [f"{fam}: prompt {i + 1}" for i in range(len(chats))])
+    return Plan(prompt_ids, engine_dir, manifest, backend)
 
 
 def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
     """Every rank loads its backends; rank 0 measures, the others replay its calls on their shards."""
-    from transformers import AutoTokenizer
-
     from beamtrt.runtime import loader, tp
 
     set_threads(args.threads)
@@ -228,7 +232,7 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
               "tp": dist.size, "device": device, "backend": loaded.backend, "threads": torch.get_num_threads()}
     if plan.manifest:
         result["build_tp"] = plan.manifest["mapping"]["tp_size"]
-    benchmark(args, plan.chats, *driven, AutoTokenizer.from_pretrained(loaded.tokenizer_dir), result)
+    benchmark(args, plan.prompt_ids, *driven, result)
 
 
 def timed(run: Run, family: str) -> Run:
@@ -240,7 +244,7 @@ def timed(run: Run, family: str) -> Run:
     return run
 
 
-def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], target, drafter, tok,
+def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], target, drafter,
               result: dict) -> None:
     """The published table's measurements for every family (rank 0), written to OUT.json, OUT.md and OUT.png."""
     from beamtrt.spec.decoder import Request, too_long
@@ -259,8 +263,8 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
     block16 = not args.no_block16 and drafter.block_size >= 16  # a drafter of a smaller block has no τ at 16
     if not args.no_block16 and not block16:
         print(f"benchmark: no block-16 column: the drafter's own block is {drafter.block_size}", file=sys.stderr)
-    family_requests = {fam: [Request(tuple(tok.apply_chat_template(c, add_generation_prompt=True)),
-                                     args.max_new_tokens, eos) for c in fam_chats] for fam, fam_chats in chats.items()}
+    family_requests = {fam: [Request(tuple(ids), args.max_new_tokens, eos) for ids in fam_ids]
+                       for fam, fam_ids in prompt_ids.items()}
     context = getattr(target, "max_seq_len", None)
     for fam, requests in family_requests.items():  # every prompt fits, before the first family is measured
         for i, r in enumerate(requests):
@@ -272,7 +276,7 @@ def benchmark(args: argparse.Namespace, chats: dict[str, list[list[dict]]], targ
         return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (
             1 + bool(args.draft_threshold) + block16)
 
-    bar = tqdm(total=sum(requests_decoded(len(c)) for c in chats.values()), desc="benchmark", unit="request",
+    bar = tqdm(total=sum(requests_decoded(len(ids)) for ids in prompt_ids.values()), desc="benchmark", unit="request",
                file=sys.stderr)
     finished = lambda i, completion: bar.update()  # noqa: E731
     log = lambda line: bar.write(json.dumps(line), file=sys.stderr)  # noqa: E731  above the bar, not through it

@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> None:
-        from transformers import AutoTokenizer
-
-        from beamtrt.runtime.loader import load_hf
+        from beamtrt.prompts import load_tokenizer
+        from beamtrt.runtime.loader import load_hf, source_limits
         from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS):
@@ -78,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         if args.json:
             output_path(args.json, "--json")
+        tok = load_tokenizer(source_limits(None, None, "torch", args.model, args.drafter, True)[0])  # before the load
         loaded = load_hf(args.model, args.drafter, dtype=DTYPES[args.dtype])
-        target, drafter, tok = loaded.target, loaded.drafter, AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+        target, drafter = loaded.target, loaded.drafter
         eos = frozenset(target.eos_token_ids)
         result = {"model": str(loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir), "dtype": args.dtype,
                   "block_size": args.block_size, "draft_threshold": args.draft_threshold,

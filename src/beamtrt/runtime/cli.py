@@ -14,7 +14,7 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
                               torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, special_stops, utf8_text
+from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, render_chats, special_stops, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend, source_limits
 from beamtrt.spec.decoder import too_long
 from beamtrt.spec.sampling import SamplingParams
@@ -162,10 +162,7 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     tokenizer_dir, context = source_limits(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec,
                                            "--no-spec")
     tokenizer = load_tokenizer(tokenizer_dir)
-    try:
-        prompt_ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
-    except Exception as e:  # a malformed chat (roles the template rejects)
-        raise BeamtrtError(f"the chat template rejected a prompt: {str(e).strip().splitlines()[0]}") from None
+    prompt_ids = render_chats(tokenizer, chats, where)
     stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")
     for place, ids in zip(where, prompt_ids):  # a prompt too long for the target, before its weights load
         if bad := too_long(len(ids), args.max_new_tokens, 1 if args.no_spec else args.block_size, context,

@@ -12,6 +12,7 @@ import torch
 from beamtrt.checkpoint.hf import require_dir, write_json, writing
 from beamtrt.cli_util import ArgumentParser, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
+from beamtrt.prompts import load_tokenizer
 
 
 def last_greedy(kinds: list[str], greedy: torch.Tensor, per_kind: int) -> dict[str, list[int]]:
@@ -92,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
-        from transformers import AutoTokenizer
-
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
         from beamtrt.models.dflash2 import load_drafter
@@ -111,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         drafter_dir = Path(args.drafter) if args.drafter else CHECKPOINTS / f"{target_dir.resolve().name}-dflash2"
         for what, d in (("target", target_dir), ("drafter", drafter_dir)):
             if not (d / "config.json").is_file():
-                raise BeamtrtError(f"{what} {d}: not a checkpoint directory (no config.json)")
+                default = " (the default for the target's name: pass --drafter DIR)" if (
+                    what == "drafter" and not args.drafter) else ""
+                raise BeamtrtError(f"{what} {d}: not a checkpoint directory (no config.json){default}")
+        tokenizer = load_tokenizer(target_dir)  # the answers are scored as text: before any weight loads
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
         if args.block_size > drafter.cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} is above the drafter's ({drafter.cfg.block_size})")
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
         parts, kinds, answers = [], [], Counter()
         taps = list(drafter.cfg.target_layer_ids)
         digest = target_digest(target)

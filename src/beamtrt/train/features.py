@@ -390,7 +390,7 @@ def _write_shard(path: Path, prompts: list[list[int]], answers: dict[int, tuple[
 
 
 _REMEDY = {"feature shard": "remove it: its taps are rebuilt from its answers file",
-           "answers file": "remove it and its feature shard, and the shard is answered again"}
+           "answers file": "remove it and its feature shard, and train_drafter.py answers the shard again"}
 
 
 def _corrupt(path: Path, what: str, e: Exception) -> BeamtrtError:

@@ -81,10 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         dirs = [require_dir(d, "an answers or feature cache directory", "--data") for d in args.data]
         if len({d.resolve() for d in dirs}) < len(dirs):  # as train_drafter.py refuses it
             raise BeamtrtError("--data names the same cache twice (its held-out answers would count as trained on)")
+        if args.target:  # read only when a cache records its target: a wrong path is said whether or not
+            require_dir(args.target, "the target checkpoint directory", "--target")
         drafter = Path(args.drafter)
         cfg = DrafterConfig.from_file(drafter / "config.json")
         check_caches_target(dirs, args.target)
-        ids = check_draft_vocab(training_tokens(dirs, args.eval_sequences), cfg.vocab_size, cfg.selector_top_k)
+        tokens = training_tokens(dirs, args.eval_sequences)
+        if tokens.numel() and int(tokens.max()) >= cfg.vocab_size:
+            raise BeamtrtError(f"--data holds token id {int(tokens.max())}, beyond the drafter's vocabulary of "
+                               f"{cfg.vocab_size}: the caches are another target's answers")
+        ids = check_draft_vocab(tokens, cfg.vocab_size, cfg.selector_top_k)
         was = replaced(drafter, cfg)
         write_draft_vocab(drafter, ids)
         print(f"{drafter / DRAFT_VOCAB_FILE}: {ids.numel()} of {cfg.vocab_size} tokens{was}")
