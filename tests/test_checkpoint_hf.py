@@ -416,6 +416,18 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # nothing aside, no staging left
 
 
+def test_staging_removes_the_folders_it_made_when_no_output_came(tmp_path):
+    """export_triton.py --out a/b/repo that failed left a/b/ behind."""
+    (tmp_path / "a").mkdir()
+    with pytest.raises(CheckpointError, match="^failed$"), hf.staging(tmp_path / "a" / "b" / "c" / "out"):
+        raise CheckpointError("failed")
+    assert list(tmp_path.iterdir()) == [tmp_path / "a"] and not list((tmp_path / "a").iterdir())  # a was there
+    with hf.staging(tmp_path / "a" / "b" / "out") as tmp:
+        (tmp / "f").write_text("x")
+        hf.replace_dir(tmp, tmp_path / "a" / "b" / "out")
+    assert (tmp_path / "a" / "b" / "out" / "f").read_text() == "x"
+
+
 def test_staging_removes_what_killed_writers_left_and_refuses_beside_a_running_one(tmp_path, capsys):
     import os
     import signal

@@ -39,13 +39,16 @@ def staging(final: Path) -> Iterator[Path]:
     the block runs, so that leftovers of killed writers (kill -9, the out-of-memory killer: nothing ran to remove
     them) are told apart from a running writer's: they are removed, while a running writer of the same output is
     one line (two writers would each replace the other's output, or fail on it). A symbolic link is written
-    through: its target is staged beside and replaced, and the link stays."""
+    through: its target is staged beside and replaced, and the link stays. Folders made to hold it are removed
+    again when no output came of the block."""
     final = followed(Path(final))
+    made = [p for p in (final.parent, *final.parent.parents) if not p.exists()]  # the deepest first
     final.parent.mkdir(parents=True, exist_ok=True)
     try:  # made under another prefix and locked before it takes the one leftovers are looked for by
         new = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
         fd = os.open(new, os.O_RDONLY)
     except OSError as e:  # the error would name the temporary folder, which the user never gave
+        _remove_empty(made)
         raise CheckpointError(f"{final}: cannot write in {final.parent} ({e.strerror or e})") from None
     tmp = new.with_name(new.name.replace(".new-", ".tmp-", 1))
     try:
@@ -62,6 +65,17 @@ def staging(final: Path) -> Iterator[Path]:
         shutil.rmtree(new, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(fd)
+        if not final.exists():
+            _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (each inside the next) while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _rename_in_error(e: BaseException, tmp: Path, final: Path) -> None:
