@@ -81,7 +81,10 @@ def test_out_names_three_files_whatever_its_suffix():
     (["--device", "gpu0"], "not a torch device"),
     (["--backend", "trt"], "pass --engine-dir"),
 ])
-def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path):
+def test_bad_arguments_are_one_line(args, needle, capsys, tmp_path, monkeypatch):
+    from beamtrt.models import beam_mini
+
+    monkeypatch.setattr(beam_mini, "ensure_beam_mini", lambda *a: pytest.fail("beam-mini made before the refusal"))
     try:
         code = main(["--out", str(tmp_path / "b")] + args)
     except SystemExit as e:  # argparse's own refusals

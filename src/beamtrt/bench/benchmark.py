@@ -205,12 +205,10 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     engine_dir = Path(args.engine_dir) if args.engine_dir else None
     manifest = open_build(engine_dir, dist)
     backend, _ = pick_backend(args.backend, manifest)
-    tokenizer_dir, _ = source_limits(engine_dir, manifest, backend, args.model, args.drafter, True)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    prompt_ids = {}  # every prompt read and rendered before the models load
-    for fam in families:
-        chats = load_chats(fam, args.num_prompts, files)
-        prompt_ids[fam] = render_chats(tokenizer, chats, [f"{fam}: prompt {i + 1}" for i in range(len(chats))])
+    chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # before beam-mini is made
+    tokenizer = load_tokenizer(source_limits(engine_dir, manifest, backend, args.model, args.drafter, True)[0])
+    prompt_ids = {fam: render_chats(tokenizer, c, [f"{fam}: prompt {i + 1}" for i in range(len(c))])
+                  for fam, c in chats.items()}  # every prompt rendered before the models load
     return Plan(prompt_ids, engine_dir, manifest, backend)
 
 
