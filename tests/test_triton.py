@@ -579,18 +579,18 @@ def test_export_refuses_a_bad_build_with_one_line(builds, tmp_path, capsys, brea
 
 
 def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
-    for args, needle in ((["--block-size", "1"], "block_size must be in [2, 32], got 1"),
-                         (["--block-size", "100"], "block_size must be in [2, 32], got 100"),
+    for args, needle in ((["--block-size", "1"], "error: --block-size must be in [2, 32], got 1"),
+                         (["--block-size", "100"], "error: --block-size must be in [2, 32], got 100"),
                          (["--block-size", "32"], "--block-size 32 is above the drafter's own block"),
-                         (["--max-slots", "0"], "max_slots must be >= 1"),
-                         (["--draft-threshold", "1.5"], "draft_threshold must be in [0, 1], got 1.5"),
-                         (["--draft-threshold", "nan"], "draft_threshold must be in [0, 1], got nan"),
-                         (["--device", "foo"], "device must be auto, cpu, cuda or cuda:N, got 'foo'"),
+                         (["--max-slots", "0"], "error: --max-slots must be >= 1"),
+                         (["--draft-threshold", "1.5"], "error: --draft-threshold must be in [0, 1], got 1.5"),
+                         (["--draft-threshold", "nan"], "error: --draft-threshold must be in [0, 1], got nan"),
+                         (["--device", "foo"], "error: --device must be auto, cpu, cuda or cuda:N, got 'foo'"),
                          (["--backend", "trt"], "--backend trt: the build has no engines"),
                          (["--out", str(builds[1] / "repo")], "inside the engine directory"),
                          (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
-                         (["--seed", str(2**70)], "seed must be in [0, 2**63)"),
+                         (["--seed", str(2**70)], "error: --seed must be in [0, 2**63)"),
                          (["--max-seq-len", str(10**9)], "above the target's context"),
                          (["--out", str(tmp_path / "a-file"), "--force"], "is a file; expected a directory path")):
         (tmp_path / "a-file").write_text("keep me")  # --force replaces a repository, never a file

@@ -24,7 +24,7 @@ from beamtrt.prompts import has_tokenizer
 from beamtrt.runtime.loader import missing_engines
 from beamtrt.triton import protocol, serving
 from beamtrt.triton.protocol import Tensor
-from beamtrt.triton.serving import ServeSettings
+from beamtrt.triton.serving import ServeSettings, SettingError
 
 MODEL = "beam_dflash2"
 MAX_BATCH_SIZE = 1  # each request is one sequence [1, ...]; requests are batched inside beam_dflash2 (max_slots)
@@ -229,8 +229,11 @@ def export(cfg: ExportConfig) -> list[str]:
         raise ExportError(f"--backend trt: the build has no engines ({no_engines})")
     if cfg.backend == "trt" and built_block is not None and block != built_block:
         raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
-    settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
-                             cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
+    try:
+        settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
+                                 cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
+    except SettingError as e:  # named as the flag it came from (each setting is export_triton.py's flag of its name)
+        raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
     trained = manifest["drafter"].get("train_block_size")
     if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
         raise ExportError(why)

@@ -36,6 +36,14 @@ from beamtrt.triton.protocol import Delta, Metrics, RequestError, RequestParams,
 
 # ---- how a server runs a build -------------------------------------------------------------------------------
 
+class SettingError(ConfigError):
+    """A serving setting out of its range: `name` (the config.pbtxt parameter) and `why`."""
+
+    def __init__(self, name: str, why: str):
+        super().__init__(f"serving settings: {name} {why}")
+        self.name, self.why = name, why
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     """beam_dflash2's config.pbtxt parameters (export.py writes them, model.py reads them back)."""
@@ -54,21 +62,21 @@ class ServeSettings:
     def __post_init__(self) -> None:
         from beamtrt.runtime.loader import BACKENDS
 
-        checks = [(self.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"),
-                  (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
-                  (self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"),
-                  (2 <= self.block_size <= MAX_BLOCK_SIZE,
-                   f"block_size must be in [2, {MAX_BLOCK_SIZE}], got {self.block_size}"),
-                  (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
-                   f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
-                  (0 <= self.draft_threshold <= 1, f"draft_threshold must be in [0, 1], got {self.draft_threshold}"),
-                  (self.max_slots >= 1, f"max_slots must be >= 1, got {self.max_slots}"),
-                  (self.max_seq_len >= self.block_size + 2,
-                   f"max_seq_len must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}"),
-                  (0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")]
-        bad = next((why for ok, why in checks if not ok), None)
+        checks = [(self.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}"),
+                  (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+                  (self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}"),
+                  (2 <= self.block_size <= MAX_BLOCK_SIZE, "block_size",
+                   f"must be in [2, {MAX_BLOCK_SIZE}], got {self.block_size}"),
+                  (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
+                   f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
+                  (0 <= self.draft_threshold <= 1, "draft_threshold", f"must be in [0, 1], got {self.draft_threshold}"),
+                  (self.max_slots >= 1, "max_slots", f"must be >= 1, got {self.max_slots}"),
+                  (self.max_seq_len >= self.block_size + 2, "max_seq_len",
+                   f"must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}"),
+                  (0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")]
+        bad = next(((name, why) for ok, name, why in checks if not ok), None)
         if bad:
-            raise ConfigError(f"serving settings: {bad}")
+            raise SettingError(*bad)
 
     def to_parameters(self) -> dict[str, str]:
         return {f.name: _param_text(getattr(self, f.name)) for f in fields(self)}
