@@ -115,7 +115,7 @@ def test_the_random_default_drafter_is_beam_minis_whatever_target_asked_first(be
     from beamtrt.errors import ConfigError
     from beamtrt.models import beam_mini as bm
     from beamtrt.models.random_beam import write_random_beam
-    from beamtrt.runtime.loader import load_hf
+    from beamtrt.runtime.loader import hf_sources
 
     monkeypatch.setattr(bm, "DEFAULT_DIR", beam_mini)
     monkeypatch.setattr(bm, "TRAINED_DRAFTER", tmp_path / "no-trained-drafter")
@@ -125,9 +125,9 @@ def test_the_random_default_drafter_is_beam_minis_whatever_target_asked_first(be
         intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2))
     with pytest.raises(ConfigError, match="default drafter .* is beam-mini's and does not fit this target .* "
                                           "pass --drafter DIR .*, or --no-spec$"):
-        load_hf(other, None, no_spec_flag="--no-spec")
+        hf_sources(other, None, True, "--no-spec")
     assert DrafterConfig.from_file(tmp_path / "random" / "config.json").vocab_size == 49152
-    assert load_hf(beam_mini, None).drafter_dir == tmp_path / "random"
+    assert hf_sources(beam_mini, None, True)[1] == tmp_path / "random"
 
 
 def test_creating_says_so_before_the_gguf_is_read(tmp_path, monkeypatch, capsys):

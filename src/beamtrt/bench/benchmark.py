@@ -26,7 +26,7 @@ from beamtrt.cli_util import (ArgumentParser, check_threads, description, output
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, render_chats, utf8_text
-from beamtrt.runtime.loader import BACKENDS, DTYPES
+from beamtrt.runtime.loader import BACKENDS, DTYPES, Sources
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
 OUT_EXTS = (".json", ".md", ".png")  # what --out OUT writes
@@ -172,11 +172,12 @@ class Plan:
     engine_dir: Path | None
     manifest: dict | None
     backend: str
+    sources: Sources  # the folders to load
 
 
 def _setup(args: argparse.Namespace, dist) -> Plan:
     from beamtrt.bench.prompt_sets import load_chats
-    from beamtrt.runtime.loader import open_build, pick_backend, source_limits
+    from beamtrt.runtime.loader import find_sources, open_build, pick_backend
 
     files = {}
     for item in args.prompts:
@@ -206,10 +207,11 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     manifest = open_build(engine_dir, dist)
     backend, _ = pick_backend(args.backend, manifest)
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # before beam-mini is made
-    tokenizer = load_tokenizer(source_limits(engine_dir, manifest, backend, args.model, args.drafter, True)[0])
+    sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, True)
+    tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = {fam: render_chats(tokenizer, c, [f"{fam}: prompt {i + 1}" for i in range(len(c))])
                   for fam, c in chats.items()}  # every prompt rendered before the models load
-    return Plan(prompt_ids, engine_dir, manifest, backend)
+    return Plan(prompt_ids, engine_dir, manifest, backend, sources)
 
 
 def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
@@ -218,7 +220,8 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
 
     set_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    loaded = (loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device) if plan.engine_dir is None
+    loaded = (loader.load_hf(plan.sources.model_dir, plan.sources.drafter_dir, dtype=dtype, device=args.device)
+              if plan.engine_dir is None
               else loader.load_build(plan.engine_dir, plan.manifest, dist, backend=plan.backend, dtype=dtype,
                                      device=args.device))
     driven = tp.drive(dist, loaded.target, loaded.drafter)

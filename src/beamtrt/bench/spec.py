@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         from beamtrt.prompts import load_tokenizer
-        from beamtrt.runtime.loader import load_hf, source_limits
+        from beamtrt.runtime.loader import hf_sources, load_hf
         from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS):
@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         if args.json:
             output_path(args.json, "--json")
-        tok = load_tokenizer(source_limits(None, None, "torch", args.model, args.drafter, True)[0])  # before the load
-        loaded = load_hf(args.model, args.drafter, dtype=DTYPES[args.dtype])
+        model_dir, drafter_dir = hf_sources(args.model, args.drafter, True)
+        tok = load_tokenizer(model_dir)  # before the load
+        loaded = load_hf(model_dir, drafter_dir, dtype=DTYPES[args.dtype])
         target, drafter = loaded.target, loaded.drafter
         eos = frozenset(target.eos_token_ids)
         result = {"model": str(loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir), "dtype": args.dtype,

@@ -15,7 +15,7 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, render_chats, special_stops, utf8_text
-from beamtrt.runtime.loader import BACKENDS, DTYPES, open_build, pick_backend, source_limits
+from beamtrt.runtime.loader import BACKENDS, DTYPES, Sources, find_sources, open_build, pick_backend
 from beamtrt.spec.decoder import too_long
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import TextStream, first_stop
@@ -119,6 +119,7 @@ class Setup:
     manifest: dict | None
     backend: str                # "torch" or "trt" (beamtrt.runtime.loader.pick_backend)
     backend_why: str
+    sources: Sources            # the folders to load, and the target's context
     tokenizer: object           # the target's (a transformers tokenizer)
     prompt_ids: list[list[int]]  # each chat through the chat template, the assistant turn opened
     stop_ids: frozenset[int]    # --stop strings that are one special token (beamtrt.prompts.special_stops)
@@ -159,16 +160,15 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
                          "engine directory (pass --engine-dir, or --model alone)")
     manifest = open_build(engine_dir, dist)
     backend, why = pick_backend(args.backend, manifest)
-    tokenizer_dir, context = source_limits(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec,
-                                           "--no-spec")
-    tokenizer = load_tokenizer(tokenizer_dir)
+    sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec, "--no-spec")
+    tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = render_chats(tokenizer, chats, where)
     stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")
     for place, ids in zip(where, prompt_ids):  # a prompt too long for the target, before its weights load
-        if bad := too_long(len(ids), args.max_new_tokens, 1 if args.no_spec else args.block_size, context,
+        if bad := too_long(len(ids), args.max_new_tokens, 1 if args.no_spec else args.block_size, sources.context,
                            "--max-new-tokens"):
             raise BeamtrtError(f"{place}: {bad}; shorten the prompt or lower --max-new-tokens")
-    return Setup(params, chats, where, engine_dir, manifest, backend, why, tokenizer, prompt_ids, stop_ids,
+    return Setup(params, chats, where, engine_dir, manifest, backend, why, sources, tokenizer, prompt_ids, stop_ids,
                  stop_strings)
 
 
@@ -178,8 +178,7 @@ def _load(args: argparse.Namespace, setup: Setup, dist):
 
     dtype, spec = DTYPES[args.dtype], not args.no_spec
     if setup.engine_dir is None:
-        return loader.load_hf(args.model, args.drafter, dtype=dtype, device=args.device, spec=spec,
-                              no_spec_flag="--no-spec")
+        return loader.load_hf(setup.sources.model_dir, setup.sources.drafter_dir, dtype=dtype, device=args.device)
     return loader.load_build(setup.engine_dir, setup.manifest, dist, backend=setup.backend, dtype=dtype,
                              device=args.device, spec=spec)
 

@@ -67,14 +67,23 @@ def build_context(root: Path, manifest: dict, backend: str) -> int:
     return min(context, built) if built else context
 
 
-def source_limits(engine_dir: Path | None, manifest: dict | None, backend: str, model_dir: str | Path | None,
-                  drafter_dir: str | Path | None, spec: bool, no_spec_flag: str = "") -> tuple[Path, int]:
-    """(tokenizer folder, the target's context in tokens: `build_context`) of what load_build or load_hf will load,
-    read from configs before any weight is (with load_hf's checks, `hf_sources`)."""
+@dataclass(frozen=True)
+class Sources:
+    """What load_build or load_hf will load, found and checked from configs before any weight is (`find_sources`)."""
+    tokenizer_dir: Path
+    context: int                     # the target's context in tokens (`build_context`)
+    model_dir: Path | None = None    # the Hugging Face target (None: a build's own)
+    drafter_dir: Path | None = None  # its drafter (None: a build's own, or plain decoding)
+
+
+def find_sources(engine_dir: Path | None, manifest: dict | None, backend: str, model_dir: str | Path | None,
+                 drafter_dir: str | Path | None, spec: bool, no_spec_flag: str = "") -> Sources:
+    """The `Sources` of a build (`engine_dir`) or of a Hugging Face target and drafter (`hf_sources`)."""
     if engine_dir is not None:
-        return build_tokenizer_dir(engine_dir, manifest), build_context(engine_dir, manifest, backend)
-    model_dir, _ = hf_sources(model_dir, drafter_dir, spec, no_spec_flag)
-    return model_dir, BeamConfig.from_file(model_dir / "config.json").max_position_embeddings
+        return Sources(build_tokenizer_dir(engine_dir, manifest), build_context(engine_dir, manifest, backend))
+    model_dir, drafter_dir = hf_sources(model_dir, drafter_dir, spec, no_spec_flag)
+    context = BeamConfig.from_file(model_dir / "config.json").max_position_embeddings
+    return Sources(model_dir, context, model_dir, drafter_dir)
 
 
 def missing_engines(manifest: dict | None) -> str | None:
@@ -136,27 +145,24 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
     return Loaded(target, drafter, tokenizer_dir, "torch", what, drafter_dir if spec else None)
 
 
-def load_hf(model_dir: Path | None, drafter_dir: str | Path | None, *, dtype: torch.dtype = torch.float32,
-            device: str = "cpu", spec: bool = True, no_spec_flag: str = "") -> Loaded:
-    """The torch backends for a Hugging Face target (default beam-mini, created if missing) and its drafter (default
-    beam-mini's); `no_spec_flag` is the caller's flag for decoding without one, offered when the default drafter does
-    not fit."""
+def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = torch.float32,
+            device: str = "cpu") -> Loaded:
+    """The torch backends for a Hugging Face target and its drafter (None: plain decoding), as `hf_sources` found
+    and checked them."""
     from beamtrt.models.beam import load_beam
     from beamtrt.models.dflash2 import load_drafter
     from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 
-    model_dir, drafter_dir = hf_sources(model_dir, drafter_dir, spec, no_spec_flag)
     model = load_beam(model_dir, dtype=dtype, device=device)
-    drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if spec else None
-    used = Path(drafter_dir) if spec else None
-    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {used}", used)
+    drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if drafter_dir else None
+    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {drafter_dir}", drafter_dir)
 
 
 def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spec: bool,
-               no_spec_flag: str = "") -> tuple[Path, str | Path | None]:
-    """(target, drafter) folders load_hf loads, checked before any weight is: the target is `model_dir` or beam-mini
+               no_spec_flag: str = "") -> tuple[Path, Path | None]:
+    """(target, drafter) folders for load_hf, checked before any weight is: the target is `model_dir` or beam-mini
     (created on first use, after a bad --drafter is reported), the drafter `drafter_dir` or the default one for the
-    target, and a drafter made for another target is refused."""
+    target (None without `spec`), and a drafter made for another target is refused."""
     from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
     from beamtrt.models.dflash2 import drafter_config_for
 
@@ -169,4 +175,4 @@ def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spe
             drafter_config_for(drafter_dir, target_cfg)
         else:
             drafter_dir = default_drafter_for(target_cfg, no_spec_flag)
-    return model_dir, drafter_dir
+    return model_dir, Path(drafter_dir) if spec and drafter_dir else None
