@@ -25,7 +25,7 @@ import torch
 from beamtrt.checkpoint.manifest import read_manifest
 from beamtrt.prompts import load_tokenizer
 from beamtrt.triton import export, protocol, serving
-from beamtrt.triton.protocol import Delta, Metrics, RequestError
+from beamtrt.triton.protocol import Delta, Metrics, RequestError, ServerClosed
 from beamtrt.triton.serving import ServeSettings
 
 pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -260,7 +260,7 @@ def test_the_decode_thread_ends_nothing_silently(builds):
         assert stopped[-1].finish_reason == "error"
         assert stopped[-1].error == "the server's decode thread stopped (_Stop)"
         srv._thread.join(30)
-        with pytest.raises(RequestError, match="shutting down"):
+        with pytest.raises(ServerClosed, match="takes no more requests"):
             srv.submit({"text_input": PROMPTS[0], "max_tokens": 5}, lambda delta: None)
     finally:
         srv.close()
@@ -349,7 +349,7 @@ class FakeTensor:
 
 
 class FakeError:
-    INTERNAL, INVALID_ARG, CANCELLED = "INTERNAL", "INVALID_ARG", "CANCELLED"
+    INTERNAL, INVALID_ARG, CANCELLED, UNAVAILABLE = "INTERNAL", "INVALID_ARG", "CANCELLED", "UNAVAILABLE"
 
     def __init__(self, message, code="INTERNAL"):
         self.message, self.code = message, code
@@ -471,6 +471,11 @@ def test_model_adapters_chain_like_the_ensemble(builds, tmp_path, monkeypatch):
         last = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
         llm.execute([last])  # and still serves
         assert last.sender.done.wait(60) and last.sender.sent[-1].error is None
+        llm.server.close()  # as when Triton unloads the model: not the request's fault, so not INVALID_ARG
+        late = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
+        llm.execute([late])
+        assert late.sender.done.is_set() and late.sender.sent[-1].error.code == "UNAVAILABLE"
+        assert "takes no more requests" in late.sender.sent[-1].error.message
     finally:
         llm.finalize()
 
@@ -493,10 +498,11 @@ def run_export(capsys, *args: str):
 
 
 def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
-    out = tmp_path / "repo"
+    out = tmp_path / "my repo"  # the launch command, printed and in its README, quotes it
     rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[2]), "--out", str(out))
     assert rc == 0, stderr
-    assert f"launch: scripts/launch_triton.sh --world-size 2 --model-repo {out}" in stdout
+    launch = f"scripts/launch_triton.sh --world-size 2 --model-repo {shlex.quote(str(out))}"
+    assert f"launch: {launch}\n" in stdout
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "beam_dflash2", "ensemble", "postprocessing",
                                                      "preprocessing"]
     configs = {name: parse(out / name / "config.pbtxt") for name in ("preprocessing", "beam_dflash2",
@@ -521,7 +527,7 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
                        "accepted_draft_tokens": "TYPE_INT32", "draft_tokens": "TYPE_INT32"}
     steps = [s.model_name for s in configs["ensemble"].ensemble_scheduling.step]
     assert steps == ["preprocessing", "beam_dflash2", "postprocessing"]
-    assert f"scripts/launch_triton.sh --world-size 2 --model-repo {out}" in (out / "README.md").read_text()
+    assert f"{launch}\n" in (out / "README.md").read_text()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
@@ -592,6 +598,7 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
                          (["--seed", str(2**70)], "error: --seed must be in [0, 2**63)"),
                          (["--max-seq-len", str(10**9)], "above the target's context"),
+                         (["--max-seq-len", "10"], "error: --max-seq-len must be >= block_size + 3 = 11 (one prompt "),
                          (["--out", str(tmp_path / "a-file"), "--force"], "is a file; expected a directory path")):
         (tmp_path / "a-file").write_text("keep me")  # --force replaces a repository, never a file
         argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
@@ -626,6 +633,38 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                  "--draft-threshold", "--dtype",
                  "--device", "--max-slots", "--max-seq-len", "--seed", "--raw-prompts"):
         assert flag in stdout
+
+
+def test_tensor_parallel_ranks_on_torch_run_on_the_cpu_and_refuse_another_device(builds, tmp_path, capsys):
+    """The torch backend's TP ranks hold their shards in host memory: a GPU asked of them is refused (it used to be
+    ignored without a word), by the export where it can tell (a TP build without engines, or --backend torch) and
+    by the server; auto picks the CPU there."""
+    from beamtrt.errors import ConfigError
+    from beamtrt.runtime.loader import check_device
+
+    needle = "--device cuda: the torch backend's tensor-parallel ranks run on the CPU"
+    for args in ([], ["--backend", "torch"]):
+        rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[2]), "--out", str(tmp_path / "repo"),
+                                   "--device", "cuda", *args)
+        assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"),
+                               "--device", "cuda:1")  # one rank: its device is used
+    assert rc == 0, stderr
+    assert serving.resolve_device("auto", "torch", 2) == "cpu"
+    assert serving.resolve_device("cpu", "torch", 2) == "cpu" and serving.resolve_device("cuda", "trt", 2) == "cuda"
+    with pytest.raises(ConfigError, match=r"^device \(export_triton.py --device\) cuda:1: the torch backend's "):
+        serving.resolve_device("cuda:1", "torch", 2)
+    check_device("cuda", "torch", 1)  # one process: any device
+    with pytest.raises(ConfigError, match="^--device cuda: .* run the build in one process"):
+        check_device("cuda", "torch", 4)
+
+
+def test_the_smallest_context_a_server_takes_serves_the_smallest_request(builds):
+    srv = serving.open_server(ServeSettings(builds[1], 1, dtype="float32", device="cpu", max_slots=1, max_seq_len=11))
+    try:  # block 8: a 1-token prompt, 1 new token and the verify block's 9 positions
+        assert [d.finish_reason for d in collect(srv, {"input_ids": [5], "max_tokens": 1})][-1] == "length"
+    finally:
+        srv.close()
 
 
 @pytest.mark.parametrize("edit, needle", [

@@ -177,7 +177,7 @@ class Plan:
 
 def _setup(args: argparse.Namespace, dist) -> Plan:
     from beamtrt.bench.prompt_sets import load_chats
-    from beamtrt.runtime.loader import find_sources, open_build, pick_backend
+    from beamtrt.runtime.loader import check_device, find_sources, open_build, pick_backend
 
     files = {}
     for item in args.prompts:
@@ -206,6 +206,7 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     engine_dir = Path(args.engine_dir) if args.engine_dir else None
     manifest = open_build(engine_dir, dist)
     backend, _ = pick_backend(args.backend, manifest)
+    check_device(args.device, backend, dist.size)
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # before beam-mini is made
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, True)
     tokenizer = load_tokenizer(sources.tokenizer_dir)
@@ -227,7 +228,7 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
     driven = tp.drive(dist, loaded.target, loaded.drafter)
     if driven is None:  # a rank > 0: it replayed rank 0's calls
         return
-    device = "cuda" if loaded.backend == "trt" else args.device if dist.size == 1 else "cpu"  # shards run on CPU
+    device = "cuda" if loaded.backend == "trt" else args.device
     result = {"model": str(plan.engine_dir or loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir),
               "precision": plan.manifest["precision"] if plan.manifest else args.dtype, "dtype": args.dtype,
               "tp": dist.size, "device": device, "backend": loaded.backend, "threads": torch.get_num_threads()}

@@ -15,7 +15,8 @@ from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, render_chats, special_stops, utf8_text
-from beamtrt.runtime.loader import BACKENDS, DTYPES, Sources, find_sources, open_build, pick_backend
+from beamtrt.runtime.loader import (BACKENDS, DTYPES, Sources, check_device, find_sources, open_build,
+                                   pick_backend)
 from beamtrt.spec.decoder import too_long
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import TextStream, first_stop
@@ -72,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "runs its checkpoints (or --model) in PyTorch on --device; auto picks trt when the build has "
                         "engines and this host can run them, else torch, and says why (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device, e.g. cpu or cuda; under mpirun the torch backend's ranks run on cpu only "
+                        "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads, at most 4 per core; 0 = torch's default (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="do not stream text; print only the summary")
@@ -160,6 +163,7 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
                          "engine directory (pass --engine-dir, or --model alone)")
     manifest = open_build(engine_dir, dist)
     backend, why = pick_backend(args.backend, manifest)
+    check_device(args.device, backend, dist.size)
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec, "--no-spec")
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = render_chats(tokenizer, chats, where)

@@ -117,6 +117,15 @@ def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
     return "torch", (f"no engines in the build ({no_engines})" if no_engines else missing)
 
 
+def check_device(device: str, backend: str, ranks: int, flag: str = "--device") -> None:
+    """Refuse a device the torch backend's tensor-parallel ranks would not run on: their shards live in host memory
+    (their all-reduces are MPI collectives there), so under mpirun they run on the CPU whatever `device` says."""
+    if backend == "torch" and ranks > 1 and torch.device(device).type != "cpu":
+        raise ConfigError(f"{flag} {device}: the torch backend's tensor-parallel ranks run on the CPU (their shards "
+                          f"and all-reduces are in host memory): use cpu, or run the build in one process (without "
+                          f"mpirun) on {device}")
+
+
 def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtype: torch.dtype = torch.float32,
                device: str = "cpu", spec: bool = True) -> Loaded:
     """This rank's backends for a build_engines.py output (`backend` already picked by `pick_backend`)."""

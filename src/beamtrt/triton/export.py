@@ -21,7 +21,7 @@ from beamtrt.cli_util import output_path
 from beamtrt.config import drafter_block_error
 from beamtrt.errors import BeamtrtError, ConfigError
 from beamtrt.prompts import has_tokenizer
-from beamtrt.runtime.loader import missing_engines
+from beamtrt.runtime.loader import check_device, missing_engines
 from beamtrt.triton import protocol, serving
 from beamtrt.triton.protocol import Tensor
 from beamtrt.triton.serving import ServeSettings, SettingError
@@ -229,6 +229,8 @@ def export(cfg: ExportConfig) -> list[str]:
         raise ExportError(f"--backend trt: the build has no engines ({no_engines})")
     if cfg.backend == "trt" and built_block is not None and block != built_block:
         raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
+    if cfg.device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
+        check_device(cfg.device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
     try:
         settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
                                  cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
@@ -273,10 +275,11 @@ Launch it from the beamtrt checkout: one Triton process per rank (leader mode: r
 ranks step with it):
 
 ```bash
-{LAUNCH} --world-size {s.world_size} --model-repo {out}
+{LAUNCH} --world-size {s.world_size} --model-repo {shlex.quote(str(out))}
 ```
 
-Then query the `ensemble` (or `{MODEL}`) over gRPC streaming:
+Then query it over gRPC streaming (the client sends text to `{MODEL}` by default; `--model ensemble` goes through the
+ensemble):
 
 ```bash
 .venv/bin/python scripts/triton_client.py --prompt "Write a haiku about GPUs." --max-tokens 64

@@ -19,6 +19,11 @@ class RequestError(BeamtrtError):
     """A request with a missing, unknown or out-of-range field; the message is one line for the client."""
 
 
+class ServerClosed(BeamtrtError):
+    """A request the server cannot take any more (it is shutting down, or its decode thread stopped): not the
+    request's fault, so the client sees UNAVAILABLE, not INVALID_ARG."""
+
+
 # ---- the tensors the Triton models exchange ------------------------------------------------------------------
 
 @dataclass(frozen=True)

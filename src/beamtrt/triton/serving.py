@@ -31,7 +31,8 @@ from beamtrt.runtime.loader import DTYPES
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import TextStream
-from beamtrt.triton.protocol import Delta, Metrics, RequestError, RequestParams, encode_prompt, parse_request
+from beamtrt.triton.protocol import (Delta, Metrics, RequestError, RequestParams, ServerClosed, encode_prompt,
+                                     parse_request)
 
 
 # ---- how a server runs a build -------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ class ServeSettings:
     backend: str = "auto"   # auto | torch | trt (beamtrt.runtime.loader.pick_backend)
     block_size: int = 8     # anchor + drafts verified per step
     dtype: str = "bfloat16"  # torch backend compute dtype
-    device: str = "auto"    # torch device; auto = cuda where available, else cpu
+    device: str = "auto"    # torch device; auto = cuda where available, else cpu (resolve_device)
     max_slots: int = 8      # requests decoded at once (cache slots); more wait in the queue
     max_seq_len: int = 4096  # prompt + max_tokens + block_size + 1 per request
     seed: int = 0           # of the decode thread's random generator
@@ -71,8 +72,9 @@ class ServeSettings:
                    f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
                   (0 <= self.draft_threshold <= 1, "draft_threshold", f"must be in [0, 1], got {self.draft_threshold}"),
                   (self.max_slots >= 1, "max_slots", f"must be >= 1, got {self.max_slots}"),
-                  (self.max_seq_len >= self.block_size + 2, "max_seq_len",
-                   f"must be >= block_size + 2 = {self.block_size + 2}, got {self.max_seq_len}"),
+                  (self.max_seq_len >= self.block_size + 3, "max_seq_len",  # a 1-token prompt, 1 new token
+                   f"must be >= block_size + 3 = {self.block_size + 3} (one prompt token, one new token and a verify "
+                   f"block), got {self.max_seq_len}"),
                   (0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")]
         bad = next(((name, why) for ok, name, why in checks if not ok), None)
         if bad:
@@ -104,8 +106,15 @@ def _param_text(value: object) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
-def resolve_device(device: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+def resolve_device(device: str, backend: str, ranks: int) -> str:
+    """The torch device `device` names (auto: cuda where available, but cpu for tensor-parallel ranks on the torch
+    backend, whose shards run in host memory: any other device is refused there, `check_device`)."""
+    from beamtrt.runtime.loader import check_device
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() and (backend != "torch" or ranks == 1) else "cpu"
+    check_device(device, backend, ranks, "device (export_triton.py --device)")
+    return device
 
 
 # ---- the server --------------------------------------------------------------------------------------------------
@@ -206,7 +215,7 @@ class Server:
                      on_delta, is_cancelled, TextStream(self.decode, stops, params.stream))
         with self._lock:
             if self._closed:
-                raise RequestError("the server is shutting down")
+                raise ServerClosed("the server takes no more requests (shutting down, or its decode thread stopped)")
             self._inbox.put(live)
         return Handle(live)
 
@@ -390,7 +399,7 @@ def open_server(settings: ServeSettings) -> Server | Follower:
                           f"{settings.world_size} and {dist.size} rank(s) run: launch with --world-size {tp_size}")
     backend, _ = pick_backend(settings.backend, manifest)
     loaded = load_build(settings.engine_dir, manifest, dist, backend=backend, dtype=DTYPES[settings.dtype],
-                        device=resolve_device(settings.device))
+                        device=resolve_device(settings.device, backend, dist.size))
     if dist.rank > 0:
         return Follower(dist, {"target": loaded.target, "drafter": loaded.drafter})
     target, drafter = loaded.target, loaded.drafter

@@ -30,10 +30,11 @@ class TritonPythonModel:
                       if (tensor := pb_utils.get_input_tensor_by_name(request, t.name)) is not None}
             try:
                 self.server.submit(values, lambda delta, sender=sender: self._send(sender, delta), sender.is_cancelled)
-            except Exception as e:  # a bad field (INVALID_ARG, one line), or the server cannot take it
-                bad = isinstance(e, self.protocol.RequestError)
-                error = pb_utils.TritonError(str(e) if bad else f"{type(e).__name__}: {e}",
-                                             pb_utils.TritonError.INVALID_ARG if bad else pb_utils.TritonError.INTERNAL)
+            except Exception as e:  # a bad field (INVALID_ARG, one line), a closed server, or a failure
+                code = (pb_utils.TritonError.INVALID_ARG if isinstance(e, self.protocol.RequestError) else
+                        pb_utils.TritonError.UNAVAILABLE if isinstance(e, self.protocol.ServerClosed) else None)
+                error = pb_utils.TritonError(str(e) if code else f"{type(e).__name__}: {e}",
+                                             code or pb_utils.TritonError.INTERNAL)
                 sender.send(pb_utils.InferenceResponse(error=error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
