@@ -282,7 +282,7 @@ def test_the_decode_thread_ends_nothing_silently(builds):
     ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, "text_input or as input_ids"),
     ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "unknown field 'beam_width'"),
     ({"text_input": "hi", "max_tokens": 4, "stream": "yes"}, "stream must be true or false"),
-    ({"text_input": "hi", "max_tokens": 4, "stop_words": [""]}, "stop_words must be non-empty"),
+    ({"text_input": "hi", "max_tokens": 4, "bad_words": ["", "x"]}, "bad_words are not supported"),
     ({"text_input": "hi", "max_tokens": 4, "stop_words": ["x" * 2000]}, "at most 1024 characters each"),
     ({"text_input": np.array([[b"\xff"]], dtype=object), "max_tokens": 4}, "not valid UTF-8"),
     ({"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[3, 4]], np.int32)},
@@ -305,6 +305,10 @@ def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_pa
         "top_k": np.array([[3]], np.int32), "stream": np.array([[True]]),
         "stop_words": np.array([[b"a", b"bc"]], dtype=object)})
     assert (params.text, params.max_tokens, params.stop, params.stream) == ("hi", 7, ("a", "bc"), True)
+    trtllm = protocol.parse_request({  # what TensorRT-LLM's backend documents: "" for no bad or stop words
+        "text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[7]], np.int32),
+        "bad_words": np.array([[b""]], dtype=object), "stop_words": np.array([[b"", b"x"]], dtype=object)})
+    assert trtllm.stop == ("x",)
     assert (params.sampling.temperature, params.sampling.top_p, params.sampling.top_k) == (0.5, 0.75, 3)
     lowest = protocol.parse_request({"input_ids": [5], "max_tokens": 1, "temperature": np.array([[1e-5]], np.float32)})
     assert lowest.sampling.temperature == 1e-5  # the documented minimum, as FP32 holds it (9.99999975e-06: refused)
@@ -521,6 +525,7 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
     assert types_ == {"text_input": ("TYPE_STRING", [1], False), "max_tokens": ("TYPE_INT32", [1], False),
                       "temperature": ("TYPE_FP32", [1], True), "top_p": ("TYPE_FP32", [1], True),
                       "top_k": ("TYPE_INT32", [1], True), "stop_words": ("TYPE_STRING", [-1], True),
+                      "bad_words": ("TYPE_STRING", [-1], True),
                       "stream": ("TYPE_BOOL", [1], True)}
     outputs = {t.name: pb2.DataType.Name(t.data_type) for t in configs["ensemble"].output}
     assert outputs == {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "acceptance_length": "TYPE_FP32",
@@ -718,10 +723,11 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     spec.loader.exec_module(client)
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
     sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x"]))
-    for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids)
-        declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]
-                    for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}
-        assert {t.name(): t.datatype() for t in sent} == {k: v for k, v in declared.items() if k != "input_ids"}
+    for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids; the
+        declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]  # bad_words of TensorRT-LLM's clients
+                    for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}  # are only empty)
+        assert {t.name(): t.datatype() for t in sent} == {k: v for k, v in declared.items()
+                                                          if k not in ("input_ids", "bad_words")}
     assert client.parse_args([]).model == "beam_dflash2"  # the model that sees a cancellation (docs/TRITON.md)
     assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
     assert client.main(["--top-p", "0"]) == 2

@@ -46,7 +46,8 @@ FIELDS = (
     Tensor("top_p", "TYPE_FP32", (1,), True, "nucleus sampling mass in (0, 1] (default 1)"),
     Tensor("top_k", "TYPE_INT32", (1,), True, "sample from the k most likely tokens; 0 = all (the default)"),
     Tensor("stop_words", "TYPE_STRING", (-1,), True,
-           "stop when the text contains one of these; the text ends before it"),
+           "stop when the text contains one of these; the text ends before it (an empty one is none)"),
+    Tensor("bad_words", "TYPE_STRING", (-1,), True, "as TensorRT-LLM's ensemble takes it, but only empty: none"),
     Tensor("stream", "TYPE_BOOL", (1,), True, "true: a response per step with the new text; false (the default): "
            "one response at the end"),
 )
@@ -144,9 +145,9 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise RequestError(f"top_k must be >= 0, got {top_k}")
-    stop = got.get("stop_words", ())
-    if any(not s for s in stop):
-        raise RequestError("stop_words must be non-empty strings")
+    if any(got.get("bad_words", ())):  # TensorRT-LLM's clients send "" for none
+        raise RequestError("bad_words are not supported (send none, or only empty ones)")
+    stop = tuple(s for s in got.get("stop_words", ()) if s)  # "" is none, as in TensorRT-LLM's preprocessing
     if len(stop) > MAX_STOP_WORDS or any(len(s) > MAX_STOP_CHARS for s in stop):  # each is matched at every step
         raise RequestError(f"stop_words: at most {MAX_STOP_WORDS} of at most {MAX_STOP_CHARS} characters each, got "
                            f"{len(stop)} of up to {max(map(len, stop))}")
