@@ -466,6 +466,21 @@ def test_training_prompts_are_deterministic_and_not_benchmarks():
         training_prompts(10, mix="v9")
 
 
+def test_training_prompts_are_the_same_in_every_process():
+    """Python's string hashing differs from process to process (PYTHONHASHSEED); reasoning-gym's polynomial
+    questions followed it, so a resumed cache or eval_drafter.py's regenerated prompts got other questions."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("reasoning_gym")
+    code = ("import sys; from beamtrt.train.prompts import _gym_prompts, MATH_SUFFIXES; "
+            "print(repr(_gym_prompts(60, 14, MATH_SUFFIXES, ('polynomial_multiplication',))))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(runs) == 1 and "Calculate the following" in next(iter(runs))
+
+
 def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
     """A cache made before mixes had names is the v1 mix: it resumes under v1 and is refused under v2."""
     import json

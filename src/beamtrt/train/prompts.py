@@ -278,10 +278,22 @@ def _gym_prompts(n: int, seed: int, suffixes: tuple[str, ...] = MATH_SUFFIXES,
     out = []
     per_task = -(-n // len(tasks))
     for i, task in enumerate(tasks):
-        for item in reasoning_gym.create_dataset(task, size=per_task, seed=seed + i):
+        for item in _hash_free(reasoning_gym.create_dataset(task, size=per_task, seed=seed + i)):
             out.append(item["question"].strip() + rng.choice(suffixes))
     rng.shuffle(out)
     return out[:n]
+
+
+def _hash_free(dataset):
+    """`dataset` with the same questions in every process: polynomial_multiplication draws its monomials from a list
+    of sympy's itermonomials set, whose order follows the process's string hashing (PYTHONHASHSEED), so a few of its
+    questions changed from run to run (a resumed cache, eval_drafter.py's prompt kinds). Sorted, they do not."""
+    draw = getattr(dataset, "_get_monomials", None)
+    if draw is not None:
+        from sympy import default_sort_key
+
+        dataset._get_monomials = lambda rng: sorted(draw(rng), key=default_sort_key)
+    return dataset
 
 
 def _word_problems(n: int, rng: random.Random, templates: tuple[str, ...] = WORD_PROBLEMS,
