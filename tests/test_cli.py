@@ -907,6 +907,35 @@ def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path,
     assert not list(tmp_path.glob("features-*"))  # nothing written into the cache
 
 
+def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it(tmp_path, run, mini_vocab_sources):
+    """It used to rebuild and write the taps of every sequence of a cache (12 minutes and 932 MB for beam-mini's
+    cache 13) to score a few; it computes those of the answers it scores, in memory."""
+    pytest.importorskip("reasoning_gym")
+    from beamtrt.config import DrafterConfig
+    from beamtrt.models.beam import load_beam
+    from beamtrt.prompts import load_tokenizer
+    from beamtrt.train.features import DataRecipe, build_features, load_features, read_answers, with_taps
+    from beamtrt.train.prompts import training_prompts
+
+    src, cache = mini_vocab_sources, tmp_path / "cache"
+    target = load_beam(src / "target").requires_grad_(False)
+    taps = DrafterConfig.from_file(src / "drafter" / "config.json").target_layer_ids
+    recipe = DataRecipe(prompts=12, seed=5, mix="v3", max_new_tokens=6, batch=4, shard_size=4, sampled_every=3)
+    build_features(target, load_tokenizer(src / "target"), taps, training_prompts(12, 5, "v3"), cache, recipe,
+                   quiet=True)
+    captured = load_features(cache)
+    computed = with_taps(target, taps, read_answers(cache), quiet=True)
+    assert torch.equal(computed.ids, captured.ids) and torch.equal(computed.seq_start, captured.seq_start)
+    assert torch.allclose(computed.taps.float(), captured.taps.float(), rtol=1e-2, atol=1e-2)
+    for shard in cache.glob("features-*.safetensors"):
+        shard.unlink()  # the answers files alone, as committed
+    before = sorted(p.name for p in cache.iterdir())
+    result = run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(src / "target"), "--drafter",
+                 str(src / "drafter"), "--per-kind", "1", "--block-size", "4")
+    assert result.returncode == 0, result.stderr
+    assert "| all | " in result.stdout and sorted(p.name for p in cache.iterdir()) == before
+
+
 def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_sources):
     """A tiny end-to-end run (phase 1, training, the drafter saved); then each way a rerun could damage an input, an
     output or the training state is refused in one line before any work."""

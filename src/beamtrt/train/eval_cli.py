@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import require_dir, write_json, writing
+from beamtrt.checkpoint.hf import require_dir, write_json
 from beamtrt.cli_util import ArgumentParser, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer
@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(
         description="Score a drafter on feature caches made by scripts/train_drafter.py: the acceptance length "
                     "speculative decoding would reach on their greedy answers (the training eval), by prompt kind. "
-                    "Use caches the drafter was not trained on.")
+                    "Use caches the drafter was not trained on. Their answers files are enough: the target's taps "
+                    "of the answers scored are computed in memory, and the caches are only read.")
     p.add_argument("--data", nargs="+", required=True, metavar="DIR",
                    help="feature caches (the --data directories of train_drafter.py)")
     p.add_argument("--drafter", default=None,
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
         from beamtrt.models.dflash2 import load_drafter
-        from beamtrt.train.features import concat_features, load_features, rebuild_features, target_digest
+        from beamtrt.train.features import check_cache, concat_features, read_answers, target_digest, with_taps
 
         if args.per_kind < 1 or args.block_size < 2:
             raise ValueError("--per-kind must be >= 1 and --block-size >= 2")
@@ -125,14 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             cache_taps = _meta(d).get("taps")
             if cache_taps != taps:
                 raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
-            with writing(d):  # committed answers files get their taps back (waiting for a run writing them)
-                rebuild_features(target, taps, d, digest=digest)
-            part = load_features(d, digest=digest, vocab_size=target.cfg.vocab_size)
+            check_cache(target, taps, d, digest)
+            part = read_answers(d, target.cfg.vocab_size)  # the answers alone: the taps of those scored come next
             part_kinds = cache_kinds(d, tokenizer, part)
             answers.update(kind for kind, greedy in zip(part_kinds, part.greedy.tolist()) if greedy)
             keep = sorted(i for group in last_greedy(part_kinds, part.greedy, args.per_kind).values() for i in group)
             if keep:
-                parts.append(part.select(keep))
+                parts.append(with_taps(target, taps, part.select(keep)))  # in memory: the cache is only read
                 kinds += [part_kinds[i] for i in keep]
         if not parts:
             raise BeamtrtError("the caches hold no greedy answer to score")

@@ -448,20 +448,50 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     for features, shard in shards:
         start = shard["seq_start"].tolist()
         seqs = [shard["ids"][a:b].long() for a, b in zip(start[:-1], start[1:])]
-        order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))  # similar lengths together: little padding
-        feats: dict[int, torch.Tensor] = {}
-        for g in range(0, len(order), rows):
-            group = order[g:g + rows]
-            ids, num = right_padded([seqs[k].tolist() for k in group], target.device)
-            cache = target.new_cache(len(group), ids.shape[1])
-            out = torch.cat(target(ids, cache, num_tokens=num, taps=taps, taps_only=True).taps, dim=-1)  # [rows, T, F]
-            for j, k in enumerate(group):
-                feats[k] = out[j, :len(seqs[k])].to(torch.bfloat16)
-            bar.update(len(group))
-        _save({"ids": shard["ids"].long(), "taps": torch.cat([feats[k] for k in range(len(seqs))]).cpu(),
+        _save({"ids": shard["ids"].long(), "taps": torch.cat(sequence_taps(target, taps, seqs, rows, bar)).cpu(),
                "seq_start": shard["seq_start"], "prompt_len": shard["prompt_len"], "greedy": shard["greedy"]},
               features)
     bar.close()
+
+
+def sequence_taps(target: BeamForCausalLM, taps: Sequence[int], seqs: Sequence[torch.Tensor], rows: int = 8,
+                  bar=None) -> list[torch.Tensor]:
+    """Each sequence's taps [T_i, F] in bf16, from one teacher-forced forward through the last tapped layer, `rows`
+    sequences at a time (similar lengths together: little padding); `bar` counts the sequences done."""
+    order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
+    feats: dict[int, torch.Tensor] = {}
+    for g in range(0, len(order), rows):
+        group = order[g:g + rows]
+        ids, num = right_padded([seqs[k].tolist() for k in group], target.device)
+        cache = target.new_cache(len(group), ids.shape[1])
+        out = torch.cat(target(ids, cache, num_tokens=num, taps=taps, taps_only=True).taps, dim=-1)  # [rows, T, F]
+        for j, k in enumerate(group):
+            feats[k] = out[j, :len(seqs[k])].to(torch.bfloat16)
+        if bar is not None:
+            bar.update(len(group))
+    return [feats[k] for k in range(len(seqs))]
+
+
+def read_answers(data: Path, vocab_size: int | None = None) -> FeatureSet:
+    """A cache's sequences without their taps (`taps` is [T, 0]), from its answers files and the feature shards that
+    have none: for a tool that computes the taps of the few it needs (`with_taps`) instead of the whole cache's."""
+    parts = []
+    for path, what in sequence_files(data):
+        t = read_sequences(path, what, vocab_size)
+        ids = t["ids"].long()
+        parts.append(FeatureSet(ids, torch.empty(ids.shape[0], 0, dtype=torch.bfloat16), t["seq_start"],
+                                t["prompt_len"], t["greedy"]))
+    return concat_features(parts)
+
+
+def with_taps(target: BeamForCausalLM, taps: Sequence[int], part: FeatureSet, quiet: bool = False) -> FeatureSet:
+    """`part` with its sequences' taps computed by `target` (`sequence_taps`), in memory."""
+    from tqdm import tqdm
+
+    seqs = [part.sequence(i)[0] for i in range(len(part))]
+    with tqdm(total=len(seqs), desc="taps", unit="seq", disable=quiet or None, dynamic_ncols=True) as bar:
+        feats = sequence_taps(target, taps, seqs, bar=bar)
+    return FeatureSet(part.ids, torch.cat(feats).cpu(), part.seq_start, part.prompt_len, part.greedy)
 
 
 def load_features(*dirs: Path, digest: str | None = None, vocab_size: int | None = None) -> FeatureSet:
