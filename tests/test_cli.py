@@ -450,7 +450,8 @@ def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tm
     assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
     (tmp_path / "m" / "generation_config.json").write_text("{}")  # not a tokenizer (a build copied it as one)
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--no-spec", "--prompt", "hi"),
-                          f"{tmp_path / 'm'}: no tokenizer files (none of tokenizer.json, ")
+                          f"{tmp_path / 'm'}: no tokenizer files (none of tokenizer.json, ",
+                          "copy the model's tokenizer files into it")  # a --model folder is not rebuilt
     (tmp_path / "m" / "tokenizer_config.json").write_text("{}")  # transformers' error lists every model type
     proc = run("runtime/run.py", "--model", str(tmp_path / "m"), "--no-spec", "--prompt", "hi")
     assert_one_line_error(proc, f"{tmp_path / 'm'}: cannot load the tokenizer (")
@@ -695,6 +696,8 @@ def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_min
                "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stderr
     assert "tokens in" in proc.stderr and "acceptance length -," in proc.stderr
+    plain = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--max-new-tokens", "1", "--no-spec")
+    assert f"{beam_mini}, no drafter" in plain.stderr and "drafter None" not in plain.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["summary"]["acceptance_length"] is None and report["requests"][0]["steps"] == 0
     assert len(report["requests"][0]["output_ids"]) == 1

@@ -26,7 +26,8 @@ def load_tokenizer(path: str | Path):
 
     if Path(path).is_dir() and not has_tokenizer(path):
         raise CheckpointError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}) to encode prompts "
-                              "with; a build copies its source model's, so add them there and rebuild")
+                              "with: copy the model's tokenizer files into it (a build copies its source model's: add "
+                              "them there and rebuild)")
     try:
         str(path).encode()
     except UnicodeEncodeError:  # the tokenizer library takes only UTF-8 paths (the folder is fine otherwise)

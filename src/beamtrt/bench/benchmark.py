@@ -142,7 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "official set; a new family name adds a row (repeatable)")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per family (default: %(default)s)")
     p.add_argument("--c1-prompts", type=int, default=8,
-                   help="prompts of the concurrency-1 runs, which are sequential (default: %(default)s)")
+                   help="prompts of the concurrency-1 runs, which are sequential: the first of each family's, at most "
+                        "--num-prompts (default: %(default)s)")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 32],
                    help="concurrency levels (default: 1 16 32)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
@@ -156,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute dtype of the torch backend (default: %(default)s)")
     p.add_argument("--device", default="cpu",
                    help="torch device of the torch backend in one process, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
     p.add_argument("--out", default="bench/benchmark", help="writes OUT.json, OUT.md and OUT.png; a trailing .json, "
                    ".md or .png is dropped first (default: %(default)s)")
     args = p.parse_args(argv)

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per request, at least 2: the first comes from the prefill, decode speed from the rest "
                         "(default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)
 

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     for flag, (field, default) in SIZE_FLAGS.items():
         p.add_argument(flag, type=int, default=default, help=f"{field} (default: %(default)s)")
-    p.add_argument("--dense-layers", type=int, nargs="*", default=[0], help="mlp_only_layers (default: 0)")
+    p.add_argument("--dense-layers", type=int, nargs="*", default=[0],
+                   help="layers with one dense MLP instead of experts (mlp_only_layers); --dense-layers alone: none "
+                        "(default: 0, the first layer)")
     p.add_argument("--no-qk-norm", action="store_true", help="drop the per-head q/k RMSNorm")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="storage dtype (default: %(default)s)")

@@ -164,7 +164,8 @@ def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = t
 
     model = load_beam(model_dir, dtype=dtype, device=device)
     drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if drafter_dir else None
-    return Loaded(TorchTarget(model), drafter, model_dir, "torch", f"{model_dir}, drafter {drafter_dir}", drafter_dir)
+    what = f"{model_dir}, " + (f"drafter {drafter_dir}" if drafter_dir else "no drafter")
+    return Loaded(TorchTarget(model), drafter, model_dir, "torch", what, drafter_dir)
 
 
 def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spec: bool,

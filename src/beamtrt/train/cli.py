@@ -185,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu",
                    help="torch device of both phases, e.g. cpu or cuda: the feature cache stays in host memory and "
                         "each step's sequences move to the device (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
