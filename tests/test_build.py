@@ -75,6 +75,13 @@ def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path
     assert re.search(r"\n  stage target +done in \d+\.\d s\n", again.stdout)  # by the build that made it ("ran" read
     assert not re.search(r"\bran\b", again.stdout)                              # as if this command had run it)
     assert (out / "target" / "rank0.safetensors").stat().st_ino == inode
+    (out / "notes.txt").write_text("mine")  # up to date, but no longer valid: it said both, and --force did not help
+    stray = build(sources, out)
+    one_line_error(stray, f"{out / 'notes.txt'}: not listed in manifest.json", "pass --force to write it again")
+    assert "nothing to do" not in stray.stderr
+    rewritten = build(sources, out, "--force")
+    assert rewritten.returncode == 0, rewritten.stderr
+    assert not (out / "notes.txt").exists() and (out / "target" / "rank0.safetensors").stat().st_ino == inode
 
     changed = build(sources, out, "--kv-cache", "fp8")
     one_line_error(changed, "already exists and was built from other inputs", "--force")

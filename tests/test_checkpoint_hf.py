@@ -416,6 +416,43 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # nothing aside, no staging left
 
 
+def test_a_signal_while_the_replaced_output_is_deleted_leaves_it_to_the_next_writer(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a build deleted the output it had replaced left .out.old-* for good (hundreds of GB for Beam):
+    no later run removed it. It is locked while it is deleted, and the next writer removes what is left."""
+    import fcntl
+    import os
+    import shutil
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_text("old")
+    real = shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):
+        if ".old-" in str(path):
+            (Path(path) / "x" / "old").unlink()  # partly deleted
+            raise KeyboardInterrupt
+        real(path, *args, **kwargs)
+    monkeypatch.setattr(hf.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt), hf.staging(out) as tmp:
+        (tmp / "new").write_text("new")
+        hf.replace_dir(tmp, out)
+    monkeypatch.undo()
+    [aside] = tmp_path.glob(".out.old-*")
+    assert (out / "new").read_text() == "new" and (aside / "x").is_dir()
+    assert f"note: {out} is in place; what is left of the output it replaced, {aside}, is removed by the next run" \
+        in capsys.readouterr().err
+    fd = os.open(aside, os.O_RDONLY)  # held: another process still deleting it
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(CheckpointError, match="another running process is writing it"), hf.staging(out):
+        pass
+    os.close(fd)
+    with hf.staging(out):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert f"note: removed {aside} (" in capsys.readouterr().err
+
+
 def test_staging_removes_the_folders_it_made_when_no_output_came(tmp_path):
     """export_triton.py --out a/b/repo that failed left a/b/ behind."""
     (tmp_path / "a").mkdir()

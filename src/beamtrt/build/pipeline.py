@@ -122,9 +122,18 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     if old and (old.get("engines") or {}).get("settings", EngineSettings().to_json()) != bc.engine.to_json():
         needed.append("engines (settings)")  # recorded in the manifest even where no engine is built
     if old is not None and not needed:
-        log(f"{bc.out}: up to date (every stage's inputs and outputs match {mf.MANIFEST}); nothing to do")
         from beamtrt.checkpoint.validate import validate
-        return validate(bc.out)
+
+        try:
+            summary = validate(bc.out)
+        except CheckpointError as e:  # e.g. a file the manifest does not list: --force rebuilds it from its stages
+            if not bc.force:
+                raise CheckpointError(f"{e}; every stage of {bc.out} is up to date, but the output does not validate: "
+                                      "mend that, or pass --force to write it again") from None
+            needed = ["validation"]
+        else:
+            log(f"{bc.out}: up to date (every stage's inputs and outputs match {mf.MANIFEST}); nothing to do")
+            return summary
     if old is not None and not bc.force and needed:
         was = old.get("stages", {}).get(needed[0]) or {}
         damaged = was.get("key") is not None and was.get("key") == plan.keys.get(needed[0])  # same inputs, bad files

@@ -105,9 +105,11 @@ def _lock(fd: int) -> bool | None:
 
 
 def _remove_leftovers(final: Path, mine: Path) -> None:
-    """Removes the `staging` directories for `final` that no running process holds (a killed writer's) but `mine`;
-    one that a running process holds is one line."""
-    for old in sorted(final.parent.glob(f".{glob.escape(final.name)}.tmp-*")):
+    """Removes the `staging` directories for `final` (.tmp-*) and the old outputs `replace_dir` moved aside (.old-*)
+    that no running process holds (a killed or interrupted writer's) but `mine`; one that a running process holds is
+    one line."""
+    name = glob.escape(final.name)
+    for old in sorted([*final.parent.glob(f".{name}.tmp-*"), *final.parent.glob(f".{name}.old-*")]):
         if old.name == mine.name or old.is_symlink() or not old.is_dir():  # a name: mkdtemp's path is absolute (3.12)
             continue
         try:
@@ -123,8 +125,9 @@ def _remove_leftovers(final: Path, mine: Path) -> None:
                 continue
             size = sum(f.lstat().st_blocks * 512 for f in old.rglob("*"))  # the disk space it held
             shutil.rmtree(old, ignore_errors=True)
-            print(f"note: removed {old} ({size / 1e6:.1f} MB), the unfinished output of an earlier run that was "
-                  "killed", file=sys.stderr, flush=True)
+            what = ("the unfinished output of an earlier run that was killed" if ".tmp-" in old.name else
+                    "the replaced output an earlier run was stopped while deleting")
+            print(f"note: removed {old} ({size / 1e6:.1f} MB), {what}", file=sys.stderr, flush=True)
         finally:
             os.close(fd)
 
@@ -184,27 +187,41 @@ def followed(path: Path) -> Path:
 
 def replace_dir(tmp: Path, out: Path) -> None:
     """Move a finished temp_dir to `out`. Whatever is at `out` (a directory or a file) is moved aside first and
-    deleted only once the new one is in place; if the move fails, it is put back."""
+    deleted only once the new one is in place; if the move fails, it is put back. The folder aside is locked while
+    this runs: if a signal stops its deletion (a large output takes a while), the next `staging` of `out` removes
+    what is left of it."""
     tmp, out = Path(tmp), followed(Path(out))
     if holds_cwd(out):
         raise CheckpointError(f"{out}: cannot replace the current directory or one holding it; choose another output")
-    aside = None
-    if out.exists() or out.is_symlink():
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    if not (out.exists() or out.is_symlink()):
+        os.replace(tmp, out)
+        return
+    new = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))  # locked before it takes the name
+    fd = os.open(new, os.O_RDONLY)                                          # leftovers are looked for by
+    try:
+        _lock(fd)
+        aside = new.with_name(new.name.replace(".new-", ".old-", 1))
+        os.replace(new, aside)
         try:
             os.replace(out, aside / "x")
         except BaseException:
             aside.rmdir()
             raise
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if aside is not None:
+        try:
+            os.replace(tmp, out)
+        except BaseException:
             os.replace(aside / "x", out)
-        raise
-    finally:
-        if aside is not None:
+            aside.rmdir()
+            raise
+        try:
             shutil.rmtree(aside, ignore_errors=True)
+        except BaseException:  # a signal: the new output is in place, the old one partly deleted
+            print(f"note: {out} is in place; what is left of the output it replaced, {aside}, is removed by the "
+                  "next run that writes it", file=sys.stderr, flush=True)
+            raise
+    finally:
+        shutil.rmtree(new, ignore_errors=True)  # only if the rename did not happen
+        os.close(fd)
 
 
 def require_dir(path: str | Path, expected: str, flag: str = "") -> Path:
