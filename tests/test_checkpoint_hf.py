@@ -453,6 +453,23 @@ def test_a_signal_while_the_replaced_output_is_deleted_leaves_it_to_the_next_wri
     assert f"note: removed {aside} (" in capsys.readouterr().err
 
 
+def test_a_leftovers_size_counts_only_what_removing_it_frees(tmp_path, capsys):
+    """A killed build's folder shares the files of the stages it reused with the output (hard links): removing it
+    frees only its own, and the note said the sum of both."""
+    import os
+
+    out, left = tmp_path / "out", tmp_path / ".out.tmp-killed"
+    out.mkdir()
+    left.mkdir()
+    (out / "reused").write_bytes(bytes(3_000_000))
+    os.link(out / "reused", left / "reused")
+    (left / "own").write_bytes(bytes(1_000_000))
+    with hf.staging(out):
+        pass
+    assert not left.exists() and (out / "reused").is_file()
+    assert f"note: removed {left} (1.0 MB), the unfinished output of an earlier run" in capsys.readouterr().err
+
+
 def test_staging_removes_the_folders_it_made_when_no_output_came(tmp_path):
     """export_triton.py --out a/b/repo that failed left a/b/ behind."""
     (tmp_path / "a").mkdir()

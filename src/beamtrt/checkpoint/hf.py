@@ -123,7 +123,8 @@ def _remove_leftovers(final: Path, mine: Path) -> None:
                                       "or choose another output")
             if held is None:  # a file system without locks: nothing is known of it
                 continue
-            size = sum(f.lstat().st_blocks * 512 for f in old.rglob("*"))  # the disk space it held
+            stats = [f.lstat() for f in old.rglob("*")]  # the disk space it held: not what it shares by hard links (a
+            size = sum(st.st_blocks * 512 for st in stats if st.st_nlink == 1)  # reused stage's files, with the output)
             shutil.rmtree(old, ignore_errors=True)
             what = ("the unfinished output of an earlier run that was killed" if ".tmp-" in old.name else
                     "the replaced output an earlier run was stopped while deleting")
