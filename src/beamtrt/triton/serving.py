@@ -73,8 +73,8 @@ class ServeSettings:
                   (0 <= self.draft_threshold <= 1, "draft_threshold", f"must be in [0, 1], got {self.draft_threshold}"),
                   (self.max_slots >= 1, "max_slots", f"must be >= 1, got {self.max_slots}"),
                   (self.max_seq_len >= self.block_size + 3, "max_seq_len",  # a 1-token prompt, 1 new token
-                   f"must be >= block_size + 3 = {self.block_size + 3} (one prompt token, one new token and a verify "
-                   f"block), got {self.max_seq_len}"),
+                   (f"must be >= block_size + 3 = {self.block_size + 3} (one prompt token, one new token and a "
+                    f"verify block), got {self.max_seq_len}")),
                   (0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")]
         bad = next(((name, why) for ok, name, why in checks if not ok), None)
         if bad:
