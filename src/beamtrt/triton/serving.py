@@ -27,7 +27,7 @@ import torch
 from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.errors import ConfigError
 from beamtrt.prompts import load_tokenizer, make_decode, special_stops
-from beamtrt.runtime.loader import DTYPES
+from beamtrt.runtime.loader import DTYPES, check_device
 from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import TextStream
@@ -109,8 +109,6 @@ def _param_text(value: object) -> str:
 def resolve_device(device: str, backend: str, ranks: int) -> str:
     """The torch device `device` names (auto: cuda where available, but cpu for tensor-parallel ranks on the torch
     backend, whose shards run in host memory: any other device is refused there, `check_device`)."""
-    from beamtrt.runtime.loader import check_device
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() and (backend != "torch" or ranks == 1) else "cpu"
     check_device(device, backend, ranks, "device (export_triton.py --device)")
