@@ -406,14 +406,40 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
     real = os.replace
 
     def full_disk(src, dst):  # moving the old output aside (and back) works; moving the new one in fails
-        if ".old-" not in f"{src}{dst}":
+        if ".tmp-" in str(src):
             raise OSError(28, "No space left on device")
         real(src, dst)
-    monkeypatch.setattr(hf.os, "replace", full_disk)
-    with pytest.raises(OSError, match="No space"), hf.staging(tmp_path / "dir") as tmp:
-        hf.replace_dir(tmp, tmp_path / "dir")
-    assert (tmp_path / "dir" / "new").read_text() == "new"  # the previous output is back
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # nothing aside, no staging left
+
+    def signal_after(n):  # Ctrl-C just after the n-th move (Python raises it once the call returns): 1 locks the
+                          # folder aside, 2 moves the old output into it, 3 the new one in
+        moves = []
+
+        def replace(src, dst):
+            real(src, dst)
+            moves.append(dst)
+            if len(moves) == n:
+                raise KeyboardInterrupt
+        return replace
+    for broken, error, now in ((full_disk, OSError, "new"), (signal_after(1), KeyboardInterrupt, "new"),
+                               (signal_after(2), KeyboardInterrupt, "new"), (signal_after(3), KeyboardInterrupt, "newer")):
+        with pytest.raises(error), hf.staging(tmp_path / "dir") as tmp:
+            (tmp / "new").write_text("newer")
+            monkeypatch.setattr(hf.os, "replace", broken)  # in replace_dir only
+            hf.replace_dir(tmp, tmp_path / "dir")
+        monkeypatch.undo()
+        assert (tmp_path / "dir" / "new").read_text() == now  # the previous output back, or the new one in place
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # nothing aside, no staging left
+
+
+def test_an_output_moved_aside_by_a_killed_run_is_put_back(tmp_path, capsys):
+    """Killed between replace_dir's two moves: no output at `out`, the old one aside; the next writer puts it back."""
+    aside = tmp_path / ".out.old-killed"
+    (aside / "x").mkdir(parents=True)
+    (aside / "x" / "f").write_text("old")
+    with hf.staging(tmp_path / "out"):
+        assert (tmp_path / "out" / "f").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert f"note: put back {tmp_path / 'out'} from {aside}" in capsys.readouterr().err
 
 
 def test_a_signal_while_the_replaced_output_is_deleted_leaves_it_to_the_next_writer(tmp_path, monkeypatch, capsys):
@@ -444,7 +470,7 @@ def test_a_signal_while_the_replaced_output_is_deleted_leaves_it_to_the_next_wri
         in capsys.readouterr().err
     fd = os.open(aside, os.O_RDONLY)  # held: another process still deleting it
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with pytest.raises(CheckpointError, match="another running process is writing it"), hf.staging(out):
+    with pytest.raises(CheckpointError, match="another running process is replacing it"), hf.staging(out):
         pass
     os.close(fd)
     with hf.staging(out):
@@ -461,9 +487,9 @@ def test_a_leftovers_size_counts_only_what_removing_it_frees(tmp_path, capsys):
     out, left = tmp_path / "out", tmp_path / ".out.tmp-killed"
     out.mkdir()
     left.mkdir()
-    (out / "reused").write_bytes(bytes(3_000_000))
+    (out / "reused").write_bytes(os.urandom(3_000_000))  # not zeros: a compressing file system would store none
     os.link(out / "reused", left / "reused")
-    (left / "own").write_bytes(bytes(1_000_000))
+    (left / "own").write_bytes(os.urandom(1_000_000))
     with hf.staging(out):
         pass
     assert not left.exists() and (out / "reused").is_file()

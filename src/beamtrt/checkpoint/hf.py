@@ -44,29 +44,45 @@ def staging(final: Path) -> Iterator[Path]:
     final = followed(Path(final))
     made = [p for p in (final.parent, *final.parent.parents) if not p.exists()]  # the deepest first
     final.parent.mkdir(parents=True, exist_ok=True)
-    try:  # made under another prefix and locked before it takes the one leftovers are looked for by
-        new = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
-        fd = os.open(new, os.O_RDONLY)
+    try:
+        tmp, fd = _locked_dir(final, "tmp")
     except OSError as e:  # the error would name the temporary folder, which the user never gave
         _remove_empty(made)
         raise CheckpointError(f"{final}: cannot write in {final.parent} ({e.strerror or e})") from None
-    tmp = new.with_name(new.name.replace(".new-", ".tmp-", 1))
     try:
-        _lock(fd)
-        new.chmod(0o777 & ~_UMASK)
-        os.replace(new, tmp)
-        _remove_leftovers(final, tmp)  # after its own is in place: of two writers starting at once, one sees the other
-        # (or each sees the other, and both stop)
+        tmp.chmod(0o777 & ~_UMASK)
+        # after its own is in place: of two writers starting at once, one sees the other (or each the other: both stop)
+        _remove_leftovers(final, tmp)
         yield tmp
     except (BeamtrtError, OSError) as e:  # a file that cannot be written is named where the user will look for it
         _rename_in_error(e, tmp, final)
         raise
     finally:
-        shutil.rmtree(new, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(fd)
         if not final.exists():
             _remove_empty(made)
+
+
+def _locked_dir(final: Path, kind: str) -> tuple[Path, int]:
+    """A new hidden folder `.<final's name>.<kind>-*` beside `final`, and an open descriptor holding its lock. It is
+    made under another prefix and locked before it takes that name, so `_remove_leftovers` never finds it unheld."""
+    new = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
+    try:
+        fd = os.open(new, os.O_RDONLY)
+    except BaseException:
+        new.rmdir()
+        raise
+    path = new.with_name(new.name.replace(".new-", f".{kind}-", 1))
+    try:
+        _lock(fd)
+        os.replace(new, path)
+    except BaseException:  # a failed rename, or a signal just after it
+        for folder in (new, path):
+            shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)
+        raise
+    return path, fd
 
 
 def _remove_empty(folders: list[Path]) -> None:
@@ -107,7 +123,7 @@ def _lock(fd: int) -> bool | None:
 def _remove_leftovers(final: Path, mine: Path) -> None:
     """Removes the `staging` directories for `final` (.tmp-*) and the old outputs `replace_dir` moved aside (.old-*)
     that no running process holds (a killed or interrupted writer's) but `mine`; one that a running process holds is
-    one line."""
+    one line. An old output whose replacement never came (`final` missing) is put back instead."""
     name = glob.escape(final.name)
     for old in sorted([*final.parent.glob(f".{name}.tmp-*"), *final.parent.glob(f".{name}.old-*")]):
         if old.name == mine.name or old.is_symlink() or not old.is_dir():  # a name: mkdtemp's path is absolute (3.12)
@@ -118,16 +134,23 @@ def _remove_leftovers(final: Path, mine: Path) -> None:
             continue
         try:
             held = _lock(fd)
+            aside = ".old-" in old.name
             if held is False:
-                raise CheckpointError(f"{final}: another running process is writing it (into {old}); let it finish, "
-                                      "or choose another output")
+                raise CheckpointError(f"{final}: another running process is {'replacing' if aside else 'writing'} it "
+                                      f"(into {old}); let it finish, or choose another output")
             if held is None:  # a file system without locks: nothing is known of it
                 continue
-            stats = [f.lstat() for f in old.rglob("*")]  # the disk space it held: not what it shares by hard links (a
-            size = sum(st.st_blocks * 512 for st in stats if st.st_nlink == 1)  # reused stage's files, with the output)
+            if aside and (old / "x").exists() and not (final.exists() or final.is_symlink()):
+                os.replace(old / "x", final)
+                old.rmdir()
+                print(f"note: put back {final} from {old}, where an earlier run that was stopped while replacing it "
+                      "left it", file=sys.stderr, flush=True)
+                continue
+            # the disk space it held: not the files it shares by hard links (a reused stage's, with the output)
+            size = sum(st.st_blocks * 512 for st in (f.lstat() for f in old.rglob("*")) if st.st_nlink == 1)
             shutil.rmtree(old, ignore_errors=True)
-            what = ("the unfinished output of an earlier run that was killed" if ".tmp-" in old.name else
-                    "the replaced output an earlier run was stopped while deleting")
+            what = ("the replaced output an earlier run was stopped while deleting" if aside else
+                    "the unfinished output of an earlier run that was killed")
             print(f"note: removed {old} ({size / 1e6:.1f} MB), {what}", file=sys.stderr, flush=True)
         finally:
             os.close(fd)
@@ -189,40 +212,36 @@ def followed(path: Path) -> Path:
 def replace_dir(tmp: Path, out: Path) -> None:
     """Move a finished temp_dir to `out`. Whatever is at `out` (a directory or a file) is moved aside first and
     deleted only once the new one is in place; if the move fails, it is put back. The folder aside is locked while
-    this runs: if a signal stops its deletion (a large output takes a while), the next `staging` of `out` removes
-    what is left of it."""
+    this runs: if a signal stops its deletion (a large output takes a while), or the process is killed between the
+    moves, the next `staging` of `out` removes what is left of it (or puts it back where no new output came)."""
     tmp, out = Path(tmp), followed(Path(out))
     if holds_cwd(out):
         raise CheckpointError(f"{out}: cannot replace the current directory or one holding it; choose another output")
     if not (out.exists() or out.is_symlink()):
         os.replace(tmp, out)
         return
-    new = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))  # locked before it takes the name
-    fd = os.open(new, os.O_RDONLY)                                          # leftovers are looked for by
+    aside, fd = _locked_dir(out, "old")
+    moved = False  # whether the new output is in place
     try:
-        _lock(fd)
-        aside = new.with_name(new.name.replace(".new-", ".old-", 1))
-        os.replace(new, aside)
         try:
             os.replace(out, aside / "x")
-        except BaseException:
-            aside.rmdir()
-            raise
-        try:
             os.replace(tmp, out)
-        except BaseException:
-            os.replace(aside / "x", out)
-            aside.rmdir()
+        except BaseException:  # a failed move, or a signal just after one: undo what moved
+            moved = not tmp.exists()
+            if not moved and (aside / "x").exists() and not (out.exists() or out.is_symlink()):
+                os.replace(aside / "x", out)  # the old output back
             raise
+        moved = True
+    finally:
         try:
-            shutil.rmtree(aside, ignore_errors=True)
-        except BaseException:  # a signal: the new output is in place, the old one partly deleted
+            if moved or not (aside / "x").exists():  # never the only copy of the old output
+                shutil.rmtree(aside, ignore_errors=True)
+        except BaseException:  # a signal while deleting: the new output is in place, the old one partly deleted
             print(f"note: {out} is in place; what is left of the output it replaced, {aside}, is removed by the "
                   "next run that writes it", file=sys.stderr, flush=True)
             raise
-    finally:
-        shutil.rmtree(new, ignore_errors=True)  # only if the rename did not happen
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def require_dir(path: str | Path, expected: str, flag: str = "") -> Path:
