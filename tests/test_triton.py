@@ -652,10 +652,16 @@ def test_tensor_parallel_ranks_on_torch_run_on_the_cpu_and_refuse_another_device
         rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[2]), "--out", str(tmp_path / "repo"),
                                    "--device", "cuda", *args)
         assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[2]), "--out", str(tmp_path / "repo"),
+                               "--device", "gpu")  # a bad name is the setting's one line (torch.device raised)
+    assert rc == 2 and stderr == "error: --device must be auto, cpu, cuda or cuda:N, got 'gpu'\n", stderr
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"),
                                "--device", "cuda:1")  # one rank: its device is used
     assert rc == 0, stderr
-    assert serving.resolve_device("auto", "torch", 2) == "cpu"
+    with pytest.MonkeyPatch.context() as mp:  # a GPU host
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        assert serving.resolve_device("auto", "torch", 2) == "cpu"
+        assert serving.resolve_device("auto", "torch", 1) == serving.resolve_device("auto", "trt", 2) == "cuda"
     assert serving.resolve_device("cpu", "torch", 2) == "cpu" and serving.resolve_device("cuda", "trt", 2) == "cuda"
     with pytest.raises(ConfigError, match=r"^device \(export_triton.py --device\) cuda:1: the torch backend's "):
         serving.resolve_device("cuda:1", "torch", 2)

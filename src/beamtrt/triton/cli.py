@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                    help="compute dtype of the torch backend (default: %(default)s)")
     p.add_argument("--device", default="auto",
-                   help="torch device: cpu, cuda, or auto = cuda where available (default: %(default)s)")
+                   help="torch device: cpu, cuda, or auto = cuda where available; a TP build served on the torch "
+                        "backend runs its ranks on cpu (auto picks it, cuda is refused) (default: %(default)s)")
     p.add_argument("--max-slots", type=int, default=8,
                    help="requests decoded at once; more wait in beam_dflash2's queue (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=4096,

@@ -229,13 +229,13 @@ def export(cfg: ExportConfig) -> list[str]:
         raise ExportError(f"--backend trt: the build has no engines ({no_engines})")
     if cfg.backend == "trt" and built_block is not None and block != built_block:
         raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
-    if cfg.device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
-        check_device(cfg.device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
     try:
         settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
                                  cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     except SettingError as e:  # named as the flag it came from (each setting is export_triton.py's flag of its name)
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
+    if cfg.device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
+        check_device(cfg.device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
     trained = manifest["drafter"].get("train_block_size")
     if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
         raise ExportError(why)

@@ -33,8 +33,8 @@ class TritonPythonModel:
             except Exception as e:  # a bad field (INVALID_ARG, one line), a closed server, or a failure
                 code = (pb_utils.TritonError.INVALID_ARG if isinstance(e, self.protocol.RequestError) else
                         pb_utils.TritonError.UNAVAILABLE if isinstance(e, self.protocol.ServerClosed) else None)
-                error = pb_utils.TritonError(str(e) if code else f"{type(e).__name__}: {e}",
-                                             code or pb_utils.TritonError.INTERNAL)
+                error = pb_utils.TritonError(str(e) if code is not None else f"{type(e).__name__}: {e}",
+                                             pb_utils.TritonError.INTERNAL if code is None else code)
                 sender.send(pb_utils.InferenceResponse(error=error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
