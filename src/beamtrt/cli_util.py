@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import signal
@@ -20,6 +21,14 @@ from beamtrt.errors import BeamtrtError
 T = TypeVar("T")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    def _expand_help(self, action: argparse.Action) -> str:  # a list default reads as it is typed: 1 2 4
+        if isinstance(action.default, (list, tuple)):
+            action = copy.copy(action)
+            action.default = " ".join(map(str, action.default))
+        return super()._expand_help(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with this project's error form: a bad flag or value is one `error:` line and exit 2 (the usage stays
     in --help), printed once under mpirun (by rank 0: every rank parses the same arguments). An empty value (an unset
@@ -27,7 +36,7 @@ class ArgumentParser(argparse.ArgumentParser):
     mean the working directory, or the flag's default."""
 
     def __init__(self, *args, empty_ok: tuple[str, ...] = (), **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, formatter_class=kwargs.pop("formatter_class", _HelpFormatter), **kwargs)
         self.empty_ok = frozenset(empty_ok)
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]):

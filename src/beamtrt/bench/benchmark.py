@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompts of the concurrency-1 runs, which are sequential: the first of each family's, at most "
                         "--num-prompts (default: %(default)s)")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 32],
-                   help="concurrency levels (default: 1 16 32)")
+                   help="concurrency levels (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8, help="verification block (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="source checkpoint size in GB, rounded to whole MoE layers of about 0.2 GB each (default: "
                         "%(default)s, which makes 21 layers, 4.3 GB)")
     p.add_argument("--precisions", nargs="+", default=["bf16", "nvfp4", "fp8"], choices=("bf16", "fp8", "nvfp4"),
-                   help="precisions to build (default: bf16 nvfp4 fp8)")
+                   help="precisions to build (default: %(default)s)")
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel ranks (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the results to this file")
     args = p.parse_args(argv)

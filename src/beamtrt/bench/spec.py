@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", help="drafter checkpoint (default: as runtime/run.py picks it)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16],
                    help=f"batch sizes, each in [1, {len(BENCH_PROMPTS)}]: one request per benchmark prompt "
-                        "(default: 1 16)")
+                        "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8,
                    help="verification block, in [2, 32] and at most the drafter's own (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",

@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "beam-mini)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "nvfp4"),
                    help="build precision (default: %(default)s)")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="rank counts (default: 1 2 4)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="rank counts (default: %(default)s)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32],
-                   help="concurrent requests (default: 1 16 32)")
+                   help="concurrent requests (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "tp",
                    help="folder for this benchmark's builds, one per --tp (<precision>-tp<N>), and its prompt "

@@ -126,11 +126,10 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
 
         try:
             summary = validate(bc.out)
-        except CheckpointError as e:  # e.g. a file the manifest does not list: --force rebuilds it from its stages
-            if not bc.force:
+        except CheckpointError as e:  # e.g. a file the manifest does not list: with --force it is written again below,
+            if not bc.force:          # every stage reused
                 raise CheckpointError(f"{e}; every stage of {bc.out} is up to date, but the output does not validate: "
                                       "mend that, or pass --force to write it again") from None
-            needed = ["validation"]
         else:
             log(f"{bc.out}: up to date (every stage's inputs and outputs match {mf.MANIFEST}); nothing to do")
             return summary

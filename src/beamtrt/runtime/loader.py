@@ -71,7 +71,7 @@ def build_context(root: Path, manifest: dict, backend: str) -> int:
 class Sources:
     """What load_build or load_hf will load, found and checked from configs before any weight is (`find_sources`)."""
     tokenizer_dir: Path
-    context: int                     # the target's context in tokens (`build_context`)
+    context: int | None              # the target's context in tokens (`build_context`; None: engines that kept none)
     model_dir: Path | None = None    # the Hugging Face target (None: a build's own)
     drafter_dir: Path | None = None  # its drafter (None: a build's own, or plain decoding)
 
