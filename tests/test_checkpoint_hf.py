@@ -421,7 +421,8 @@ def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, m
                 raise KeyboardInterrupt
         return replace
     for broken, error, now in ((full_disk, OSError, "new"), (signal_after(1), KeyboardInterrupt, "new"),
-                               (signal_after(2), KeyboardInterrupt, "new"), (signal_after(3), KeyboardInterrupt, "newer")):
+                               (signal_after(2), KeyboardInterrupt, "new"),
+                               (signal_after(3), KeyboardInterrupt, "newer")):
         with pytest.raises(error), hf.staging(tmp_path / "dir") as tmp:
             (tmp / "new").write_text("newer")
             monkeypatch.setattr(hf.os, "replace", broken)  # in replace_dir only
