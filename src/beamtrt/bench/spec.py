@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> None:
-        from beamtrt.prompts import load_tokenizer
+        from beamtrt.prompts import load_tokenizer, render_chats
         from beamtrt.runtime.loader import hf_sources, load_hf
         from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             output_path(args.json, "--json")
         model_dir, drafter_dir = hf_sources(args.model, args.drafter, True)
-        tok = load_tokenizer(model_dir)  # before the load
+        asked = BENCH_PROMPTS[:max(args.batches)]
+        prompt_ids = render_chats(load_tokenizer(model_dir), [[{"role": "user", "content": q}] for q in asked],
+                                  [f"benchmark prompt {i + 1}" for i in range(len(asked))])  # before the load
         loaded = load_hf(model_dir, drafter_dir, dtype=DTYPES[args.dtype])
         target, drafter = loaded.target, loaded.drafter
         eos = frozenset(target.eos_token_ids)
@@ -88,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         bar = progress(len(args.batches), "bench_spec")
         for batch in args.batches:
             bar.set_postfix_str(f"batch {batch}")
-            requests = [Request(tuple(tok.apply_chat_template([{"role": "user", "content": q}],
-                                                              add_generation_prompt=True)),
-                                args.max_new_tokens, eos) for q in BENCH_PROMPTS[:batch]]
+            requests = [Request(tuple(ids), args.max_new_tokens, eos) for ids in prompt_ids[:batch]]
             spec = profile(lambda: SpeculativeDecoder(target, drafter, args.block_size,
                                                       draft_threshold=args.draft_threshold), requests)
             plain = profile(lambda: SpeculativeDecoder(target, None), requests)
