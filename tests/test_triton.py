@@ -296,6 +296,19 @@ def test_bad_requests_are_one_line_errors(server, fields, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("template, needle", [
+    ("{{ raise_exception('') }}", "text_input: the chat template rejected it (TemplateError)"),  # a reason-less raise
+    ("{{ raise_exception('only system turns') }}", "text_input: the chat template rejected it (only system turns)"),
+])
+def test_a_chat_template_that_rejects_the_prompt_is_a_request_error(tmp_path, template, needle):
+    write_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    tokenizer.chat_template = template
+    with pytest.raises(RequestError) as err:
+        protocol.encode_prompt(tokenizer, "hi", chat_template=True)
+    assert str(err.value) == needle
+
+
 def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_path, builds):
     """Requests as Triton hands them over ([1, ...] numpy arrays, strings as bytes); a delta's arrays have the names,
     data types and batch dimension that beam_dflash2/config.pbtxt declares."""

@@ -42,15 +42,25 @@ def load_tokenizer(path: str | Path):
                               "(tokenizer.json, tokenizer_config.json)") from None
 
 
+def render_chat(tokenizer, chat: list[dict]) -> list[int]:
+    """One chat through the tokenizer's chat template, the assistant turn opened. A chat the template rejects (roles out
+    of its order, a template that raises, a tokenizer without one) is a one-line ValueError: "the chat template
+    rejected it (why)"."""
+    try:
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+    except Exception as e:  # jinja2's TemplateError, transformers' ValueError for a tokenizer without a template
+        raise ValueError(f"the chat template rejected it ({error_line(e)})") from None
+
+
 def render_chats(tokenizer, chats: list[list[dict]], where: list[str]) -> list[list[int]]:
-    """Each chat through the tokenizer's chat template, the assistant turn opened; a chat the template rejects (roles
-    out of its order, a template that raises) is one line naming where it came from (`where`, one per chat)."""
+    """render_chat for each chat; a chat the template rejects is a BeamtrtError naming where it came from (`where`, one
+    per chat)."""
     ids = []
     for chat, place in zip(chats, where):
         try:
-            ids.append(list(tokenizer.apply_chat_template(chat, add_generation_prompt=True)))
-        except Exception as e:  # jinja2's TemplateError, transformers' ValueError for a tokenizer without a template
-            raise BeamtrtError(f"{place}: the chat template rejected it ({error_line(e)})") from None
+            ids.append(render_chat(tokenizer, chat))
+        except ValueError as e:
+            raise BeamtrtError(f"{place}: {e}") from None
     return ids
 
 

@@ -18,6 +18,7 @@ import torch
 from beamtrt.checkpoint.hf import CheckpointReader
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
+from beamtrt.prompts import render_chat
 
 DEFAULT_PROMPTS = "calib_prompts.jsonl"
 
@@ -37,7 +38,7 @@ def tokenize(model_dir: str | Path, chats: list[list[dict]], samples: int, vocab
         out = []
         for i in range(samples):
             chat = chats[i % len(chats)]
-            ids = tok.apply_chat_template(chat, add_generation_prompt=True) if tok.chat_template else tok.encode(
+            ids = render_chat(tok, chat) if tok.chat_template else tok.encode(
                 "\n".join(m["content"] for m in chat))
             out.append(torch.tensor(ids[:max_len], dtype=torch.long))
     except Exception as e:  # transformers raises anything at all on a broken tokenizer file

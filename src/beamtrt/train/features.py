@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from beamtrt.checkpoint.hf import read_json, save_safetensors, write_json
 from beamtrt.errors import BeamtrtError
 from beamtrt.models.beam import BeamForCausalLM, right_padded
+from beamtrt.prompts import render_chat
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def answer_with_taps(target: BeamForCausalLM, prompts: Sequence[Sequence[int]], 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The ids the target answers for one prompt: a user turn in its chat template, ready for the reply."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
+    return render_chat(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def target_digest(target: BeamForCausalLM) -> str:

@@ -11,6 +11,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from beamtrt.errors import BeamtrtError
+from beamtrt.prompts import render_chat
 from beamtrt.spec.sampling import MIN_TEMPERATURE, SamplingParams
 from beamtrt.spec.stops import text_delta
 
@@ -168,9 +169,9 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     if not chat_template:
         return tokenizer.encode(text, add_special_tokens=False)
     try:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    except Exception as e:  # a template that rejects the message
-        raise RequestError(f"the chat template rejected the prompt: {str(e).strip().splitlines()[0]}") from None
+        return render_chat(tokenizer, [{"role": "user", "content": text}])
+    except ValueError as e:  # a template that rejects the message
+        raise RequestError(f"text_input: {e}") from None
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
