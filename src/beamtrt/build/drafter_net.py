@@ -7,8 +7,8 @@ walks its lattice. Parameter names are the drafter checkpoint's (`beamtrt.checkp
 the target's `transformer.vocab_embedding.weight` and `lm_head.weight`; `weight_table` lists every one with its
 source, and tests/test_engines.py checks each exists in written checkpoints for every precision and TP size.
 
-TensorRT / TensorRT-LLM are imported only inside `DFlash2Network`, `prepare_inputs` and `forward`; `NetConfig`
-and `weight_table` are plain Python (tested on CPU).
+TensorRT / TensorRT-LLM are imported only when a network is made (`tensorrt_llm_api`, which `DFlash2Network`
+calls) and in `prepare_inputs`; `NetConfig` and `weight_table` are plain Python (tested on CPU).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The DFlash2 plugin kernels (plugins/) on torch tensors, for the torch backend's drafter: the CUDA build (the torch
 extension, on CUDA devices) or the host build of the same math (plugins/host, through ctypes).
 
-`kernels_for(device)` picks them: by default the CUDA kernels on a CUDA device and none on the CPU (where the PyTorch
-reference is as fast); `BEAMTRT_KERNELS=host` runs the host build on the CPU (how the CPU tests drive the kernel path
+`kernels_for(device)` picks them: by default the CUDA kernels on a CUDA device and none on the CPU (there the drafter
+takes the fused host step of `draft_step.cpp`, or PyTorch with `BEAMTRT_NATIVE=0`); `BEAMTRT_KERNELS=host` runs the host build on the CPU (how the CPU tests drive the kernel path
 of the drafter end to end), `BEAMTRT_KERNELS=off` never uses them.
 """
 

@@ -1,7 +1,7 @@
 """Tensor-parallel communication over MPI (mpi4py): deterministic collectives, rank-0 commands, abort on failure.
 
-`Dist.create()` returns a one-rank stand-in when the process was not started by mpirun (or mpi4py is missing), so
-`python runtime/run.py` runs unchanged with world size 1. Collectives are built from Allgather and summed in rank
+`Dist.create()` returns a one-rank stand-in when the process was not started by mpirun (mpi4py is then not needed),
+so `python runtime/run.py` runs unchanged with world size 1; under mpirun without mpi4py it is a one-line error. Collectives are built from Allgather and summed in rank
 order on every rank: every rank gets bit-identical results, so replicated state (the residual stream, MoE routing)
 never diverges between ranks.
 """

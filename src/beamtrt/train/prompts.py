@@ -2,9 +2,10 @@
 
 The drafter learns to predict the target's own answers, so what matters is that the prompts exercise the kinds of
 text the benchmarks ask for (step-by-step arithmetic, Python functions, explanations and stories) without being
-the benchmark questions. Sources: reasoning-gym's procedural generators (every generator except `gsm_symbolic`,
-whose templates come from the GSM8K test set the benchmark uses), word problems from templates below, function
-stubs from the Python standard library's own signatures and docstrings, and templated general instructions.
+the benchmark questions. Sources: reasoning-gym's procedural generators (the 20 of `GYM_TASKS`, the 28 of
+`GYM_TASKS_V3` in mixes v3 and v4; never `gsm_symbolic`, whose templates come from the GSM8K test set the benchmark
+uses), word problems from templates below, function stubs from the Python standard library's own signatures and
+docstrings, and templated general instructions.
 
 Mix "v2" (the default) adds what "v1" (the first three drafters' data) lacked: the instruction wrappers the
 evaluations put around their questions (a step-by-step / boxed-answer suffix, a complete-this-function prefix) on
