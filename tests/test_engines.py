@@ -96,9 +96,10 @@ def test_manifest_says_no_engines(sources, tmp_path):
     assert m["engines"]["settings"] == EngineSettings().to_json()
 
 
-def test_backend_choice():
-    built = {"stages": {"engines": {"status": "ran"}}}
-    skipped = {"stages": {"engines": {"status": "skipped", "reason": "no CUDA GPU on this host"}}}
+def test_backend_choice(monkeypatch):
+    built = {"stages": {"engines": {"status": "ran"}}, "mapping": {"tp_size": 1}}
+    skipped = {"stages": {"engines": {"status": "skipped", "reason": "no CUDA GPU on this host"}},
+               "mapping": {"tp_size": 1}}
     assert pick_backend("torch", built) == ("torch", "requested")
     assert pick_backend("auto", None) == ("torch", "a Hugging Face checkpoint runs on torch")
     assert pick_backend("auto", skipped) == ("torch", "no engines in the build (no CUDA GPU on this host)")
@@ -109,6 +110,15 @@ def test_backend_choice():
             pick_backend("trt", manifest)
     with pytest.raises(ConfigError, match="unknown backend"):
         pick_backend("tensorrt", None)
+    import beamtrt.build.engine
+
+    monkeypatch.setattr(beamtrt.build.engine, "engine_support", lambda: None)  # a TensorRT-LLM host's answer
+    tp4 = {**built, "mapping": {"tp_size": 4}}
+    assert pick_backend("auto", tp4, 4) == ("trt", "engines and TensorRT-LLM present")
+    assert pick_backend("trt", tp4, 4) == ("trt", "requested")
+    assert pick_backend("auto", tp4, 1) == ("torch", "the engines need 4 ranks (mpirun -n 4), 1 running")
+    with pytest.raises(ConfigError, match=r"^--backend trt: the engines need 4 ranks \(mpirun -n 4\), 1 running$"):
+        pick_backend("trt", tp4, 1)
 
 
 def test_run_with_backend_trt_on_a_build_without_engines_is_one_line(sources, tmp_path):

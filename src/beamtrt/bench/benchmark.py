@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "shard) or in one process")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="with --engine-dir: trt runs its engines, torch its checkpoints, auto picks trt where the "
-                        "build has engines and the host can run them (default: %(default)s)")
+                        "build has engines, the host can run them and one rank runs per engine (default: %(default)s)")
     p.add_argument("--families", nargs="+", default=list(LOADERS), help="benchmark families (default: all: "
                    f"{' '.join(LOADERS)})")
     p.add_argument("--prompts", action="append", default=[], metavar="FAMILY=FILE",
@@ -206,7 +206,7 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     torch_device(args.device)
     engine_dir = Path(args.engine_dir) if args.engine_dir else None
     manifest = open_build(engine_dir, dist)
-    backend, _ = pick_backend(args.backend, manifest)
+    backend, _ = pick_backend(args.backend, manifest, dist.size)
     check_device(args.device, backend, dist.size)
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # before beam-mini is made
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, True)

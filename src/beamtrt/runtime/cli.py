@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="runtime backend: trt runs the build's TensorRT engines (TensorRT-LLM 1.2 and a GPU), torch "
                         "runs its checkpoints (or --model) in PyTorch on --device; auto picks trt when the build has "
-                        "engines and this host can run them, else torch, and says why (default: %(default)s)")
+                        "engines, this host can run them and one rank runs per engine (mpirun -n TP), else torch, "
+                        "and says why (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu",
                    help="torch device, e.g. cpu or cuda; under mpirun the torch backend's ranks run on cpu only "
@@ -162,7 +163,7 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
         raise ValueError("--model / --drafter run a Hugging Face checkpoint; they cannot be combined with an "
                          "engine directory (pass --engine-dir, or --model alone)")
     manifest = open_build(engine_dir, dist)
-    backend, why = pick_backend(args.backend, manifest)
+    backend, why = pick_backend(args.backend, manifest, dist.size)
     check_device(args.device, backend, dist.size)
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec, "--no-spec")
     tokenizer = load_tokenizer(sources.tokenizer_dir)

@@ -92,8 +92,9 @@ def missing_engines(manifest: dict | None) -> str | None:
     return None if engines.get("status") in ("ran", "reused") else engines.get("reason", "engine stage not run")
 
 
-def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
-    """(backend, why) for `--backend` and a build manifest (None for a Hugging Face checkpoint)."""
+def pick_backend(requested: str, manifest: dict | None, ranks: int = 1) -> tuple[str, str]:
+    """(backend, why) for `--backend`, a build manifest (None for a Hugging Face checkpoint) and the number of ranks
+    running: engines need one rank per engine, so auto runs a tensor-parallel build in one process on torch."""
     if requested not in BACKENDS:
         raise ConfigError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
     no_engines = missing_engines(manifest)
@@ -102,6 +103,8 @@ def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
     from beamtrt.build.engine import engine_support
 
     missing = engine_support()
+    tp = manifest["mapping"]["tp_size"] if manifest is not None else 1
+    per_engine = None if ranks == tp else f"the engines need {tp} ranks (mpirun -n {tp}), {ranks} running"
     if requested == "trt":
         if manifest is None:
             raise ConfigError("--backend trt runs engines from a build output: pass --engine-dir")
@@ -109,9 +112,11 @@ def pick_backend(requested: str, manifest: dict | None) -> tuple[str, str]:
             raise ConfigError(f"--backend trt: the build has no engines ({no_engines})")
         if missing:
             raise ConfigError(f"--backend trt: {missing}")
+        if per_engine:
+            raise ConfigError(f"--backend trt: {per_engine}")
         return "trt", "requested"
     if not no_engines and not missing:
-        return "trt", "engines and TensorRT-LLM present"
+        return ("torch", per_engine) if per_engine else ("trt", "engines and TensorRT-LLM present")
     if manifest is None:
         return "torch", "a Hugging Face checkpoint runs on torch"
     return "torch", (f"no engines in the build ({no_engines})" if no_engines else missing)

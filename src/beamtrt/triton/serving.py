@@ -395,7 +395,7 @@ def open_server(settings: ServeSettings) -> Server | Follower:
     if settings.world_size != tp_size or dist.size not in (1, tp_size):
         raise ConfigError(f"{settings.engine_dir} was built for tp {tp_size}; the model says world_size "
                           f"{settings.world_size} and {dist.size} rank(s) run: launch with --world-size {tp_size}")
-    backend, _ = pick_backend(settings.backend, manifest)
+    backend, _ = pick_backend(settings.backend, manifest, dist.size)
     loaded = load_build(settings.engine_dir, manifest, dist, backend=backend, dtype=DTYPES[settings.dtype],
                         device=resolve_device(settings.device, backend, dist.size))
     if dist.rank > 0:
