@@ -898,9 +898,15 @@ def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(tmp_path)),
                           "target", "no config.json")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--block-size", "1"), "--block-size")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), str(tmp_path)),
+                          "--data names the same cache twice")
 
 
-def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path, run, beam_mini):
+def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path, run, beam_mini, monkeypatch):
+    """From the configs, before any weight loads (beam-mini's take half a minute)."""
+    import beamtrt.models.beam as beam
+
+    monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target's weights were loaded"))
     drafter = str(ROOT / "checkpoints" / "beam-mini-dflash2")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(beam_mini),
                               "--drafter", drafter, "--block-size", "32"), "--block-size 32", "above the drafter's")
@@ -955,6 +961,7 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     proc = run("scripts/train_drafter.py", *paths, "--out", str(out), *small)
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").is_file() and json.loads((data / "meta.json").read_text())["target"]
+    assert json.loads((out / "config.json").read_text())["block_size"] == 4  # the block it trained at (it said 16)
     unscored = "not evaluated: nothing held out, as the data has 5 greedy answers"  # 6 prompts, one sampled
     assert f"warning: training is {unscored}" in proc.stderr  # said before training, and in the last line
     assert f"drafter: {out}  ({unscored}" in proc.stdout and "nan" not in proc.stdout
@@ -971,7 +978,7 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--layers", "2"),  # before phase 1
                           "another layout")
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--data", str(tmp_path / "data2"),
-                              "--lr", "1e-4"), "other training settings")
+                              "--lr", "1e-4"), "other training settings (--lr 0.001 (now 0.0001))")
     assert not (tmp_path / "data2").exists()
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--extra-data", str(data)),
                           "same cache twice")
@@ -998,6 +1005,12 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(other), "--data", str(data), "--work",
                               str(tmp_path / "w2"), *new, *small), "made by another target")
     assert not (tmp_path / "new").exists() and not (tmp_path / "w2").exists()
+    for flag, folder, needle in (("--work", target, f"--work {target}: overlaps --target {target}"),
+                                 ("--work", out, "overlaps --init"), ("--data", tmp_path, f"overlaps --work {work}")):
+        assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--init", str(out), flag,
+                                  str(folder)), needle)  # --init's and --target's files were written into
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--data", str(out)),
+                          f"--data {out}: holds a checkpoint (config.json)")
     fresh = ["--target", str(target), "--data", str(tmp_path / "data3"), "--work", str(tmp_path / "w3"), *new, *small]
     assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--init", str(target)),  # not a drafter: said
                           f"--init {target / 'config.json'}: architectures must name")  # before phase 1, not after
@@ -1014,7 +1027,16 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     for flag in ("--seed", "--data-seed"):  # seed × 1,000,003 + n must stay a seed torch takes
         assert_one_line_error(run("scripts/train_drafter.py", *fresh, flag, str(2**32)),
                               f"{flag} must be in [0, 2**32)")
+    truncated = tmp_path / "truncated"  # an --extra-data cache with a damaged file: found before phase 1, not after
+    shutil.copytree(data, truncated)
+    answers = sorted(truncated.glob("answers-*.safetensors"))[0]
+    answers.write_bytes(answers.read_bytes()[:500])
+    assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--extra-data", str(truncated)),
+                          f"{answers}: corrupt answers file")
     assert not (tmp_path / "data3").exists()
+    grown = ["--init", str(out), "--work", str(tmp_path / "w5"), "--out", str(tmp_path / "o5"), "--block-size", "3"]
+    assert run("scripts/train_drafter.py", *paths, *small, *grown).returncode == 0  # trained at 4, then at 3
+    assert json.loads((tmp_path / "o5" / "config.json").read_text())["block_size"] == 4
     # --data-only writes neither --work nor --out: an --out holding a drafter (the default one after a first run) and
     # a --work in use are no reason to refuse making a cache
     with written_by_another_process(work):
@@ -1036,6 +1058,9 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
+    assert_one_line_error(run("scripts/train_drafter.py", "--max-new-tokens", "1"), "--max-new-tokens must be >= 2")
+    assert_one_line_error(run("scripts/train_drafter.py", "--selector-rank", "5000"),
+                          "--selector-rank 5000 is above the target's hidden size (576)")
     # argparse rejects these (one line too); --steps 0 fails fast should a choice ever become valid
     for flag, value in (("--prompt-mix", "v-none"), ("--head-vocab", "some")):
         assert_one_line_error(run("scripts/train_drafter.py", flag, value, "--steps", "0"),

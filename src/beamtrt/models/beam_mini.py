@@ -160,15 +160,16 @@ def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
 
 
 
-def drafter_layout(target_cfg, layers: int = 2, selector_rank: int = 32):
+def drafter_layout(target_cfg, layers: int = 2, selector_rank: int = 32, block_size: int = 16):
     """The DFlash 2 layout trained for a target (beam-mini's by default): `layers` draft layers, 5 taps spread over
-    the target's depth, the target's head layout and dense MLP width, mask token 0, selector of the given rank."""
+    the target's depth, the target's head layout and dense MLP width, mask token 0, selector of the given rank
+    (at most the hidden size), trained at blocks of `block_size`."""
     from beamtrt.config import DrafterConfig
 
     n = target_cfg.num_hidden_layers
     taps = tuple(sorted({min(n - 1, round(1 + i * (n - 4) / 4)) for i in range(5)})) if n >= 5 else tuple(range(n))
     return DrafterConfig.for_target(target_cfg, num_hidden_layers=layers, target_layer_ids=taps, mask_token_id=0,
-                                    selector_rank=min(selector_rank, target_cfg.hidden_size))
+                                    selector_rank=min(selector_rank, target_cfg.hidden_size), block_size=block_size)
 
 
 def default_drafter() -> Path:

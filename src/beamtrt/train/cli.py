@@ -49,9 +49,10 @@ def start_from(path: Path, cfg, target, seed: int = 0):
     return grown.requires_grad_(True)
 
 
-def check_init(path: Path, cfg, target_cfg) -> None:
-    """--init names a drafter of this target whose layout is `cfg` or `cfg` with fewer layers: checked from its
-    config.json before phase 1 (which may take hours), one line naming --init."""
+def check_init(path: Path, cfg, target_cfg):
+    """--init names a drafter of this target whose layout is `cfg` or `cfg` with fewer layers (whatever block it was
+    trained at): checked from its config.json before phase 1 (which may take hours), one line naming --init. Returns
+    its config."""
     from beamtrt.errors import CheckpointError, ConfigError
     from beamtrt.models.dflash2 import drafter_config_for
 
@@ -59,7 +60,8 @@ def check_init(path: Path, cfg, target_cfg) -> None:
         have = drafter_config_for(path, target_cfg)  # not a drafter, or another target's: its config.json says so
     except (ConfigError, CheckpointError) as e:
         raise BeamtrtError(f"--init {e}") from None
-    diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(have, f.name)]
+    diff = [f.name for f in dataclasses.fields(cfg)
+            if f.name != "block_size" and getattr(cfg, f.name) != getattr(have, f.name)]
     fixed = [name for name in diff if name not in ("num_hidden_layers", "selector_rank")]  # no flag changes these
     if fixed:
         raise BeamtrtError(f"--init {path}: a drafter of another target or recipe ({', '.join(fixed)} differ from "
@@ -67,6 +69,7 @@ def check_init(path: Path, cfg, target_cfg) -> None:
     if diff and (diff != ["num_hidden_layers"] or have.num_hidden_layers > cfg.num_hidden_layers):
         raise BeamtrtError(f"--init {path}: its layout differs from the one to train ({', '.join(diff)}); pass the "
                            "matching --selector-rank, and --layers at least its depth")
+    return have
 
 
 def replays_init_batches(init: Path, seed: int, sequences: int, tokens: int) -> bool:
@@ -101,6 +104,21 @@ def check_out(out: Path, force: bool, inputs: list[tuple[str, Path]], init: Path
     if not force:
         raise BeamtrtError(f"--out {out}: holds a drafter already; pass --force to replace it (every file in it), or "
                            "choose another --out")
+
+
+def check_folders(writes: list[tuple[str, Path]], reads: list[tuple[str, Path]]) -> None:
+    """The folders a run writes (--data, --work) are none of the others, nor inside or around one, and hold no
+    checkpoint (a config.json: a target or drafter given by mistake): one line before any work."""
+    from beamtrt.checkpoint.hf import holds
+
+    for i, (flag, d) in enumerate(writes):
+        for other, o in writes[i + 1:] + reads:
+            if holds(d, o) or holds(o, d):
+                raise BeamtrtError(f"{flag} {d}: overlaps {other} {o}; give {flag} a folder of its own")
+        if (d / "config.json").is_file():
+            what = "a feature cache" if flag == "--data" else "a training state"
+            raise BeamtrtError(f"{flag} {d}: holds a checkpoint (config.json), not {what}; give {flag} a folder of "
+                               "its own")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -154,7 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step,
                     help="sequences per step (default: %(default)s)")
     tr.add_argument("--anchors", type=int, default=t.anchors_per_seq, help="blocks per sequence (default: %(default)s)")
-    tr.add_argument("--block-size", type=int, default=t.block_size, help="training block size (default: %(default)s)")
+    tr.add_argument("--block-size", type=int, default=t.block_size,
+                    help="training block size; the drafter's config.json records the largest block it trained at "
+                         "(with --init, the larger of this and that drafter's), the most it drafts (default: "
+                         "%(default)s)")
     tr.add_argument("--eval-block-size", type=int, default=t.eval_block_size,
                     help="serving block size the eval measures (default: %(default)s)")
     tr.add_argument("--lr", type=float, default=t.lr, help="peak AdamW learning rate (default: %(default)s)")
@@ -181,7 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--layers", type=int, default=2, help="draft layers, at most 64 (default: %(default)s)")
     tr.add_argument("--selector-rank", type=int, default=32, help="selector codebook rank (default: %(default)s)")
     p.add_argument("--data-only", action="store_true",
-                   help="stop after phase 1 (generate or complete --data; --work and --out are not used)")
+                   help="stop after phase 1 (generate or complete --data): --work, --out and phase 2's flags are "
+                        "accepted and not used, so a training command with --data-only added makes its cache first")
     p.add_argument("--device", default="cpu",
                    help="torch device of both phases, e.g. cpu or cuda: the feature cache stays in host memory and "
                         "each step's sequences move to the device (default: %(default)s)")
@@ -198,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             command(held)
 
     def command(held: contextlib.ExitStack) -> None:
-        from beamtrt.config import check_block_size
+        from beamtrt.config import BeamConfig, check_block_size
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
@@ -210,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
 
         device = torch_device(args.device)
         set_threads(args.threads)
-        for name in ("prompts", "max_new_tokens", "gen_batch", "layers", "selector_rank"):
+        for name in ("prompts", "gen_batch", "layers", "selector_rank"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.max_new_tokens < 2:  # a block's anchor is an answer token, and it drafts the next one
+            raise ValueError(f"--max-new-tokens must be >= 2 (training anchors blocks on answer tokens and drafts "
+                             f"the ones after them), got {args.max_new_tokens}")
         for name, most in (("prompts", 1_000_000), ("layers", 64)):  # beyond: minutes of silent work, then memory
             if getattr(args, name) > most:
                 raise ValueError(f"--{name} must be at most {most:,}, got {getattr(args, name)}")
@@ -235,7 +260,22 @@ def main(argv: list[str] | None = None) -> int:
                 sequence_files(require_dir(d, "a feature cache directory", flag), f"{flag} {d}")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
-            raise BeamtrtError(f"{target_dir}: not a checkpoint directory (no config.json)")
+            raise BeamtrtError(f"--target {target_dir}: not a checkpoint directory (no config.json)")
+        target_cfg = BeamConfig.from_file(target_dir / "config.json")
+        if args.selector_rank > target_cfg.hidden_size:
+            raise ValueError(f"--selector-rank {args.selector_rank} is above the target's hidden size "
+                             f"({target_cfg.hidden_size})")
+        init_cfg = None if not args.init else check_init(Path(args.init), drafter_layout(
+            target_cfg, args.layers, args.selector_rank), target_cfg)
+        block = max(args.block_size, init_cfg.block_size if init_cfg else 0)  # the largest block it has trained at
+        dcfg = drafter_layout(target_cfg, args.layers, args.selector_rank, block)
+        if args.eval_block_size > dcfg.block_size:
+            raise BeamtrtError(f"--eval-block-size {args.eval_block_size} is above the largest block the drafter is "
+                               f"trained at ({dcfg.block_size})")
+        context = target_cfg.max_position_embeddings
+        if recipe.max_prompt_tokens + recipe.max_new_tokens > context:
+            raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
+                               f"tokens and their answers must fit the target's context of {context} tokens")
         name = target_dir.resolve().name
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
@@ -243,16 +283,18 @@ def main(argv: list[str] | None = None) -> int:
         outputs = (("--data", data_dir),) + (() if args.data_only else (("--work", work), ("--out", out)))
         for flag, d in outputs:  # before hours of work (--data-only writes neither --work nor --out)
             output_path(d, flag, directory=True)
+        caches = [d.resolve() for d in (*map(Path, args.extra_data), data_dir)]
+        if len(set(caches)) < len(caches):
+            raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
+                               "trained on)")
+        check_folders(list(outputs[:2]), [("--target", target_dir)] + ([("--init", Path(args.init))] if args.init else [])
+                      + [("--extra-data", Path(d)) for d in args.extra_data])
         if not has_tokenizer(target_dir):  # phase 1 asks the target chat prompts (a random model has no tokenizer)
             raise BeamtrtError(f"--target {target_dir}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
                                "the drafter learns from the target's answers to chat prompts")
         if not args.data_only:
             held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds "
                                              "the folder's lock): wait for it to end, or choose another --work"))
-        caches = [d.resolve() for d in (*map(Path, args.extra_data), data_dir)]
-        if len(set(caches)) < len(caches):
-            raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
-                               "trained on)")
         if any(Path(d).resolve() == data_dir.resolve() for d in args.skip_answered_in or []):
             raise BeamtrtError(f"--skip-answered-in names --data {data_dir} itself (its own prompts would be left out)")
         inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + [
@@ -262,16 +304,6 @@ def main(argv: list[str] | None = None) -> int:
             check_out(out, args.force, inputs, init)
 
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
-        dcfg = drafter_layout(target.cfg, args.layers, args.selector_rank)
-        if args.eval_block_size > dcfg.block_size:
-            raise BeamtrtError(f"--eval-block-size {args.eval_block_size} is above the block the drafter is saved "
-                               f"for ({dcfg.block_size})")
-        context = target.cfg.max_position_embeddings
-        if recipe.max_prompt_tokens + recipe.max_new_tokens > context:
-            raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
-                               f"tokens and their answers must fit the target's context of {context} tokens")
-        if init is not None:
-            check_init(init, dcfg, target.cfg)
         digest = target_digest(target)
         if not args.data_only:  # what training needs besides phase 1's cache, checked before phase 1
             if (work / "train_state.pt").exists():  # a run to resume: its settings, layout and target

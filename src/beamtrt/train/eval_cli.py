@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
-        from beamtrt.models.dflash2 import load_drafter
+        from beamtrt.config import BeamConfig
+        from beamtrt.models.dflash2 import drafter_config_for, load_drafter
         from beamtrt.train.features import check_cache, concat_features, read_answers, target_digest, with_taps
 
         if args.per_kind < 1 or args.block_size < 2:
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             output_path(args.json, "--json")
         for d in args.data:
             require_dir(d, "a feature cache directory", "--data")
+        if len({Path(d).resolve() for d in args.data}) < len(args.data):
+            raise BeamtrtError("--data names the same cache twice (its answers would be counted twice)")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         drafter_dir = Path(args.drafter) if args.drafter else CHECKPOINTS / f"{target_dir.resolve().name}-dflash2"
         for what, d in (("target", target_dir), ("drafter", drafter_dir)):
@@ -114,18 +117,20 @@ def main(argv: list[str] | None = None) -> int:
                 default = " (the default for the target's name: pass --drafter DIR)" if (
                     what == "drafter" and not args.drafter) else ""
                 raise BeamtrtError(f"{what} {d}: not a checkpoint directory (no config.json){default}")
-        tokenizer = load_tokenizer(target_dir)  # the answers are scored as text: before any weight loads
-        target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
-        drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
-        if args.block_size > drafter.cfg.block_size:
-            raise ValueError(f"--block-size {args.block_size} is above the drafter's ({drafter.cfg.block_size})")
-        parts, kinds, answers = [], [], Counter()
-        taps = list(drafter.cfg.target_layer_ids)
-        digest = target_digest(target)
-        for d in map(Path, args.data):  # one cache in memory at a time; keep the answers that can be scored
+        dcfg = drafter_config_for(drafter_dir, BeamConfig.from_file(target_dir / "config.json"))  # before any weights
+        if args.block_size > dcfg.block_size:
+            raise ValueError(f"--block-size {args.block_size} is above the drafter's ({dcfg.block_size})")
+        taps = list(dcfg.target_layer_ids)
+        for d in map(Path, args.data):
             cache_taps = _meta(d).get("taps")
             if cache_taps != taps:
                 raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
+        tokenizer = load_tokenizer(target_dir)  # the answers are scored as text: before any weight loads
+        target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
+        drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
+        parts, kinds, answers = [], [], Counter()
+        digest = target_digest(target)
+        for d in map(Path, args.data):  # one cache in memory at a time; keep the answers that can be scored
             check_cache(target, taps, d, digest)
             part = read_answers(d, target.cfg.vocab_size)  # the answers alone: the taps of those scored come next
             part_kinds = cache_kinds(d, tokenizer, part)

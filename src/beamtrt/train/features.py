@@ -391,7 +391,8 @@ def _write_shard(path: Path, prompts: list[list[int]], answers: dict[int, tuple[
 
 
 _REMEDY = {"feature shard": "remove it: its taps are rebuilt from its answers file",
-           "answers file": "remove it and its feature shard, and train_drafter.py answers the shard again"}
+           "answers file": "remove it and its feature shard, and train_drafter.py with this cache as --data (and "
+                           "the flags that made it) answers the shard again"}
 
 
 def _corrupt(path: Path, what: str, e: Exception) -> BeamtrtError:
@@ -410,9 +411,12 @@ def _read(path: Path, what: str) -> dict[str, torch.Tensor]:
 
 
 def check_cache(target: BeamForCausalLM, taps: Sequence[int], data: Path, digest: str | None = None) -> str | None:
-    """`data` is a cache of this target's answers for these taps (what a run trains on is checked before its phase
-    1); returns the target digest it records (None: an older cache). digest: as for rebuild_features."""
+    """`data` is a cache of this target's answers for these taps, its files readable (headers only): what a run trains
+    on is checked before its phase 1. Returns the target digest it records (None: an older cache). digest: as for
+    rebuild_features."""
     meta = read_meta(data)
+    for path in sorted(data.glob("answers-*.safetensors")) + sorted(data.glob("features-*.safetensors")):
+        _check_header(path, "answers file" if path.name.startswith("answers-") else "feature shard")
     recorded = cache_target(data, meta)
     if recorded is not None:
         check_target(data, meta, digest or target_digest(target))

@@ -339,6 +339,10 @@ def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer,
         raise
 
 
+_FLAGS = {"anchors_per_seq": "--anchors", "init_from": "--init"}  # TrainConfig fields named unlike their flags
+_NO_FLAG = ("warmup", "min_lr_ratio", "grad_clip", "eval_sequences")  # fixed by the code's version
+
+
 def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) -> dict:
     """A training state to resume (what train() saves), checked against this run's settings, drafter layout and
     target digest: one line when it is not this run's. Its data is checked by train(), once the data is loaded."""
@@ -357,10 +361,13 @@ def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) ->
     if state["drafter"] != dataclasses.asdict(drafter_cfg):
         diff = [k for k, v in dataclasses.asdict(drafter_cfg).items() if state["drafter"].get(k) != v]
         raise BeamtrtError(f"{state_path} holds a drafter of another layout ({', '.join(diff)} differ): pass the "
-                           "same --layers and --selector-rank, or another --work directory")
+                           "same --layers, --selector-rank and --block-size (and --init), or another --work directory")
     if state["config"] != dataclasses.asdict(cfg):
-        raise BeamtrtError(f"{state_path} was written with other training settings: pass the same flags, or "
-                           "remove it (or use another --work directory) to start over")
+        was = state["config"]
+        diff = [f"{k if k in _NO_FLAG else _FLAGS.get(k, '--' + k.replace('_', '-'))} {was.get(k)!r} (now {v!r})"
+                for k, v in dataclasses.asdict(cfg).items() if was.get(k) != v]
+        raise BeamtrtError(f"{state_path} was written with other training settings ({', '.join(diff)}): pass the "
+                           "same flags, or remove it (or use another --work directory) to start over")
     return state
 
 
