@@ -505,7 +505,9 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run, beam_mini):
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", "-1"),
                           "--perturbation")
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--num-experts", "0"),
-                          "--num-experts must be >= 1")
+                          "--num-experts must be in [1, 33,333]")
+    assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--num-experts", "40000"),
+                          "--num-experts must be in [1, 33,333]")  # before the GGUF is read, not after
     for bad in ("nan", "inf"):
         assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", bad),
                               "--perturbation must be a finite number")

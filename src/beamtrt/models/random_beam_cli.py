@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
 from beamtrt.cli_util import ArgumentParser, check_seed, free_bytes, output_path, run_cli
 from beamtrt.config import BeamConfig
+from beamtrt.models.beam import checkpoint_bytes
 from beamtrt.models.random_beam import write_random_beam
 
 # flag -> (BeamConfig field, default); defaults give a small model that still has every Beam feature
@@ -25,22 +25,7 @@ SIZE_FLAGS = {
     "--top-k": ("num_experts_per_tok", 2),
     "--shared-expert-size": ("shared_expert_intermediate_size", 0),
 }
-
-
-def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
-    """The weight bytes of a checkpoint of this config, without listing its tensors (a layer count in the millions
-    would not fit in memory as a list): the embedding and head, plus each layer's, measured on 1- and 2-layer
-    configs of the same shape."""
-    from beamtrt.models.beam import hf_tensor_specs
-
-    def size(layers: int, dense: bool) -> int:
-        c = dataclasses.replace(cfg, num_hidden_layers=layers, mlp_only_layers=tuple(range(layers)) if dense else ())
-        return sum(math.prod(shape) for shape, _, _ in hf_tensor_specs(c).values())
-
-    moe_layer, dense_layer = size(2, False) - size(1, False), size(2, True) - size(1, True)
-    base = size(1, False) - moe_layer
-    n_dense = len({i for i in cfg.mlp_only_layers if i < cfg.num_hidden_layers})
-    return element_size * (base + n_dense * dense_layer + (cfg.num_hidden_layers - n_dense) * moe_layer)
+ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer dense", "--shared-expert-size": "none"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                        "(config.json + sharded safetensors), streamed tensor by tensor.")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     for flag, (field, default) in SIZE_FLAGS.items():
-        p.add_argument(flag, type=int, default=default, help=f"{field} (default: %(default)s)")
+        zero = f"; 0 = {ZERO_MEANS[flag]}" if flag in ZERO_MEANS else ""
+        p.add_argument(flag, type=int, default=default, help=f"{field}{zero} (default: %(default)s)")
     p.add_argument("--dense-layers", type=int, nargs="*", default=[0],
                    help="layers with one dense MLP instead of experts (mlp_only_layers); --dense-layers alone: none "
                         "(default: 0, the first layer)")
