@@ -96,6 +96,19 @@ def test_the_wrapper_reports_a_user_error_in_one_line(sources, tmp_path_factory)
         assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
 
 
+def test_a_setup_error_on_some_ranks_only_ends_the_job(sources, tmp_path_factory, tmp_path):
+    """A prompts file that only rank 0 can read (as on a node that lacks it): the other ranks' setup failed, each
+    returned alone and waited in MPI_Finalize while rank 0 loaded and waited for them, without a word, forever."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
+    good, gone = tmp_path / "prompts.jsonl", tmp_path / "gone.jsonl"
+    good.write_text('{"prompt": "hi"}\n')
+    rank = [sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(engine), "--max-new-tokens", "4"]
+    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "1", *rank, "--prompts", str(good), ":", "-n", "1",
+                           *rank, "--prompts", str(gone)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: rank 1: {gone}: cannot read the prompts file (no such file)"], proc.stderr
+
+
 def test_failure_on_one_rank_ends_the_job(sources, tmp_path_factory):
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
     start = time.perf_counter()

@@ -342,11 +342,16 @@ def ended_by(signum: int) -> int:
     return 128 + signum
 
 
+SETUP_PATIENCE_S = 60.0  # how long a rank whose setup failed waits for the others to finish theirs
+
+
 def run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], None]) -> int:
     """A command that runs as one process or as every rank of an mpirun job (beamtrt.runtime.dist.Dist).
 
-    setup(dist) checks everything it can before any weight is loaded; its errors are the same on every rank, so under
-    mpirun rank 0 prints the one line and every rank exits 2. execute(setup's result, dist) loads and runs; a later
+    setup(dist) checks everything it can before any weight is loaded. Under mpirun the ranks then agree on how it went:
+    when it failed on any rank, rank 0 prints one line (the error, naming its rank unless every rank failed alike) and
+    every rank exits 2; a rank that failed where another never arrives (it waits on input only it lacks) prints its
+    own line and aborts every rank after SETUP_PATIENCE_S. execute(setup's result, dist) loads and runs; a later
     failure on any rank (a missing rank file, an exception, Ctrl-C) prints that rank's message and aborts every rank.
     """
     with usable_outputs():
@@ -364,11 +369,21 @@ def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], 
         return 2
     if dist.size == 1:
         return run_cli(lambda: execute(setup(dist), dist))
+    state, failed = None, None
     try:
         state = setup(dist)
-    except (BeamtrtError, ValueError, OSError) as e:
+    except (BeamtrtError, ValueError, OSError) as e:  # maybe on this rank alone (a file only some nodes have)
+        failed = error_line(e)
+    flags = dist.agree(failed is not None, SETUP_PATIENCE_S)  # a rank returning alone would wait in MPI_Finalize
+    if flags is None:
+        _say(f"error: rank {dist.rank}: {failed} (and some rank did not finish its setup)")
+        dist.abort(2)
+    if any(flags):
+        lines = dist.gather(failed)
         if dist.rank == 0:
-            print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
+            (first, line), *_ = [(r, line) for r, line in enumerate(lines) if line is not None]
+            print(f"error: {line}" if lines == [line] * dist.size else f"error: rank {first}: {line}",
+                  file=sys.stderr, flush=True)
         return 2
     try:
         execute(state, dist)

@@ -1,9 +1,9 @@
 """Tensor-parallel communication over MPI (mpi4py): deterministic collectives, rank-0 commands, abort on failure.
 
 `Dist.create()` returns a one-rank stand-in when the process was not started by mpirun (mpi4py is then not needed),
-so `python runtime/run.py` runs unchanged with world size 1; under mpirun without mpi4py it is a one-line error. Collectives are built from Allgather and summed in rank
-order on every rank: every rank gets bit-identical results, so replicated state (the residual stream, MoE routing)
-never diverges between ranks.
+so `python runtime/run.py` runs unchanged with world size 1; under mpirun without mpi4py it is a one-line error.
+Collectives are built from Allgather and summed in rank order on every rank: every rank gets bit-identical results, so
+replicated state (the residual stream, MoE routing) never diverges between ranks.
 """
 
 from __future__ import annotations
@@ -66,6 +66,22 @@ class Dist:
         sys.stderr.flush()
         time.sleep(0.5)  # Open MPI forwards this rank's last lines (its error) before Abort kills every rank
         self.comm.Abort(code)
+
+    def agree(self, failed: bool, patience_s: float) -> list[bool] | None:
+        """Every rank's `failed`, in rank order, once all ranks have reached this call; None when this rank failed and
+        some rank has not come within `patience_s` (it may never: blocked on input only it lacks, or still loading)."""
+        flags = np.empty(self.size, dtype=np.uint8)
+        request = self.comm.Iallgather(np.array([failed], dtype=np.uint8), flags)
+        deadline = time.monotonic() + patience_s
+        while not request.Test():
+            if failed and time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        return [bool(f) for f in flags]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's obj on rank 0 (pickled), None on the others."""
+        return self.comm.gather(obj, root=0)
 
     # ---- collectives -----------------------------------------------------------------------------------------
     def _allgather(self, x: torch.Tensor) -> torch.Tensor:
