@@ -10,18 +10,35 @@ import pytest
 from beamtrt.bench.benchmark import main
 
 
+class Terminal(io.StringIO):
+    """stderr as a terminal (the bar is drawn), kept where the test can read it."""
+    def isatty(self) -> bool:
+        return True
+
+
 @pytest.fixture(scope="module")
 def result(mini_vocab_sources, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("bench") / "b"
     src = mini_vocab_sources
     with pytest.MonkeyPatch.context() as mp:  # the progress bar, written where the test can read it
-        mp.setattr("sys.stderr", progress := io.StringIO())
+        mp.setattr("sys.stderr", progress := Terminal())
         rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
                    "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "3", "--c1-prompts", "2",
                    "--concurrency", "1", "2", "--max-new-tokens", "6", "--out", str(out)])
     assert rc == 0
     out.with_suffix(".stderr").write_text(progress.getvalue())
     return out
+
+
+def test_piped_stderr_is_json_lines_without_a_bar(mini_vocab_sources, tmp_path, one_thread, monkeypatch):
+    src = mini_vocab_sources
+    monkeypatch.setattr("sys.stderr", piped := io.StringIO())
+    assert main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat", "--prompts",
+                 f"chat={src / 'prompts.jsonl'}", "--num-prompts", "2", "--c1-prompts", "1", "--concurrency", "1",
+                 "--max-new-tokens", "4", "--no-block16", "--out", str(tmp_path / "b")]) == 0
+    lines = piped.getvalue().splitlines()
+    assert "\r" not in piped.getvalue() and "benchmark:" not in piped.getvalue()
+    assert [json.loads(line)["family"] for line in lines[:2]] == ["chat", "chat"]  # the c = 1 point, then the row
 
 
 def test_a_progress_bar_counts_every_request_decoded(result):
@@ -46,6 +63,22 @@ def test_outputs_follow_the_published_format(result):
     assert "| chat |" in table and "→" in table and "×)" in table and "5/5 |" in table
     assert result.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| τ greedy / sampled (block 8) |" in table.splitlines()[0]
+
+
+def test_greedy_acceptance_covers_every_prompt_at_concurrency_1_alone(result, mini_vocab_sources, tmp_path, one_thread,
+                                                                     monkeypatch):
+    """With --concurrency 1 only, τ greedy came from the --c1-prompts prompts timed there, in a row that says it covers
+    all of them: now a whole-block run decodes every prompt (the bar counts it; on this random drafter τ is ~1 however
+    many prompts, so the fixture's equal τ is a consistency check only)."""
+    src, out = mini_vocab_sources, tmp_path / "c1"
+    monkeypatch.setattr("sys.stderr", progress := Terminal())
+    assert main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat", "--prompts",
+                 f"chat={src / 'prompts.jsonl'}", "--num-prompts", "3", "--c1-prompts", "1", "--concurrency", "1",
+                 "--max-new-tokens", "6", "--no-block16", "--out", str(out)]) == 0
+    fam, full = (json.loads(p.with_suffix(".json").read_text())["families"][0] for p in (out, result))
+    assert fam["concurrency"]["1"]["requests"] == 1 and fam["prompts"] == 3
+    assert (fam["tau_greedy"], fam["per_position_acceptance"]) == (full["tau_greedy"], full["per_position_acceptance"])
+    assert "8/8" in progress.getvalue().split("\r")[-1]  # 1 + 1 at c = 1, 3 greedy over all, 3 sampled
 
 
 def test_table_names_the_verified_block(result):

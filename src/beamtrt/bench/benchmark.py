@@ -275,12 +275,14 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
                                "--max-new-tokens"):
                 raise BeamtrtError(f"{fam}: prompt {i + 1}: {why}; leave it out or lower --max-new-tokens")
 
+    def whole(n: int) -> list[int]:  # the concurrencies whose speculative run decodes all n prompts in whole blocks
+        return [] if args.draft_threshold else [c for c in cs if c != 1 or n <= args.c1_prompts]
+
     def requests_decoded(n: int) -> int:  # plain and speculative at each concurrency, sampled, whole blocks, block 16
-        return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (
-            1 + bool(args.draft_threshold) + block16)
+        return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (1 + (not whole(n)) + block16)
 
     bar = tqdm(total=sum(requests_decoded(len(ids)) for ids in prompt_ids.values()), desc="benchmark", unit="request",
-               file=sys.stderr)
+               file=sys.stderr, disable=None)  # on a terminal only: piped, stderr is its JSON lines
     finished = lambda i, completion: bar.update()  # noqa: E731
     log = lambda line: bar.write(json.dumps(line), file=sys.stderr)  # noqa: E731  above the bar, not through it
     for f, (fam, requests) in enumerate(family_requests.items()):
@@ -310,10 +312,10 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
             log({"family": fam, "concurrency": c, **point})
         batch = max(cs)
         bar.set_postfix_str(f"{fam}, acceptance")
-        if args.draft_threshold:  # the speed runs verified cut blocks: τ at the block size needs whole ones
+        if full := whole(len(requests)):
+            widest = spec_runs[full[-1]]
+        else:  # τ is over every prompt in whole blocks: the speed runs cut blocks, or decoded only --c1-prompts
             widest = decode(target, drafter, args.block_size, requests, batch, greedy, on_finish=finished)
-        else:
-            widest = spec_runs[cs[-1]] if len(requests) > args.c1_prompts or cs == [1] else spec_runs[cs[0]]
         row["tau_greedy"] = round(timed(widest, fam).acceptance_length, 3)
         row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
         samp = decode(target, drafter, args.block_size, requests, batch, sampled, on_finish=finished)
