@@ -470,11 +470,15 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
     (tmp_path / "array.json").write_text('[{"prompt": "hi"}]\n')
     (tmp_path / "plain.txt").write_text("hello there\n")
     (tmp_path / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
+    (tmp_path / "both.jsonl").write_text('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n')
+    (tmp_path / "official.jsonl").write_text('{"task_id": "T/0", "prompt": "def f():", "test": "assert f()"}\n')
+    assert read_chats(tmp_path / "official.jsonl") == [[{"role": "user", "content": "def f():"}]]
     for name, needles in (("missing.jsonl", ["(no such file)"]),
                           ("latin1.jsonl", [":2: not UTF-8 text (byte offset 32)", "must be UTF-8"]),
                           ("array.json", [":1: expected", "JSON Lines: one object per line"]),
                           ("plain.txt", [":1: not valid JSON", "JSON Lines: one object per line"]),
-                          ("surrogate.jsonl", [":1: not valid UTF-8 text"])):
+                          ("surrogate.jsonl", [":1: not valid UTF-8 text"]),
+                          ("both.jsonl", [':1: holds both "prompt" and "messages"; give one'])):
         assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / name)), f"{name}", *needles)
     assert_one_line_error(run("runtime/run.py", "--prompt", "caf\udce9"), "--prompt: not valid UTF-8 text")
     assert_one_line_error(run("runtime/run.py", "--stop", "caf\udce9"), "--stop: not valid UTF-8 text")  # it was

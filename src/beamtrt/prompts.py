@@ -98,7 +98,7 @@ def utf8_text(text: str, where: str) -> str:
 
 def read_chats(path: str | Path) -> list[list[dict]]:
     """Chats from a JSONL file (UTF-8, a BOM allowed); each line {"prompt": str} or {"messages": [{"role",
-    "content"}, ...]}."""
+    "content"}, ...]}, not both; other fields are ignored (an official set's task_id, canonical_solution, ...)."""
     return [chat for _, chat in read_chat_lines(path)]
 
 
@@ -127,6 +127,8 @@ def read_chat_lines(path: str | Path) -> list[tuple[int, list[dict]]]:
             raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg}); {one_per_line}") from None
         except RecursionError:
             raise BeamtrtError(f"{path}:{n}: JSON nested too deeply") from None
+        if isinstance(obj, dict) and "prompt" in obj and "messages" in obj:  # one would be dropped without a word
+            raise BeamtrtError(f'{path}:{n}: holds both "prompt" and "messages"; give one')
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             chats.append([{"role": "user", "content": obj["prompt"]}])
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(
