@@ -1154,6 +1154,19 @@ def test_a_drafter_for_another_target_is_refused_before_the_target_loads(tmp_pat
                               "--prompt", "hi"), f"{drafter / 'config.json'}: drafter ")
 
 
+def test_a_block_above_the_drafters_is_refused_before_the_target_loads(mini_vocab_sources, tmp_path, run, monkeypatch):
+    """run.py refused it after the weights loaded; benchmark.py after a whole plain-decoding pass."""
+    import beamtrt.models.beam as beam
+
+    monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target's weights were loaded"))
+    src = mini_vocab_sources
+    models = ["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--block-size", "20"]
+    needle = "--block-size 20 is above the drafter's own block (16)"
+    assert_one_line_error(run("runtime/run.py", *models, "--prompt", "hi"), needle)
+    assert_one_line_error(run("scripts/benchmark.py", *models, "--families", "chat", "--prompts",
+                              f"chat={src / 'prompts.jsonl'}", "--out", str(tmp_path / "b")), needle)
+
+
 def test_a_failed_copy_of_many_files_is_one_line():
     """shutil.copytree gathers its failures into one shutil.Error (an OSError without strerror): its message was the
     repr of the whole list, 3 KB for one full disk."""

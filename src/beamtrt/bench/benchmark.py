@@ -147,7 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 32],
                    help="concurrency levels (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=8, help="verification block (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="verification block, in [2, 32] and at most the drafter's own block (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="the speed runs verify only the drafts whose running product of drafter confidences is >= P "
                         "(as runtime/run.py's flag); the τ columns still verify whole blocks, from runs of their "
@@ -210,6 +211,7 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     check_device(args.device, backend, dist.size)
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # before beam-mini is made
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, True)
+    sources.check_block(args.block_size)
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = {fam: render_chats(tokenizer, c, [f"{fam}: prompt {i + 1}" for i in range(len(c))])
                   for fam, c in chats.items()}  # every prompt rendered before the models load

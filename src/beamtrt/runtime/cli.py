@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "before the next step (continuous batching); 0 = every prompt at once, or as many as a "
                         "TensorRT engine's --max-batch-size (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8,
-                   help="tokens per verification block, in [2, 32]: the anchor + block-1 drafts; on a CPU host "
+                   help="tokens per verification block, in [2, 32] and at most the drafter's own block (the "
+                        "block_size in its config.json): the anchor + block-1 drafts; on a CPU host "
                         "blocks of 4, 6 and 8 decode about equally fast with --draft-threshold 0.4 "
                         "(docs/BENCHMARKS.md) (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
@@ -167,6 +168,7 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     backend, why = pick_backend(args.backend, manifest, dist.size)
     check_device(args.device, backend, dist.size)
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec, "--no-spec")
+    sources.check_block(args.block_size)
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = render_chats(tokenizer, chats, where)
     stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint import manifest as mf
-from beamtrt.config import BeamConfig, DrafterConfig
+from beamtrt.config import BeamConfig, DrafterConfig, drafter_block_error
 from beamtrt.errors import CheckpointError, ConfigError
 
 BACKENDS = ("auto", "torch", "trt")
@@ -74,16 +74,24 @@ class Sources:
     context: int | None              # the target's context in tokens (`build_context`; None: engines that kept none)
     model_dir: Path | None = None    # the Hugging Face target (None: a build's own)
     drafter_dir: Path | None = None  # its drafter (None: a build's own, or plain decoding)
+    drafter_block: int | None = None  # the largest block the drafter drafts (None: plain decoding, or not recorded)
+
+    def check_block(self, block_size: int) -> None:
+        """A verification block the drafter can draft (at most the block it trained at), or a one-line ConfigError."""
+        if self.drafter_block is not None and (why := drafter_block_error(block_size, self.drafter_block)):
+            raise ConfigError(why)
 
 
 def find_sources(engine_dir: Path | None, manifest: dict | None, backend: str, model_dir: str | Path | None,
                  drafter_dir: str | Path | None, spec: bool, no_spec_flag: str = "") -> Sources:
     """The `Sources` of a build (`engine_dir`) or of a Hugging Face target and drafter (`hf_sources`)."""
     if engine_dir is not None:
-        return Sources(build_tokenizer_dir(engine_dir, manifest), build_context(engine_dir, manifest, backend))
+        return Sources(build_tokenizer_dir(engine_dir, manifest), build_context(engine_dir, manifest, backend),
+                       drafter_block=manifest["drafter"].get("train_block_size") if spec else None)
     model_dir, drafter_dir = hf_sources(model_dir, drafter_dir, spec, no_spec_flag)
     context = BeamConfig.from_file(model_dir / "config.json").max_position_embeddings
-    return Sources(model_dir, context, model_dir, drafter_dir)
+    block = DrafterConfig.from_file(drafter_dir / "config.json").block_size if drafter_dir else None
+    return Sources(model_dir, context, model_dir, drafter_dir, block)
 
 
 def missing_engines(manifest: dict | None) -> str | None:
