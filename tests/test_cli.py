@@ -835,6 +835,16 @@ def test_a_default_drafter_that_does_not_fit_offers_only_the_commands_own_flags(
                           "does not fit this target", "--drafter DIR", "or --no-spec")
 
 
+def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_path, run):
+    """It said '<build>/config.json: missing config.json'."""
+    src, out = mini_vocab_sources, tmp_path / "build"
+    assert run("build/build_engines.py", "--precision", "bf16", "--model", str(src / "target"), "--drafter",
+               str(src / "drafter"), "--out", str(out)).returncode == 0
+    for command in ("runtime/run.py", "scripts/benchmark.py"):
+        assert_one_line_error(run(command, "--model", str(out)), f"--model {out}: a build_engines.py output, not a "
+                                                                  f"Hugging Face checkpoint: pass --engine-dir {out}")
+
+
 def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     """From a committed answers cache: the tokens of its sequences but the last 8 greedy ones; the drafter then
     loads with that draft vocabulary."""

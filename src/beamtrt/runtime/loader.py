@@ -189,6 +189,9 @@ def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spe
     from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
     from beamtrt.models.dflash2 import drafter_config_for
 
+    if model_dir and (Path(model_dir) / mf.MANIFEST).is_file() and not (Path(model_dir) / "config.json").exists():
+        raise CheckpointError(f"--model {model_dir}: a build_engines.py output, not a Hugging Face checkpoint: pass "
+                              f"--engine-dir {model_dir}")
     if spec and drafter_dir:
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
