@@ -7,7 +7,7 @@ import torch
 
 from beamtrt.checkpoint.hf import CheckpointReader
 from beamtrt.config import BeamConfig
-from beamtrt.errors import CheckpointError
+from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.models.beam import load_beam
 from beamtrt.models.beam_mini import MARKER, MiniRecipe, build_beam_mini
 from beamtrt.runtime.generate import generate
@@ -106,9 +106,9 @@ def test_build_is_idempotent_and_atomic(beam_mini, smollm2, monkeypatch):
         build_beam_mini(out, source=smollm2, progress=False)
     assert not out.exists()
     assert [p.name for p in beam_mini.parent.iterdir() if p.name.startswith(".")] == []
-    monkeypatch.setattr("beamtrt.models.beam_mini.free_bytes", lambda path: 10**8)  # a disk with 100 MB free
-    with pytest.raises(CheckpointError, match=r"beam-mini with 4 experts a layer is a 0\.\d+ GB checkpoint; .* has "
-                                              r"0\.1 GB free"):
+    monkeypatch.setattr("beamtrt.cli_util.free_bytes", lambda path: 10**8)  # a disk with 100 MB free
+    with pytest.raises(BeamtrtError, match=r"beam-mini with 4 experts a layer is a 0\.\d+ GB checkpoint; .* has "
+                                            r"0\.1 GB free"):
         build_beam_mini(out, source=smollm2, progress=False)  # refused before the first tensor is written
     assert not out.exists()
 

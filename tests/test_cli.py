@@ -473,12 +473,16 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
     (tmp_path / "both.jsonl").write_text('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n')
     (tmp_path / "official.jsonl").write_text('{"task_id": "T/0", "prompt": "def f():", "test": "assert f()"}\n')
     assert read_chats(tmp_path / "official.jsonl") == [[{"role": "user", "content": "def f():"}]]
+    (tmp_path / "export.jsonl").write_text(  # a chat dataset's export (ultrachat): the prompt and the whole chat
+        '{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    assert read_chats(tmp_path / "export.jsonl") == [[{"role": "user", "content": "hi"}]]
     for name, needles in (("missing.jsonl", ["(no such file)"]),
                           ("latin1.jsonl", [":2: not UTF-8 text (byte offset 32)", "must be UTF-8"]),
                           ("array.json", [":1: expected", "JSON Lines: one object per line"]),
                           ("plain.txt", [":1: not valid JSON", "JSON Lines: one object per line"]),
                           ("surrogate.jsonl", [":1: not valid UTF-8 text"]),
-                          ("both.jsonl", [':1: holds both "prompt" and "messages"; give one'])):
+                          ("both.jsonl", [':1: holds both "prompt" and "messages", and the messages do not open '
+                                          "with that prompt; give one"])):
         assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / name)), f"{name}", *needles)
     assert_one_line_error(run("runtime/run.py", "--prompt", "caf\udce9"), "--prompt: not valid UTF-8 text")
     assert_one_line_error(run("runtime/run.py", "--stop", "caf\udce9"), "--stop: not valid UTF-8 text")  # it was
@@ -843,6 +847,9 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     for command in ("runtime/run.py", "scripts/benchmark.py"):
         assert_one_line_error(run(command, "--model", str(out)), f"--model {out}: a build_engines.py output, not a "
                                                                   f"Hugging Face checkpoint: pass --engine-dir {out}")
+    proc = run("scripts/bench_spec.py", "--model", str(out))  # it has no --engine-dir to offer
+    assert_one_line_error(proc, f"--model {out}: a build_engines.py output, not a Hugging Face checkpoint")
+    assert "--engine-dir" not in proc.stderr
 
 
 def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
@@ -1064,7 +1071,7 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
                               f"--work {work}: in use by another running train_drafter.py")
 
 
-def test_train_drafter_bad_values_are_one_line(tmp_path, run):
+def test_train_drafter_bad_values_are_one_line(tmp_path, run, beam_mini):
     assert_one_line_error(run("scripts/train_drafter.py", "--steps", "0"), "--steps must be >= 1")
     assert_one_line_error(run("scripts/train_drafter.py", "--eval-block-size", "20"), "--eval-block-size 20")
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(tmp_path / "nope")), "nope", "config.json")
@@ -1074,9 +1081,13 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
-    assert_one_line_error(run("scripts/train_drafter.py", "--max-new-tokens", "1"), "--max-new-tokens must be >= 2")
-    assert_one_line_error(run("scripts/train_drafter.py", "--selector-rank", "5000"),
+    # with every folder in tmp_path: a check that stopped working would write nothing into checkpoints/
+    paths = ["--target", str(beam_mini)] + [f"--{flag}={tmp_path / flag}" for flag in ("data", "work", "out")]
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, "--max-new-tokens", "1"),
+                          "--max-new-tokens must be >= 2")
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, "--selector-rank", "5000"),
                           "--selector-rank 5000 is above the target's hidden size (576)")
+    assert not any(tmp_path.glob("data*"))
     # argparse rejects these (one line too); --steps 0 fails fast should a choice ever become valid
     for flag, value in (("--prompt-mix", "v-none"), ("--head-vocab", "some")):
         assert_one_line_error(run("scripts/train_drafter.py", flag, value, "--steps", "0"),

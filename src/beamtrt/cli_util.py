@@ -116,6 +116,14 @@ def free_bytes(path: str | Path) -> int:
     return shutil.disk_usage(existing(path)).free
 
 
+def check_room(need: int, out: str | Path, what: str) -> None:
+    """A one-line BeamtrtError when `need` bytes written at `out` would not fit the disk there ("{what} is a ... GB
+    checkpoint; FOLDER has ... GB free")."""
+    free = free_bytes(out)
+    if need > free:
+        raise BeamtrtError(f"{what} is a {need / 1e9:.4g} GB checkpoint; {existing(out)} has {free / 1e9:.4g} GB free")
+
+
 @contextmanager
 def ending_with_us(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
     """A child command waited for inside: if this command is interrupted meanwhile (Ctrl-C, SIGTERM), the child gets

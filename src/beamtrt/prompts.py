@@ -96,9 +96,16 @@ def utf8_text(text: str, where: str) -> str:
     return text
 
 
+def _opens(messages, prompt) -> bool:
+    """Whether a chat's first message is the user turn `prompt` (as in exports that give a prompt and its chat)."""
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict) and (
+        messages[0].get("role"), messages[0].get("content")) == ("user", prompt)
+
+
 def read_chats(path: str | Path) -> list[list[dict]]:
     """Chats from a JSONL file (UTF-8, a BOM allowed); each line {"prompt": str} or {"messages": [{"role",
-    "content"}, ...]}, not both; other fields are ignored (an official set's task_id, canonical_solution, ...)."""
+    "content"}, ...]}: a line with both is read as its prompt when its messages open with it (a dataset export), and
+    refused otherwise; other fields are ignored (an official set's task_id, canonical_solution, ...)."""
     return [chat for _, chat in read_chat_lines(path)]
 
 
@@ -127,8 +134,10 @@ def read_chat_lines(path: str | Path) -> list[tuple[int, list[dict]]]:
             raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg}); {one_per_line}") from None
         except RecursionError:
             raise BeamtrtError(f"{path}:{n}: JSON nested too deeply") from None
-        if isinstance(obj, dict) and "prompt" in obj and "messages" in obj:  # one would be dropped without a word
-            raise BeamtrtError(f'{path}:{n}: holds both "prompt" and "messages"; give one')
+        both = isinstance(obj, dict) and "prompt" in obj and "messages" in obj
+        if both and not _opens(obj["messages"], obj["prompt"]):
+            raise BeamtrtError(f'{path}:{n}: holds both "prompt" and "messages", and the messages do not open with '
+                               "that prompt; give one")  # which was meant? (a dataset export's two copies agree)
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             chats.append([{"role": "user", "content": obj["prompt"]}])
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(

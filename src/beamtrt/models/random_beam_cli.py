@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from beamtrt.cli_util import ArgumentParser, check_seed, free_bytes, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, check_room, check_seed, output_path, run_cli
 from beamtrt.config import BeamConfig
 from beamtrt.models.beam import checkpoint_bytes
 from beamtrt.models.random_beam import write_random_beam
@@ -52,10 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-shard-gb must be a finite number > 0, got {args.max_shard_gb}")
         check_seed(args.seed)
         out = output_path(args.out, "--out", directory=True)
-        need, free = checkpoint_bytes(cfg, getattr(torch, args.dtype).itemsize), free_bytes(out.absolute().parent)
-        if need > free:
-            raise ValueError(f"these sizes make a {need / 1e9:.4g} GB checkpoint; {out.absolute().parent} has "
-                             f"{free / 1e9:.4g} GB free")
+        check_room(checkpoint_bytes(cfg, getattr(torch, args.dtype).itemsize), out, "--out with these sizes")
         out = write_random_beam(args.out, cfg, args.seed, getattr(torch, args.dtype),
                                 int(args.max_shard_gb * 1024**3), progress=True)
         print(f"random Beam checkpoint: {out}")

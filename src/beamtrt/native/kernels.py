@@ -2,8 +2,9 @@
 extension, on CUDA devices) or the host build of the same math (plugins/host, through ctypes).
 
 `kernels_for(device)` picks them: by default the CUDA kernels on a CUDA device and none on the CPU (there the drafter
-takes the fused host step of `draft_step.cpp`, or PyTorch with `BEAMTRT_NATIVE=0`); `BEAMTRT_KERNELS=host` runs the host build on the CPU (how the CPU tests drive the kernel path
-of the drafter end to end), `BEAMTRT_KERNELS=off` never uses them.
+takes the fused host step of `draft_step.cpp`, or PyTorch with `BEAMTRT_NATIVE=0`); `BEAMTRT_KERNELS=host` runs the
+host build on the CPU (how the CPU tests drive the kernel path of the drafter end to end), `BEAMTRT_KERNELS=off` never
+uses them.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the trained beam-mini drafter if present, else a deterministic random one, whose "
                    "acceptance length is ~1); with an engine directory its drafter is used")
     p.add_argument("--prompt", action="append", help="a user message, sent through the chat template (repeatable)")
-    p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line (other fields are '
-                        'ignored)')
+    p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line '
+                                      '(other fields are ignored)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy; else finite and >= 1e-5 (default: %(default)s)")

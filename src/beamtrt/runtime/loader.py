@@ -182,16 +182,17 @@ def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = t
 
 
 def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spec: bool,
-               no_spec_flag: str = "") -> tuple[Path, Path | None]:
+               no_spec_flag: str = "", engine_dir_flag: bool = True) -> tuple[Path, Path | None]:
     """(target, drafter) folders for load_hf, checked before any weight is: the target is `model_dir` or beam-mini
     (created on first use, after a bad --drafter is reported), the drafter `drafter_dir` or the default one for the
-    target (None without `spec`), and a drafter made for another target is refused."""
+    target (None without `spec`), and a drafter made for another target is refused. A build_engines.py output given as
+    --model is named as one (with --engine-dir offered when the command has it: `engine_dir_flag`)."""
     from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
     from beamtrt.models.dflash2 import drafter_config_for
 
     if model_dir and (Path(model_dir) / mf.MANIFEST).is_file() and not (Path(model_dir) / "config.json").exists():
-        raise CheckpointError(f"--model {model_dir}: a build_engines.py output, not a Hugging Face checkpoint: pass "
-                              f"--engine-dir {model_dir}")
+        raise CheckpointError(f"--model {model_dir}: a build_engines.py output, not a Hugging Face checkpoint"
+                              + (f": pass --engine-dir {model_dir}" if engine_dir_flag else ""))
     if spec and drafter_dir:
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()

@@ -261,21 +261,6 @@ def main(argv: list[str] | None = None) -> int:
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"--target {target_dir}: not a checkpoint directory (no config.json)")
-        target_cfg = BeamConfig.from_file(target_dir / "config.json")
-        if args.selector_rank > target_cfg.hidden_size:
-            raise ValueError(f"--selector-rank {args.selector_rank} is above the target's hidden size "
-                             f"({target_cfg.hidden_size})")
-        init_cfg = None if not args.init else check_init(Path(args.init), drafter_layout(
-            target_cfg, args.layers, args.selector_rank), target_cfg)
-        block = max(args.block_size, init_cfg.block_size if init_cfg else 0)  # the largest block it has trained at
-        dcfg = drafter_layout(target_cfg, args.layers, args.selector_rank, block)
-        if args.eval_block_size > dcfg.block_size:
-            raise BeamtrtError(f"--eval-block-size {args.eval_block_size} is above the largest block the drafter is "
-                               f"trained at ({dcfg.block_size})")
-        context = target_cfg.max_position_embeddings
-        if recipe.max_prompt_tokens + recipe.max_new_tokens > context:
-            raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
-                               f"tokens and their answers must fit the target's context of {context} tokens")
         name = target_dir.resolve().name
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
@@ -287,8 +272,20 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
                                "trained on)")
-        check_folders(list(outputs[:2]), [("--target", target_dir)] + ([("--init", Path(args.init))] if args.init else [])
-                      + [("--extra-data", Path(d)) for d in args.extra_data])
+        read = [("--target", target_dir)] + ([("--init", Path(args.init))] if args.init else [])
+        check_folders(list(outputs[:2]), read + [("--extra-data", Path(d)) for d in args.extra_data])
+        target_cfg = BeamConfig.from_file(target_dir / "config.json")
+        if args.selector_rank > target_cfg.hidden_size:
+            raise ValueError(f"--selector-rank {args.selector_rank} is above the target's hidden size "
+                             f"({target_cfg.hidden_size})")
+        init_cfg = None if not args.init else check_init(Path(args.init), drafter_layout(
+            target_cfg, args.layers, args.selector_rank), target_cfg)
+        block = max(args.block_size, init_cfg.block_size if init_cfg else 0)  # the largest block it has trained at
+        dcfg = drafter_layout(target_cfg, args.layers, args.selector_rank, block)
+        context = target_cfg.max_position_embeddings
+        if recipe.max_prompt_tokens + recipe.max_new_tokens > context:
+            raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
+                               f"tokens and their answers must fit the target's context of {context} tokens")
         if not has_tokenizer(target_dir):  # phase 1 asks the target chat prompts (a random model has no tokenizer)
             raise BeamtrtError(f"--target {target_dir}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
                                "the drafter learns from the target's answers to chat prompts")

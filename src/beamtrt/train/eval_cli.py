@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
+        from beamtrt.config import BeamConfig
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
-        from beamtrt.config import BeamConfig
         from beamtrt.models.dflash2 import drafter_config_for, load_drafter
         from beamtrt.train.features import check_cache, concat_features, read_answers, target_digest, with_taps
 
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 default = " (the default for the target's name: pass --drafter DIR)" if (
                     what == "drafter" and not args.drafter) else ""
                 raise BeamtrtError(f"{what} {d}: not a checkpoint directory (no config.json){default}")
-        dcfg = drafter_config_for(drafter_dir, BeamConfig.from_file(target_dir / "config.json"))  # before any weights
+        tokenizer = load_tokenizer(target_dir)  # the answers are scored as text: before any weight loads
+        dcfg = drafter_config_for(drafter_dir, BeamConfig.from_file(target_dir / "config.json"))  # so is this
         if args.block_size > dcfg.block_size:
             raise ValueError(f"--block-size {args.block_size} is above the drafter's ({dcfg.block_size})")
         taps = list(dcfg.target_layer_ids)
@@ -125,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
             cache_taps = _meta(d).get("taps")
             if cache_taps != taps:
                 raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
-        tokenizer = load_tokenizer(target_dir)  # the answers are scored as text: before any weight loads
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
         parts, kinds, answers = [], [], Counter()
