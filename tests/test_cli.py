@@ -481,8 +481,8 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
                           ("array.json", [":1: expected", "JSON Lines: one object per line"]),
                           ("plain.txt", [":1: not valid JSON", "JSON Lines: one object per line"]),
                           ("surrogate.jsonl", [":1: not valid UTF-8 text"]),
-                          ("both.jsonl", [':1: holds both "prompt" and "messages", and the messages do not open '
-                                          "with that prompt; give one"])):
+                          ("both.jsonl", [':1: holds both "prompt" and "messages"',
+                                          "the messages do not open with that prompt; give one"])):
         assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / name)), f"{name}", *needles)
     assert_one_line_error(run("runtime/run.py", "--prompt", "caf\udce9"), "--prompt: not valid UTF-8 text")
     assert_one_line_error(run("runtime/run.py", "--stop", "caf\udce9"), "--stop: not valid UTF-8 text")  # it was
@@ -927,7 +927,7 @@ def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
 
 def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path, run, beam_mini, monkeypatch):
     """From the configs, before any weight loads (beam-mini's take half a minute)."""
-    import beamtrt.models.beam as beam
+    from beamtrt.models import beam
 
     monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target's weights were loaded"))
     drafter = str(ROOT / "checkpoints" / "beam-mini-dflash2")
@@ -1052,7 +1052,7 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
                               f"{flag} must be in [0, 2**32)")
     truncated = tmp_path / "truncated"  # an --extra-data cache with a damaged file: found before phase 1, not after
     shutil.copytree(data, truncated)
-    answers = sorted(truncated.glob("answers-*.safetensors"))[0]
+    answers = min(truncated.glob("answers-*.safetensors"))
     answers.write_bytes(answers.read_bytes()[:500])
     assert_one_line_error(run("scripts/train_drafter.py", *fresh, "--extra-data", str(truncated)),
                           f"{answers}: corrupt answers file")
@@ -1166,7 +1166,7 @@ def test_child_error_finds_the_childs_own_line():
 def test_a_drafter_for_another_target_is_refused_before_the_target_loads(tmp_path, run, monkeypatch):
     """The drafter's config is checked against the target's config before any weight is read (on a large target
     the load takes minutes)."""
-    import beamtrt.models.beam as beam
+    from beamtrt.models import beam
 
     assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
     monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target's weights were loaded"))
@@ -1177,7 +1177,7 @@ def test_a_drafter_for_another_target_is_refused_before_the_target_loads(tmp_pat
 
 def test_a_block_above_the_drafters_is_refused_before_the_target_loads(mini_vocab_sources, tmp_path, run, monkeypatch):
     """run.py refused it after the weights loaded; benchmark.py after a whole plain-decoding pass."""
-    import beamtrt.models.beam as beam
+    from beamtrt.models import beam
 
     monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target's weights were loaded"))
     src = mini_vocab_sources
