@@ -844,9 +844,11 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     src, out = mini_vocab_sources, tmp_path / "build"
     assert run("build/build_engines.py", "--precision", "bf16", "--model", str(src / "target"), "--drafter",
                str(src / "drafter"), "--out", str(out)).returncode == 0
-    for command in ("runtime/run.py", "scripts/benchmark.py"):
-        assert_one_line_error(run(command, "--model", str(out)), f"--model {out}: a build_engines.py output, not a "
-                                                                  f"Hugging Face checkpoint: pass --engine-dir {out}")
+    chat = ["--families", "chat", "--prompts", f"chat={src / 'prompts.jsonl'}"]  # no benchmark package needed
+    for command, extra in (("runtime/run.py", []), ("scripts/benchmark.py", chat)):
+        assert_one_line_error(run(command, "--model", str(out), *extra), f"--model {out}: a build_engines.py output, "
+                                                                         f"not a Hugging Face checkpoint: pass "
+                                                                         f"--engine-dir {out}")
     proc = run("scripts/bench_spec.py", "--model", str(out))  # it has no --engine-dir to offer
     assert_one_line_error(proc, f"--model {out}: a build_engines.py output, not a Hugging Face checkpoint")
     assert "--engine-dir" not in proc.stderr
