@@ -389,7 +389,7 @@ def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], 
     if any(flags):
         lines = dist.gather(failed)
         if dist.rank == 0:
-            (first, line), *_ = [(r, line) for r, line in enumerate(lines) if line is not None]
+            first, line = next((r, line) for r, line in enumerate(lines) if line is not None)
             print(f"error: {line}" if lines == [line] * dist.size else f"error: rank {first}: {line}",
                   file=sys.stderr, flush=True)
         return 2

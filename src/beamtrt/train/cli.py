@@ -272,16 +272,17 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
                                "trained on)")
-        read = [("--target", target_dir)] + ([("--init", Path(args.init))] if args.init else [])
-        check_folders(list(outputs[:2]), read + [("--extra-data", Path(d)) for d in args.extra_data])
+        init = Path(args.init) if args.init else None
+        extra = [("--extra-data", Path(d)) for d in args.extra_data]
+        check_folders(list(outputs[:2]), [("--target", target_dir)] + [("--init", init)] * bool(init) + extra)
         target_cfg = BeamConfig.from_file(target_dir / "config.json")
         if args.selector_rank > target_cfg.hidden_size:
             raise ValueError(f"--selector-rank {args.selector_rank} is above the target's hidden size "
                              f"({target_cfg.hidden_size})")
-        init_cfg = None if not args.init else check_init(Path(args.init), drafter_layout(
-            target_cfg, args.layers, args.selector_rank), target_cfg)
-        block = max(args.block_size, init_cfg.block_size if init_cfg else 0)  # the largest block it has trained at
-        dcfg = drafter_layout(target_cfg, args.layers, args.selector_rank, block)
+        dcfg = drafter_layout(target_cfg, args.layers, args.selector_rank, args.block_size)
+        if init is not None:  # the drafter's config records the largest block it has trained at
+            trained = check_init(init, dcfg, target_cfg).block_size
+            dcfg = dataclasses.replace(dcfg, block_size=max(dcfg.block_size, trained))
         context = target_cfg.max_position_embeddings
         if recipe.max_prompt_tokens + recipe.max_new_tokens > context:
             raise BeamtrtError(f"--max-new-tokens {recipe.max_new_tokens}: prompts of up to {recipe.max_prompt_tokens} "
@@ -294,9 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "the folder's lock): wait for it to end, or choose another --work"))
         if any(Path(d).resolve() == data_dir.resolve() for d in args.skip_answered_in or []):
             raise BeamtrtError(f"--skip-answered-in names --data {data_dir} itself (its own prompts would be left out)")
-        inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + [
-            ("--extra-data", Path(d)) for d in args.extra_data]
-        init = Path(args.init) if args.init else None
+        inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + extra
         if not args.data_only:
             check_out(out, args.force, inputs, init)
 

@@ -314,10 +314,8 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
               "answered in the --skip-answered-in caches", file=sys.stderr)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
-    rebuild_features(target, taps, out, quiet=quiet, digest=digest)
+    rebuild_features(target, taps, out, quiet=quiet, digest=digest)  # its check_cache read every file's header
     todo = [i for i in range(len(shards)) if not (out / f"features-{i:05d}.safetensors").exists()]
-    for done in sorted(set(range(len(shards))) - set(todo)):  # headers only: a truncated shard is named now
-        _check_header(out / f"features-{done:05d}.safetensors", "feature shard")
     bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[i]) for i in todo), desc="target answers",
                unit="seq", disable=quiet, dynamic_ncols=True)
     where = [(i, k) for i in todo for k in range(len(shards[i]))]  # (shard, position) of every prompt to answer

@@ -360,7 +360,8 @@ def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) ->
                            f"one's {target}): use the same --target, or another --work directory")
     if state["drafter"] != dataclasses.asdict(drafter_cfg):
         diff = [k for k, v in dataclasses.asdict(drafter_cfg).items() if state["drafter"].get(k) != v]
-        old = " (states written before drafters recorded the block they trained at say 16)" if "block_size" in diff else ""
+        old = (" (states written before drafters recorded the block they trained at say 16)" if "block_size" in diff
+               else "")
         raise BeamtrtError(f"{state_path} holds a drafter of another layout ({', '.join(diff)} differ{old}): pass the "
                            "same --layers, --selector-rank and --block-size (and --init), or another --work directory")
     if state["config"] != dataclasses.asdict(cfg):
