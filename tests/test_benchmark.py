@@ -211,3 +211,13 @@ def test_prompts_that_cannot_be_rendered_are_refused_before_the_models_load(mini
                  *common[6:]]) == 2
     assert capsys.readouterr().err.startswith("error: --prompts FAMILY: not valid UTF-8 text (character 2)")
     assert not (tmp_path / "out").exists()
+
+
+def test_generated_gsm8k_stops_at_the_test_split_size():
+    """gsm_symbolic generates without end: --num-prompts 99999999 ran for minutes instead of stopping at 1,319."""
+    pytest.importorskip("reasoning_gym")
+    from beamtrt.bench.prompt_sets import GSM8K_SIZE, gsm8k
+
+    assert GSM8K_SIZE == 1319
+    assert len(gsm8k(2000)) == GSM8K_SIZE
+    assert gsm8k(3) == gsm8k(GSM8K_SIZE)[:3]  # the first N of the same set

@@ -140,7 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", action="append", default=[], metavar="FAMILY=FILE",
                    help="use this prompts JSONL ({\"prompt\"} or {\"messages\"} per line) for a family, e.g. the "
                         "official set; a new family name adds a row (repeatable)")
-    p.add_argument("--num-prompts", type=int, default=32, help="prompts per family (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=32,
+                   help="prompts per family, the first of its set; a family stops at its set's end (GSM8K at 1,319, "
+                        "the test split's size) (default: %(default)s)")
     p.add_argument("--c1-prompts", type=int, default=8,
                    help="prompts of the concurrency-1 runs, which are sequential: the first of each family's, at most "
                         "--num-prompts (default: %(default)s)")

@@ -29,6 +29,7 @@ from beamtrt.prompts import read_chats
 CACHE = Path(__file__).resolve().parents[3] / "checkpoints" / "prompt-sets"
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_PREFIX = "Complete the following Python function. Reply with the code only.\n\n"
+GSM8K_SIZE = 1319  # GSM8K's test split: gsm_symbolic generates without end, so the family stops where GSM8K does
 FAMILY_NAMES = {"gsm8k": "GSM8K", "math": "MATH-500", "humaneval": "HumanEval", "mbpp": "MBPP",
                 "mtbench": "MT-Bench"}
 
@@ -49,7 +50,8 @@ def gsm8k(n: int) -> list[str]:
     except ImportError:
         raise BeamtrtError("reasoning-gym is not installed: pip install reasoning-gym==0.1.25 "
                            "(or run `make bench-setup`)") from None
-    return [item["question"] + MATH_SUFFIX for item in reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=0)]
+    items = reasoning_gym.create_dataset("gsm_symbolic", size=min(n, GSM8K_SIZE), seed=0)
+    return [item["question"] + MATH_SUFFIX for item in items]
 
 
 def math500(n: int) -> list[str]:
