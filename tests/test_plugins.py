@@ -161,8 +161,8 @@ def test_selector_top_p_keeps_the_smallest_prefix(host):
 
 
 @pytest.mark.parametrize("shape,logits_dtype,codebook_dtype", [
-    (dict(V=5000, K=16, R=32), torch.float32, torch.float32),            # 3 chunks per row, 16-byte loads
-    (dict(V=4001, K=64, R=100, S=3, N=2), torch.bfloat16, torch.bfloat16),  # K 64, unaligned rows, 2 rank tiles
+    (dict(V=5000, K=16, R=32, S=2), torch.float32, torch.float32),       # 3 chunks per row, 16-byte loads
+    (dict(V=4001, K=64, R=100, S=2, N=2), torch.bfloat16, torch.bfloat16),  # K 64, unaligned rows, 2 rank tiles
     (dict(V=3000, K=8, R=70, S=2, N=3), torch.float16, torch.bfloat16),
     (dict(V=3000, K=16, R=600, S=3, N=2), torch.float32, torch.float32),   # 3 rank tiles of up to 259
 ], ids=["fp32", "bf16-k64", "fp16-k8", "fp32-r600"])
@@ -175,6 +175,26 @@ def test_selector_cuda_source_on_host_threads_equals_the_host_build(build, host,
     want, got = run_selector(host, c), run_selector(emulated, c, "beamtrt_block_selector_emulated")
     assert torch.equal(got["cand"], want["cand"]) and torch.equal(got["draft"], want["draft"])
     assert torch.equal(got["q"], want["q"])  # the same operations in the same order, on the same host
+
+
+def test_selector_cuda_source_keeps_a_value_just_above_the_raised_warp_floor(build, host):
+    """The top-K kernel raises each warp's floor to its K-th best after a load batch; a value arriving later just
+    inside the K best must still get in. Vocabulary 131,072 at K 32 is 16 chunks of 8,192 fp32 logits, 2 load batches
+    each: warp 0 (vectors 0-31 of every 256, 4 logits to a vector) sees the chunk's only high values, 512 distinct
+    ones in batch 1, then in batch 2 one between its 32nd and 31st best. A floor one rank too high drops it."""
+    emulated = ctypes.CDLL(str(build[0] / "libbeamtrt_selector_emulated.so"))
+    c = selector_case(5, torch.float32, N=1, S=1, V=131072, K=32, R=8)
+    vector = torch.arange(8192) // 4  # chunk 0's logits
+    warp0 = vector % 256 < 32
+    row = torch.full((8192,), -10.0)
+    row[warp0 & (vector < 1024)] = 1000.0 + torch.randperm(512, generator=torch.Generator().manual_seed(5)).float()
+    row[torch.nonzero(warp0 & (vector >= 1024))[7]] = 1480.5  # the 32nd best is 1480
+    c["logits"] = torch.full((1, 1, 131072), -10.0)
+    c["logits"][0, 0, :8192] = row
+    want, got = run_selector(host, c), run_selector(emulated, c, "beamtrt_block_selector_emulated")
+    assert 1480.5 in c["logits"][0, 0, want["cand"][0, 0].long()]
+    assert torch.equal(got["cand"], want["cand"]) and torch.equal(got["draft"], want["draft"])
+    assert torch.equal(got["q"], want["q"])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found")

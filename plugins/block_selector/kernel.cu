@@ -1,9 +1,10 @@
 // CUDA kernels of the block selector, three launches: (1) the top-K of each (request, slot) row's chunks of the
-// vocabulary (16-byte loads, a register-held floor that turns most values away; enough chunks that a small batch still
-// fills the GPU); (2) per (request, slot): the chunks' lists merged into the slot's candidates, every edge into them
-// scored at once (the K x K lattice from codebook rows staged in shared memory; each edge edgeScore's sum, in its
-// order), and the slot's choice after each possible predecessor (choose() per lattice row, in parallel); (3) one
-// warp per request follows the choices from the anchor (follow(), spread over the lanes). The math is kernel.cuh's.
+// vocabulary (16-byte loads; a floor in registers, raised to the warp's K-th best after each load batch, turns most
+// values away; enough chunks that a small batch still fills the GPU); (2) per (request, slot): the chunks' lists
+// merged into the slot's candidates, every edge into them scored at once (the K x K lattice from codebook rows staged
+// in shared memory; each edge edgeScore's sum, in its order), and the slot's choice after each possible predecessor
+// (choose() per lattice row, in parallel); (3) one warp per request follows the choices from the anchor (follow(),
+// spread over the lanes). The math is kernel.cuh's.
 #include "kernel.h"
 
 #ifndef BEAMTRT_LAUNCH  // plugins/host/emulation/cuda_runtime.h runs the kernels on host threads instead (CPU tests)
@@ -37,25 +38,35 @@ __device__ __forceinline__ void warpBest(float& v, int32_t& i) {
   }
 }
 
+// An entry of the top-K order; (-inf, INT32_MAX) is below every entry.
+struct Ranked {
+  float value = -INFINITY;
+  int32_t index = INT32_MAX;
+};
+
 // One warp: the K best of its lanes' sorted lists, by K rounds of a warp-wide argmax over the lists' heads.
 // entry(h, v, i) sets (v, i) to the lane's entry h and returns true, or returns false when the lane has none.
-// Lane 0 writes the result.
+// Lane 0 writes the result where outValue is given; every lane returns the K-th best (Ranked() when the lists hold
+// fewer than K entries).
 template <class Entry>
-__device__ void mergeWarp(int32_t K, Entry const& entry, float* outValue, int32_t* outIndex) {
+__device__ Ranked mergeWarp(int32_t K, Entry const& entry, float* outValue, int32_t* outIndex) {
   const int32_t lane = threadIdx.x % 32;
   int32_t head = 0;
+  float v = -INFINITY;
+  int32_t i = INT32_MAX;
   for (int32_t j = 0; j < K; j++) {
-    float v = -INFINITY;
-    int32_t i = INT32_MAX;
+    v = -INFINITY;
+    i = INT32_MAX;
     const bool live = entry(head, v, i);
     const int32_t mine = i;
     warpBest(v, i);
     if (live && mine == i) head++;
-    if (lane == 0) {
+    if (outValue != nullptr && lane == 0) {
       outValue[j] = v;
       outIndex[j] = i;
     }
   }
+  return {v, i};
 }
 
 // One warp: the K best of `lists` (<= 32) sorted lists of K entries in shared memory (list l at l * K).
@@ -70,21 +81,35 @@ __device__ void mergeLists(float const* value, int32_t const* index, int32_t lis
   }, outValue, outIndex);
 }
 
-// A thread's top-K behind a floor held in registers: its K-th entry once full, below which nothing gets in.
-struct Keeper {
-  TopK list;
-  float floorValue = -INFINITY;
-  int32_t floorIndex = INT32_MAX;
+// A lane's list (its K best of the values it took) as mergeWarp's entries.
+__device__ __forceinline__ auto entries(TopK const& list) {
+  return [&list](int32_t h, float& v, int32_t& i) {
+    if (h >= list.size) return false;
+    v = list.value[h];
+    i = list.index[h];
+    return true;
+  };
+}
 
-  __device__ __forceinline__ void offer(float v, int32_t i, int32_t K) {
-    if (!TopK::better(v, i, floorValue, floorIndex)) return;
-    list.offer(v, i, K);
-    if (list.size == K) {
-      floorValue = list.value[K - 1];
-      floorIndex = list.index[K - 1];
-    }
+// Offers (v, i) to a thread's list unless it is below the floor; returns whether the list took it. The floor only
+// rises: to the list's K-th entry once full, and (raise) to the warp's K-th best. It is held apart from the list, in
+// registers: the list is indexed at run time, so it lives in local memory, and a floor beside it in one struct did too.
+__device__ __forceinline__ bool offer(TopK& list, Ranked& floor, float v, int32_t i, int32_t K) {
+  if (!TopK::better(v, i, floor.value, floor.index)) return false;
+  list.offer(v, i, K);
+  if (list.size == K && TopK::better(list.value[K - 1], list.index[K - 1], floor.value, floor.index)) {
+    floor = {list.value[K - 1], list.index[K - 1]};
   }
-};
+  return true;
+}
+
+// Every lane's floor raised to its warp's K-th best so far. Nothing below that can be among the chunk's K best: the
+// lanes' lists hold K entries at or above it, and a list drops an entry only for a better one. A lane's own K-th
+// entry sees 1/32 of what the warp has seen, so this floor turns far more values away (one thread scans ~100-300).
+__device__ __forceinline__ void raise(TopK const& list, Ranked& floor, int32_t K) {
+  const Ranked kth = mergeWarp(K, entries(list), nullptr, nullptr);
+  if (TopK::better(kth.value, kth.index, floor.value, floor.index)) floor = kth;
+}
 
 // Element e of 16 bytes of kType values.
 template <DType kType>
@@ -98,33 +123,40 @@ __device__ __forceinline__ float element(uint4 const& w, int32_t e) {
   }
 }
 
-// Offer logits [begin, end) of the row at element `row` to `keep`: 16-byte loads where the row is aligned (chunks start
-// on a multiple of 8 elements), single elements for the rest.
+// Offer logits [begin, end) of the row at element `row` to the thread's list: 16-byte loads where the row is aligned
+// (chunks start on a multiple of 8 elements), single elements for the rest. The batches of loads are the same for
+// every thread (the warp's floor is raised between them, where any of its lanes took a value and more batches follow).
 template <DType kType>
-__device__ void scan(Args const& x, int64_t row, int32_t begin, int32_t end, Keeper& keep) {
+__device__ void scan(Args const& x, int64_t row, int32_t begin, int32_t end, TopK& list, Ranked& floor) {
   constexpr int32_t kPer = 16 / (kType == DType::kFLOAT ? 4 : 2);
+  constexpr int32_t kStep = kThreads * kLoadBatch;
   char const* base = static_cast<char const*>(x.logits) + row * (16 / kPer);
   const bool aligned = reinterpret_cast<uintptr_t>(base) % 16 == 0 && begin % kPer == 0;
   const int32_t vectors = aligned && end > begin ? (end - begin) / kPer : 0;
   uint4 const* vec = reinterpret_cast<uint4 const*>(base + int64_t(begin) * (16 / kPer));
-  for (int32_t first = threadIdx.x; first < vectors; first += kThreads * kLoadBatch) {
+  for (int32_t batch = 0; batch < vectors; batch += kStep) {
+    const int32_t first = batch + int32_t(threadIdx.x);
     uint4 w[kLoadBatch];
 #pragma unroll
     for (int32_t u = 0; u < kLoadBatch; u++) {
       const int32_t at = first + u * kThreads;
       w[u] = at < vectors ? __ldg(vec + at) : make_uint4(0, 0, 0, 0);
     }
+    bool took = false;
 #pragma unroll
     for (int32_t u = 0; u < kLoadBatch; u++) {
       const int32_t at = first + u * kThreads;
       if (at < vectors) {
 #pragma unroll
-        for (int32_t e = 0; e < kPer; e++) keep.offer(element<kType>(w[u], e), begin + at * kPer + e, x.K);
+        for (int32_t e = 0; e < kPer; e++) {
+          took |= offer(list, floor, element<kType>(w[u], e), begin + at * kPer + e, x.K);
+        }
       }
     }
+    if (batch + kStep < vectors && __any_sync(0xffffffffu, took)) raise(list, floor, x.K);
   }
   for (int32_t v = begin + vectors * kPer + int32_t(threadIdx.x); v < end; v += kThreads) {
-    keep.offer(load(x.logits, row + v, kType), v, x.K);
+    offer(list, floor, load(x.logits, row + v, kType), v, x.K);
   }
 }
 
@@ -134,17 +166,13 @@ __global__ void __launch_bounds__(kThreads) topKKernel(Args x, int32_t chunks, i
                                                        float* listValue, int32_t* listIndex) {
   const int32_t row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;  // row = n * S + t
   const int32_t begin = chunk * chunkLength, end = min(x.V, begin + chunkLength);
-  Keeper keep;
-  scan<kType>(x, int64_t(row) * x.V, begin, end, keep);
+  TopK list;
+  Ranked floor;
+  scan<kType>(x, int64_t(row) * x.V, begin, end, list, floor);
   __shared__ float warpValue[kWarps * kMaxK];
   __shared__ int32_t warpIndex[kWarps * kMaxK];
   const int32_t warp = threadIdx.x / 32;
-  mergeWarp(x.K, [&](int32_t h, float& v, int32_t& i) {  // each warp's K best from its lanes' lists
-    if (h >= keep.list.size) return false;
-    v = keep.list.value[h];
-    i = keep.list.index[h];
-    return true;
-  }, warpValue + warp * x.K, warpIndex + warp * x.K);
+  mergeWarp(x.K, entries(list), warpValue + warp * x.K, warpIndex + warp * x.K);  // each warp's K best
   __syncthreads();
   if (warp == 0) {
     mergeLists(warpValue, warpIndex, kWarps, x.K, listValue + int64_t(blockIdx.x) * x.K,

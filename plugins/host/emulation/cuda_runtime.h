@@ -80,6 +80,16 @@ inline T __shfl_xor_sync(uint32_t, T v, int32_t laneMask) {
   return v;
 }
 
+inline int __any_sync(uint32_t, int predicate) {
+  emulation::Block& b = *emulation::block;
+  b.lanes[threadIdx.x] = predicate != 0;
+  __syncwarp();
+  int any = 0;
+  for (uint32_t l = 0; l < 32; l++) any |= int(b.lanes[(threadIdx.x & ~31u) | l]);
+  __syncwarp();  // every lane has read before any writes again
+  return any;
+}
+
 namespace emulation {
 
 // kernel(args...) over `grid` blocks of `threads` threads, one block at a time. A thread that returns leaves the

@@ -16,19 +16,25 @@ from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli
 from beamtrt.errors import DeviceError
 
 
+SPIN_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than the host takes to queue the timed calls behind it
+
+
 def _time(fn, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` CUDA-event-timed runs, after warm-up."""
+    """Median seconds of fn() on the GPU over `repeats` runs, after warm-up, each between two CUDA events. The runs
+    are queued behind a spin of the GPU (torch.cuda._sleep), so each starts as the last ends: the host's work to launch
+    a call (argument checks, allocations, the launches themselves, ~10-20 µs) is not timed. Timed one at a time
+    instead, that work sat between the events with the GPU idle, and at batch 1 it was most of what was measured."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    torch.cuda._sleep(SPIN_CYCLES)
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) / 1e3 for start, end in events)[repeats // 2]
 
 
 def attention_point(batch: int, window: int, block: int, q_heads: int, kv_heads: int, head_dim: int,
