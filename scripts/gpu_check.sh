@@ -4,9 +4,9 @@
 # drafter on them against the PyTorch reference, drafter training on the GPU against the CPU run), and print the
 # kernel micro-benchmark table (attention and selector: µs, achieved bytes/s against a device-to-device copy;
 # the decode loop's verification on the GPU against the host).
-# Python: $PY, else .venv/bin/python (after `make setup` with a CUDA build of torch), else python3 (a host whose
-# python3 has torch with CUDA, safetensors, numpy, tqdm and pytest; src/ goes on PYTHONPATH). Where $OUT names a
-# folder, the JSON and the whole log are copied there too.
+# Python: $PY, else .venv/bin/python where its torch sees a GPU (`make setup` with a CUDA build of torch), else python3
+# (a host whose python3 has torch with CUDA, safetensors, numpy, tqdm and pytest; src/ goes on PYTHONPATH). Where $OUT
+# names a folder, the JSON and the whole log are copied there too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -15,8 +15,12 @@ case "${1:-}" in
   "") ;;
   *) echo "error: scripts/gpu_check.sh takes no arguments (got $1; see --help)" >&2; exit 2 ;;
 esac
-if [[ -z "${PY:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+if [[ -z "${PY:-}" ]]; then  # a venv copied from a CPU host has torch's CPU wheel: python3 then
+  PY=python3
+  if [[ -x .venv/bin/python ]] \
+    && .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    PY=.venv/bin/python
+  fi
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -n "${OUT:-}" ]]; then  # everything from here on also goes to $OUT/gpu_check.log
