@@ -91,9 +91,13 @@ def test_a_signal_during_the_start_up_imports_ends_as_one_later_would(tmp_path, 
 def test_validate_module_holds_a_signal_during_its_imports(tmp_path):
     """`python -m beamtrt.checkpoint.validate` has no script: run as __main__ it goes through beamtrt.entry too, so
     Ctrl-C while torch imports ends in `interrupted` and 130 (it was a KeyboardInterrupt traceback)."""
-    code = ("import os, runpy, signal, sys, threading\n"
+    code = ("import os, runpy, signal, sys, threading, time\n"
             f"sys.path[:0] = [{str(ROOT / 'src')!r}]; sys.argv = ['validate', {str(tmp_path / 'none')!r}]\n"
-            "threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "def ctrl_c():  # once the imports hold signals (a fixed delay could land before that on a busy host)\n"
+            "    while signal.getsignal(signal.SIGINT) is signal.default_int_handler:\n"
+            "        time.sleep(0.001)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "threading.Thread(target=ctrl_c, daemon=True).start()\n"
             "runpy.run_module('beamtrt.checkpoint.validate', run_name='__main__', alter_sys=True)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
