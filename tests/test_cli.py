@@ -1214,7 +1214,7 @@ def test_an_interrupted_benchmark_waits_for_its_child_to_clean_up(tmp_path, sig,
     child = ("import pathlib, signal, sys, time\n"
              "def done(n, f):\n    time.sleep(1); pathlib.Path(sys.argv[1]).write_text('cleaned'); sys.exit(130)\n"
              "signal.signal(signal.SIGINT, done); signal.signal(signal.SIGTERM, done)\n"
-             "print('ready', flush=True); time.sleep(60)\n")
+             "pathlib.Path(sys.argv[1]).with_name('ready').write_text('ready'); time.sleep(60)\n")
     (tmp_path / "child.py").write_text(child)
     parent = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}]\n"
               "from beamtrt.cli_util import run_child, run_cli\n"
@@ -1222,11 +1222,10 @@ def test_an_interrupted_benchmark_waits_for_its_child_to_clean_up(tmp_path, sig,
               f"{str(tmp_path / 'cleaned')!r}])))\n")
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 30
-    while not subprocess.run(["pgrep", "-f", str(tmp_path / "child.py")], capture_output=True).stdout:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    time.sleep(0.5)  # its handlers are set
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():  # the child's handlers are set (a fixed wait could end before, when busy)
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
     proc.send_signal(sig)  # to the parent alone, as kill PID does
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (128 + sig, f"{ending}\n")
