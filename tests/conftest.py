@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Beam models, and beam-mini built once per session from the SmolLM2 GGUF."""
+"""Shared fixtures: tiny random Beam models, and beam-mini built once per session (per test worker) from SmolLM2."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def tiny_model(cfg: BeamConfig = TINY, seed: int = 0, dtype: torch.dtype = torch
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer) of SmolLM2-135M-Instruct loaded from the GGUF (about 50 s, once per session)."""
+    """(model, tokenizer) of SmolLM2-135M-Instruct from the GGUF (about 50 s, once per session: per test worker)."""
     from beamtrt.models.beam_mini import load_smollm2
 
     torch.set_num_threads(2)

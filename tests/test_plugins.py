@@ -178,21 +178,25 @@ def test_selector_cuda_source_on_host_threads_equals_the_host_build(build, host,
 
 
 def test_selector_cuda_source_keeps_a_value_just_above_the_raised_warp_floor(build, host):
-    """The top-K kernel raises each warp's floor to its K-th best after a load batch; a value arriving later just
-    inside the K best must still get in. Vocabulary 131,072 at K 32 is 16 chunks of 8,192 fp32 logits, 2 load batches
-    each: warp 0 (vectors 0-31 of every 256, 4 logits to a vector) sees the chunk's only high values, 512 distinct
-    ones in batch 1, then in batch 2 one between its 32nd and 31st best. A floor one rank too high drops it."""
+    """The top-K kernel raises each warp's floor to its K-th best between load batches; a value arriving later just
+    inside the K best must still get in. Vocabulary 144,001 at K 32 is 16 chunks of 9,008 bf16 logits (the last
+    8,881: a 1-logit tail after its 16-byte loads), 1,126 vectors of 8, so a full load batch and a partial one: warp 0
+    (vectors 0-31 of every 256) sees the chunk's only high values, 64 distinct ones in batch 1, then in batch 2 one
+    between its 32nd and 31st best. A floor one rank too high drops it."""
     emulated = ctypes.CDLL(str(build[0] / "libbeamtrt_selector_emulated.so"))
-    c = selector_case(5, torch.float32, N=1, S=1, V=131072, K=32, R=8)
-    vector = torch.arange(8192) // 4  # chunk 0's logits
+    c = selector_case(5, torch.float32, N=1, S=1, V=144001, K=32, R=8)
+    vector = torch.arange(9008) // 8  # chunk 0's logits
     warp0 = vector % 256 < 32
-    row = torch.full((8192,), -10.0)
-    row[warp0 & (vector < 1024)] = 1000.0 + torch.randperm(512, generator=torch.Generator().manual_seed(5)).float()
-    row[torch.nonzero(warp0 & (vector >= 1024))[7]] = 1480.5  # the 32nd best is 1480
-    c["logits"] = torch.full((1, 1, 131072), -10.0)
-    c["logits"][0, 0, :8192] = row
+    high = torch.nonzero(warp0 & (vector < 1024)).flatten()
+    high = high[torch.randperm(len(high), generator=torch.Generator().manual_seed(5))[:64]]
+    row = torch.full((9008,), -10.0)
+    row[high] = 10.0 + torch.arange(64.0)  # 10 ... 73, exact in bf16: the 32nd best is 42
+    row[torch.nonzero(warp0 & (vector >= 1024))[7]] = 42.5
+    c["logits"] = torch.full((1, 1, 144001), -10.0)
+    c["logits"][0, 0, :9008] = row
+    c["logits"] = c["logits"].bfloat16()
     want, got = run_selector(host, c), run_selector(emulated, c, "beamtrt_block_selector_emulated")
-    assert 1480.5 in c["logits"][0, 0, want["cand"][0, 0].long()]
+    assert 42.5 in c["logits"][0, 0, want["cand"][0, 0].long()].float()
     assert torch.equal(got["cand"], want["cand"]) and torch.equal(got["draft"], want["draft"])
     assert torch.equal(got["q"], want["q"])
 

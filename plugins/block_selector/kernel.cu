@@ -1,5 +1,5 @@
 // CUDA kernels of the block selector, three launches: (1) the top-K of each (request, slot) row's chunks of the
-// vocabulary (16-byte loads; a floor in registers, raised to the warp's K-th best after each load batch, turns most
+// vocabulary (16-byte loads; a floor in registers, raised to the warp's K-th best between load batches, turns most
 // values away; enough chunks that a small batch still fills the GPU); (2) per (request, slot): the chunks' lists
 // merged into the slot's candidates, every edge into them scored at once (the K x K lattice from codebook rows staged
 // in shared memory; each edge edgeScore's sum, in its order), and the slot's choice after each possible predecessor
@@ -91,14 +91,14 @@ __device__ __forceinline__ auto entries(TopK const& list) {
   };
 }
 
-// Offers (v, i) to a thread's list unless it is below the floor; returns whether the list took it. The floor only
-// rises: to the list's K-th entry once full, and (raise) to the warp's K-th best. It is held apart from the list, in
+// Offers (v, i) to a thread's list unless it is below the floor `bar`; returns whether the list took it. The floor only
+// rises: to the list's K-th entry once full, and (raiseBar) to the warp's K-th best. It is held apart from the list, in
 // registers: the list is indexed at run time, so it lives in local memory, and a floor beside it in one struct did too.
-__device__ __forceinline__ bool offer(TopK& list, Ranked& floor, float v, int32_t i, int32_t K) {
-  if (!TopK::better(v, i, floor.value, floor.index)) return false;
+__device__ __forceinline__ bool offer(TopK& list, Ranked& bar, float v, int32_t i, int32_t K) {
+  if (!TopK::better(v, i, bar.value, bar.index)) return false;
   list.offer(v, i, K);
-  if (list.size == K && TopK::better(list.value[K - 1], list.index[K - 1], floor.value, floor.index)) {
-    floor = {list.value[K - 1], list.index[K - 1]};
+  if (list.size == K && TopK::better(list.value[K - 1], list.index[K - 1], bar.value, bar.index)) {
+    bar = {list.value[K - 1], list.index[K - 1]};
   }
   return true;
 }
@@ -106,9 +106,9 @@ __device__ __forceinline__ bool offer(TopK& list, Ranked& floor, float v, int32_
 // Every lane's floor raised to its warp's K-th best so far. Nothing below that can be among the chunk's K best: the
 // lanes' lists hold K entries at or above it, and a list drops an entry only for a better one. A lane's own K-th
 // entry sees 1/32 of what the warp has seen, so this floor turns far more values away (one thread scans ~100-300).
-__device__ __forceinline__ void raise(TopK const& list, Ranked& floor, int32_t K) {
+__device__ __forceinline__ void raiseBar(TopK const& list, Ranked& bar, int32_t K) {
   const Ranked kth = mergeWarp(K, entries(list), nullptr, nullptr);
-  if (TopK::better(kth.value, kth.index, floor.value, floor.index)) floor = kth;
+  if (TopK::better(kth.value, kth.index, bar.value, bar.index)) bar = kth;
 }
 
 // Element e of 16 bytes of kType values.
@@ -127,7 +127,8 @@ __device__ __forceinline__ float element(uint4 const& w, int32_t e) {
 // (chunks start on a multiple of 8 elements), single elements for the rest. The batches of loads are the same for
 // every thread (the warp's floor is raised between them, where any of its lanes took a value and more batches follow).
 template <DType kType>
-__device__ void scan(Args const& x, int64_t row, int32_t begin, int32_t end, TopK& list, Ranked& floor) {
+__device__ __forceinline__ void scan(Args const& x, int64_t row, int32_t begin, int32_t end, TopK& list,
+                                     Ranked& bar) {
   constexpr int32_t kPer = 16 / (kType == DType::kFLOAT ? 4 : 2);
   constexpr int32_t kStep = kThreads * kLoadBatch;
   char const* base = static_cast<char const*>(x.logits) + row * (16 / kPer);
@@ -149,14 +150,14 @@ __device__ void scan(Args const& x, int64_t row, int32_t begin, int32_t end, Top
       if (at < vectors) {
 #pragma unroll
         for (int32_t e = 0; e < kPer; e++) {
-          took |= offer(list, floor, element<kType>(w[u], e), begin + at * kPer + e, x.K);
+          took |= offer(list, bar, element<kType>(w[u], e), begin + at * kPer + e, x.K);
         }
       }
     }
-    if (batch + kStep < vectors && __any_sync(0xffffffffu, took)) raise(list, floor, x.K);
+    if (batch + kStep < vectors && __any_sync(0xffffffffu, took)) raiseBar(list, bar, x.K);
   }
   for (int32_t v = begin + vectors * kPer + int32_t(threadIdx.x); v < end; v += kThreads) {
-    offer(list, floor, load(x.logits, row + v, kType), v, x.K);
+    offer(list, bar, load(x.logits, row + v, kType), v, x.K);
   }
 }
 
@@ -167,8 +168,8 @@ __global__ void __launch_bounds__(kThreads) topKKernel(Args x, int32_t chunks, i
   const int32_t row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;  // row = n * S + t
   const int32_t begin = chunk * chunkLength, end = min(x.V, begin + chunkLength);
   TopK list;
-  Ranked floor;
-  scan<kType>(x, int64_t(row) * x.V, begin, end, list, floor);
+  Ranked bar;
+  scan<kType>(x, int64_t(row) * x.V, begin, end, list, bar);
   __shared__ float warpValue[kWarps * kMaxK];
   __shared__ int32_t warpIndex[kWarps * kMaxK];
   const int32_t warp = threadIdx.x / 32;

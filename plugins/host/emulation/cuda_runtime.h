@@ -1,6 +1,7 @@
 // CUDA's execution model on host threads, enough to run a kernel source (.cu) on the CPU in tests: found as
 // <cuda_runtime.h> ahead of the real one. Each block's threads are std::threads; __syncthreads is a block barrier,
-// warp shuffles and __syncwarp a warp barrier; __shared__ variables are statics, so blocks run one after another.
+// warp shuffles, __any_sync and __syncwarp a warp barrier; __shared__ variables are statics, so blocks run one after
+// another.
 // Launches go through BEAMTRT_LAUNCH (block_selector/kernel.cu defines it as <<<...>>> where this header is not in
 // use); the windowed attention's inline PTX has no host equivalent, so it is not run this way.
 #pragma once

@@ -16,7 +16,7 @@ from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli
 from beamtrt.errors import DeviceError
 
 
-SPIN_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than the host takes to queue the timed calls behind it
+SPIN_CYCLES_PER_CALL = 400_000  # ~0.2 ms of GPU clock per timed call: more than the host takes to queue one
 
 
 def _time(fn, repeats: int) -> float:
@@ -28,7 +28,7 @@ def _time(fn, repeats: int) -> float:
         fn()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    torch.cuda._sleep(SPIN_CYCLES)
+    torch.cuda._sleep(SPIN_CYCLES_PER_CALL * repeats)
     for start, end in events:
         start.record()
         fn()
