@@ -160,6 +160,17 @@ def test_selector_top_p_keeps_the_smallest_prefix(host):
     assert (got["q"][0, 0] > 0).sum() < (got["q"][3, 0] > 0).sum()
 
 
+def emulated_equals_host(build, host, c) -> dict:
+    """The selector on case `c` through block_selector/kernel.cu run on host threads and through the host build:
+    candidates, drafts and q rows equal bit for bit (the same operations in the same order, on the same host). Returns
+    the host build's outputs."""
+    emulated = ctypes.CDLL(str(build[0] / "libbeamtrt_selector_emulated.so"))
+    want, got = run_selector(host, c), run_selector(emulated, c, "beamtrt_block_selector_emulated")
+    assert torch.equal(got["cand"], want["cand"]) and torch.equal(got["draft"], want["draft"])
+    assert torch.equal(got["q"], want["q"])
+    return want
+
+
 @pytest.mark.parametrize("shape,logits_dtype,codebook_dtype", [
     (dict(V=5000, K=16, R=32, S=2), torch.float32, torch.float32),       # 3 chunks per row, 16-byte loads
     (dict(V=4001, K=64, R=100, S=2, N=2), torch.bfloat16, torch.bfloat16),  # K 64, unaligned rows, 2 rank tiles
@@ -169,12 +180,9 @@ def test_selector_top_p_keeps_the_smallest_prefix(host):
 def test_selector_cuda_source_on_host_threads_equals_the_host_build(build, host, shape, logits_dtype, codebook_dtype):
     """block_selector/kernel.cu itself (chunked top-K, warp merges, the edge lattice, the choices, the walk) run through
     host/emulation/cuda_runtime.h, one host thread per CUDA thread: the GPU tests' comparison, on every machine."""
-    emulated = ctypes.CDLL(str(build[0] / "libbeamtrt_selector_emulated.so"))
     c = selector_case(4, codebook_dtype, **{"N": 4, "S": 7, **shape})
     c["logits"] = c["logits"].to(logits_dtype)
-    want, got = run_selector(host, c), run_selector(emulated, c, "beamtrt_block_selector_emulated")
-    assert torch.equal(got["cand"], want["cand"]) and torch.equal(got["draft"], want["draft"])
-    assert torch.equal(got["q"], want["q"])  # the same operations in the same order, on the same host
+    emulated_equals_host(build, host, c)
 
 
 def test_selector_cuda_source_keeps_a_value_just_above_the_raised_warp_floor(build, host):
@@ -183,7 +191,6 @@ def test_selector_cuda_source_keeps_a_value_just_above_the_raised_warp_floor(bui
     8,881: a 1-logit tail after its 16-byte loads), 1,126 vectors of 8, so a full load batch and a partial one: warp 0
     (vectors 0-31 of every 256) sees the chunk's only high values, 64 distinct ones in batch 1, then in batch 2 one
     between its 32nd and 31st best. A floor one rank too high drops it."""
-    emulated = ctypes.CDLL(str(build[0] / "libbeamtrt_selector_emulated.so"))
     c = selector_case(5, torch.float32, N=1, S=1, V=144001, K=32, R=8)
     vector = torch.arange(9008) // 8  # chunk 0's logits
     warp0 = vector % 256 < 32
@@ -195,10 +202,8 @@ def test_selector_cuda_source_keeps_a_value_just_above_the_raised_warp_floor(bui
     c["logits"] = torch.full((1, 1, 144001), -10.0)
     c["logits"][0, 0, :9008] = row
     c["logits"] = c["logits"].bfloat16()
-    want, got = run_selector(host, c), run_selector(emulated, c, "beamtrt_block_selector_emulated")
+    want = emulated_equals_host(build, host, c)
     assert 42.5 in c["logits"][0, 0, want["cand"][0, 0].long()].float()
-    assert torch.equal(got["cand"], want["cand"]) and torch.equal(got["draft"], want["draft"])
-    assert torch.equal(got["q"], want["q"])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found")

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                                "trained on)")
         init = Path(args.init) if args.init else None
         extra = [("--extra-data", Path(d)) for d in args.extra_data]
-        check_folders(list(outputs[:2]), [("--target", target_dir)] + [("--init", init)] * bool(init) + extra)
+        check_folders(list(outputs[:2]), [("--target", target_dir)] + ([("--init", init)] if init else []) + extra)
         target_cfg = BeamConfig.from_file(target_dir / "config.json")
         if args.selector_rank > target_cfg.hidden_size:
             raise ValueError(f"--selector-rank {args.selector_rank} is above the target's hidden size "
