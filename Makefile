@@ -30,9 +30,10 @@ run: setup  ## build beam-mini's NVFP4 TensorRT-LLM checkpoints for TP 4, then d
 
 # Two pytest workers (pytest-xdist), each running whole test files: a file's module fixtures (the plugin build, the
 # engines) are made once, and much of a test's time is a child process importing torch on one core, so the two
-# overlap well even on 2 cores (14 minutes against 18 in one process). TEST_WORKERS=0 runs the suite in one process.
+# overlap well even on 2 cores (14 minutes against 18 in one process). The files that take minutes go first
+# (tests/conftest.py, SLOW_FILES), not the ones with the most tests. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup  ## the whole suite (CPU)
 	$(PYTEST)

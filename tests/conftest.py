@@ -68,6 +68,18 @@ def step_path(request, monkeypatch):
     return request.param
 
 
+# The files that take minutes, longest first. `make test` hands whole files to two pytest-xdist workers in the order
+# collected (its reordering by test count is off), so these start first and the last minutes are not one of them
+# running alone while the other worker idles.
+SLOW_FILES = ("test_plugins.py", "test_cli.py", "test_mpi.py", "test_build.py", "test_spec_sampling_exact.py",
+              "test_beam_mini.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(SLOW_FILES)))  # stable: a file's tests stay in order
+
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
            "How do bees make honey?", "Explain TCP in one sentence.", "Name a famous painter.",
            "What is 12 times 7?", "Describe the color blue."]

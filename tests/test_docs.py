@@ -49,6 +49,13 @@ def test_the_docs_show_commands():
                                       "scripts/train_drafter.py", "scripts/export_triton.py"} <= scripts
 
 
+def test_the_files_make_test_starts_first_exist():
+    """README: `make test` starts the files that take minutes first (conftest.SLOW_FILES); a renamed one would not be."""
+    from conftest import SLOW_FILES
+
+    assert [name for name in SLOW_FILES if not (ROOT / "tests" / name).is_file()] == []
+
+
 @pytest.mark.parametrize("where, script, args", commands(), ids=[where for where, _, _ in commands()])
 def test_a_documented_command_parses(where, script, args, monkeypatch, capsys):
     parse = argparse.ArgumentParser.parse_args

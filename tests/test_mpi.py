@@ -179,16 +179,22 @@ def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
 def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
     """SIGINT to mpirun mid-decode ends the job within seconds and leaves no rank behind."""
     import signal
+    import threading
 
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
     cmd = [MPIRUN, "-n", "4", sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(engine),
-           "--max-new-tokens", "2000", "--quiet"]
+           "--prompt", PROMPTS[0], "--max-new-tokens", "2000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
-    time.sleep(8)
-    assert proc.poll() is None  # still decoding
-    start = time.perf_counter()
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=30)
+    watchdog = threading.Timer(240, proc.kill)  # a job that never starts decoding fails this test, not the suite
+    watchdog.start()
+    try:
+        assert proc.stdout.readline() == f">>> {PROMPTS[0]}\n"  # rank 0 is decoding: it printed the prompt,
+        assert proc.stdout.read(1) and proc.poll() is None  # then the answer's first text, and goes on
+        start = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        watchdog.cancel()
     assert proc.returncode != 0 and time.perf_counter() - start < 15
     left = subprocess.run(["pgrep", "-f", str(engine)], capture_output=True, text=True).stdout.split()
     assert left == []
