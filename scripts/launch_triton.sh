@@ -49,7 +49,7 @@ done
 
 [ -n "$world" ] || fail "--world-size is required (the build's TP; see --help)"
 [ -n "$repo" ] || fail "--model-repo is required (a repository written by scripts/export_triton.py)"
-[[ "$world" =~ ^[1-9][0-9]*$ ]] || fail "--world-size must be a positive integer, got '$world'"
+[[ "$world" =~ ^[1-9][0-9]{0,3}$ ]] || fail "--world-size must be an integer in [1, 9999], got '$world'"
 for port in "$http" "$grpc" "$metrics"; do
   [[ "$port" =~ ^[1-9][0-9]{0,4}$ ]] || fail "ports must be positive integers, got '$port'"
 done
@@ -73,7 +73,7 @@ config="$repo/beam_dflash2/config.pbtxt"
 [ -f "$config" ] || fail "$repo is not an exported model repository (no beam_dflash2/config.pbtxt)"
 repo="$(cd "$repo" && pwd)"
 # the world_size parameter: the line after key: "world_size" holds its string_value
-exported="$(grep -A 2 'key: "world_size"' "$config" | sed -n 's/.*string_value: "\([0-9]*\)".*/\1/p')"
+exported="$(grep -A 2 'key: "world_size"' "$config" | sed -n 's/.*string_value: "\([0-9]*\)".*/\1/p' || true)"
 [ "$exported" = "$world" ] || fail "$repo was exported for world size ${exported:-?} (the build's TP), not $world"
 
 if [ -z "$tritonserver" ]; then

@@ -8,6 +8,7 @@ that records what they send, chained the way the ensemble's steps are.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shlex
@@ -615,7 +616,7 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
                          (["--seed", str(2**70)], "error: --seed must be in [0, 2**63)"),
-                         (["--max-seq-len", str(10**9)], "above the target's context"),
+                         (["--max-seq-len", str(10**9)], "above the build's --max-seq-len of 32768"),
                          (["--max-seq-len", "10"], "error: --max-seq-len must be >= block_size + 3 = 11 (one prompt "),
                          (["--out", str(tmp_path / "a-file"), "--force"], "is a file; expected a directory path")):
         (tmp_path / "a-file").write_text("keep me")  # --force replaces a repository, never a file
@@ -651,6 +652,62 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                  "--draft-threshold", "--dtype",
                  "--device", "--max-slots", "--max-seq-len", "--seed", "--raw-prompts"):
         assert flag in stdout
+
+
+def _with_engines(build: Path, out: Path, **settings) -> Path:
+    """A copy of `build` whose manifest says its engines were built with `settings` (empty rank files: the export
+    reads the record, never an engine)."""
+    shutil.copytree(build, out)
+    tp = read_manifest(out)["mapping"]["tp_size"]
+    for part in ("target", "drafter"):
+        (out / part / "engine").mkdir()
+        for r in range(tp):
+            (out / part / "engine" / f"rank{r}.engine").touch()
+
+    def built(m: dict) -> None:
+        m["stages"]["engines"] = {"status": "ran"}
+        m["files"].update({f"{part}/engine/rank{r}.engine": hashlib.sha256(b"").hexdigest()
+                           for part in ("target", "drafter") for r in range(tp)})
+        m["engines"].update(built=True, target="target/engine", drafter="drafter/engine")
+        m["engines"]["settings"].update(settings)
+    _break_manifest(out, built)
+    return out
+
+
+def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, tmp_path, capsys):
+    """Settings the server would refuse at its start or first step are refused by the export: on the engines (trt, or
+    auto, which serves them on a TensorRT-LLM host) their block, --max-batch-size and --max-seq-len; on torch the
+    build's --max-seq-len too. Left unset, --max-slots and --max-seq-len come down to what the build serves."""
+    engines = _with_engines(builds[1], tmp_path / "engines", max_batch_size=4, max_seq_len=512, block_size=8)
+    out = tmp_path / "repo"
+    for backend in ("trt", "auto"):
+        hint = " (auto serves the engines on a TensorRT-LLM host; --backend torch serves the checkpoints)\n"
+        for args, needle in ((["--max-slots", "5"], "--max-slots 5 is above the engines' --max-batch-size 4"),
+                             (["--block-size", "4"], "the engines verify blocks of 8, not --block-size 4"),
+                             (["--max-seq-len", "513"], "--max-seq-len 513 is above the build's --max-seq-len of 512")):
+            rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", backend,
+                                       *args)
+            assert rc == 2 and stderr.count("\n") == 1 and needle in stderr and not out.exists(), stderr
+            assert stderr.endswith(hint) == (backend == "auto" and "--max-seq-len" not in args), stderr
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "auto")
+    assert rc == 0, stderr
+    params = {k: v.string_value for k, v in parse(out / "beam_dflash2" / "config.pbtxt").parameters.items()}
+    assert (params["max_slots"], params["max_seq_len"]) == ("4", "512")  # the defaults, lowered to the engines'
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "torch",
+                               "--max-slots", "5", "--block-size", "4", "--force")  # the checkpoints: any batch, block
+    assert rc == 0, stderr
+    short = tmp_path / "short"  # built with --max-seq-len 64, no engines: the torch server stops requests there
+    shutil.copytree(builds[1], short)
+    _break_manifest(short, lambda m: m["engines"]["settings"].update(max_seq_len=64))
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(short), "--out", str(out), "--max-seq-len", "65", "--force")
+    assert rc == 2 and "--max-seq-len 65 is above the build's --max-seq-len of 64" in stderr, stderr
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(short), "--out", str(out), "--force", "--raw-prompts")
+    assert rc == 0, stderr
+    params = {k: v.string_value for k, v in parse(out / "beam_dflash2" / "config.pbtxt").parameters.items()}
+    assert (params["max_slots"], params["max_seq_len"]) == ("8", "64")
+    readme = (out / "README.md").read_text()  # says what --raw-prompts does to text_input
+    assert "up to 8 requests at once, 64 tokens each" in readme and "chat template |" not in readme
+    assert f"| in `text_input` | STRING [1] | {export.RAW_TEXT_INPUT} |" in readme
 
 
 def test_tensor_parallel_ranks_on_torch_run_on_the_cpu_and_refuse_another_device(builds, tmp_path, capsys):
@@ -786,6 +843,9 @@ def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
         assert f"--backend-config=python,shm-region-prefix-name=prefix{rank}_" in words
         assert f"--grpc-port={8001 + 10 * rank}" in words
         assert ("--model-control-mode=explicit" in words and "--load-model=beam_dflash2" in words) == (rank > 0)
+    bare = tmp_path / "bare"  # a config written by hand, without the world_size parameter
+    (bare / "beam_dflash2").mkdir(parents=True)
+    (bare / "beam_dflash2" / "config.pbtxt").write_text('name: "beam_dflash2"\n')
     dry = subprocess.run([script, "--world-size", "2", "--model-repo", str(repo), "--dry-run"], capture_output=True,
                          text=True, env=env, timeout=30)
     assert dry.returncode == 0 and shlex.split(dry.stdout).count("-n") == 2
@@ -800,7 +860,10 @@ def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
                          (["--world-size", "2", "--model-repo", str(repo), "--log-file", str(tmp_path)],
                           "is a directory"),
                          (["--world-size", "2", "--model-repo", str(repo), "--dry-run", "--tritonserver", ""],
-                          "--tritonserver: an empty value")):
+                          "--tritonserver: an empty value"),
+                         (["--world-size", "9" * 20, "--model-repo", str(repo)], "an integer in [1, 9999]"),
+                         (["--world-size", "2", "--model-repo", str(bare), "--dry-run"],  # its grep finds nothing
+                          "exported for world size ? (the build's TP), not 2")):
         proc = subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=30)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
     assert "--world-size N --model-repo REPO" in subprocess.run([script, "--help"], capture_output=True,

@@ -10,6 +10,8 @@ from beamtrt.runtime.loader import BACKENDS, DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from beamtrt.triton.export import MAX_SEQ_LEN, MAX_SLOTS
+
     p = ArgumentParser(
         description="Write a build_engines.py output as a Triton Inference Server model repository: preprocessing "
                     "(chat template + tokenizer), beam_dflash2 (decoupled Python model running the beamtrt runtime, "
@@ -31,13 +33,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                    help="compute dtype of the torch backend (default: %(default)s)")
     p.add_argument("--device", default="auto",
-                   help="torch device: cpu, cuda, or auto = cuda where available; a TP build served on the torch "
-                        "backend runs its ranks on cpu (auto picks it, cuda is refused) (default: %(default)s)")
-    p.add_argument("--max-slots", type=int, default=8,
-                   help="requests decoded at once; more wait in beam_dflash2's queue (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=4096,
+                   help="torch device: cpu, cuda, cuda:N, or auto = cuda where available; a TP build served on the "
+                        "torch backend runs its ranks on cpu (auto picks it, cuda is refused) (default: %(default)s)")
+    p.add_argument("--max-slots", type=int,
+                   help="requests decoded at once; more wait in beam_dflash2's queue; served on the build's engines, "
+                        f"at most their --max-batch-size (default: {MAX_SLOTS}, or that where lower)")
+    p.add_argument("--max-seq-len", type=int,
                    help="the most tokens one request may need: prompt + max_tokens + block size + 1, at most the "
-                        "target's context (default: %(default)s)")
+                        "target's context and the build's --max-seq-len "
+                        f"(default: {MAX_SEQ_LEN}, or the lower of those)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
     p.add_argument("--raw-prompts", action="store_true",
                    help="send text_input to the model as raw text instead of a user message in the chat template")

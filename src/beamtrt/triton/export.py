@@ -21,7 +21,7 @@ from beamtrt.cli_util import output_path
 from beamtrt.config import drafter_block_error
 from beamtrt.errors import BeamtrtError, ConfigError
 from beamtrt.prompts import has_tokenizer
-from beamtrt.runtime.loader import check_device, missing_engines
+from beamtrt.runtime.loader import build_context, check_device, missing_engines
 from beamtrt.triton import protocol, serving
 from beamtrt.triton.protocol import Tensor
 from beamtrt.triton.serving import ServeSettings, SettingError
@@ -32,6 +32,8 @@ MODELS_SOURCE = Path(__file__).resolve().parent / "models"
 PYTHON_PATH = Path(serving.__file__).resolve().parents[2]  # the folder holding the beamtrt package
 COPIED_ENGINE = f"{MODEL}/1/engine"  # where --copy-engines puts the build, relative to the repository
 LAUNCH = "scripts/launch_triton.sh"
+MAX_SLOTS, MAX_SEQ_LEN = ServeSettings.max_slots, ServeSettings.max_seq_len  # the defaults, lowered to what the
+# build serves where it serves less
 
 
 class ExportError(BeamtrtError):
@@ -195,8 +197,8 @@ class ExportConfig:
     block_size: int | None = None   # None: the build's
     dtype: str = "bfloat16"
     device: str = "auto"
-    max_slots: int = 8
-    max_seq_len: int = 4096
+    max_slots: int | None = None    # None: MAX_SLOTS, or the engines' --max-batch-size where lower
+    max_seq_len: int | None = None  # None: MAX_SEQ_LEN, or the most the build serves where lower
     seed: int = 0
     chat_template: bool = True
     draft_threshold: float = 0.0
@@ -218,20 +220,33 @@ def export(cfg: ExportConfig) -> list[str]:
     if out.exists() and any(out.iterdir()) and not cfg.force:
         raise ExportError(f"{out} already exists and is not empty: pass --force to replace it")
     manifest = check_build(root, cfg.chat_template)
-    context = json.loads((root / manifest["target"]["dir"] / "config.json").read_text()).get("max_position_embeddings")
-    if context and cfg.max_seq_len > context:
-        raise ExportError(f"--max-seq-len {cfg.max_seq_len} is above the target's context of {context} tokens")
     engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
     block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
-    built_block = (manifest.get("engines") or {}).get("settings", {}).get("block_size")
+    built = (manifest.get("engines") or {}).get("settings") or {}  # the engines' build settings
     no_engines = missing_engines(manifest)
     if cfg.backend == "trt" and no_engines:
         raise ExportError(f"--backend trt: the build has no engines ({no_engines})")
-    if cfg.backend == "trt" and built_block is not None and block != built_block:
-        raise ExportError(f"--backend trt: the engines verify blocks of {built_block}, not --block-size {block}")
+    # what the server would refuse at its start or first step: engines (trt, and auto where the build has them: it
+    # serves them on a TensorRT-LLM host) run their own block and batch; a request's tokens stop at the build's context
+    on_engines = cfg.backend != "torch" and not no_engines
+    auto = (" (auto serves the engines on a TensorRT-LLM host; --backend torch serves the checkpoints)"
+            if cfg.backend == "auto" else "")
+    if on_engines and built.get("block_size") not in (None, block):
+        raise ExportError(f"--backend {cfg.backend}: the engines verify blocks of {built['block_size']}, not "
+                          f"--block-size {block}{auto}")
+    batch = built.get("max_batch_size") if on_engines else None
+    max_slots = min(MAX_SLOTS, batch or MAX_SLOTS) if cfg.max_slots is None else cfg.max_slots
+    if batch and max_slots > batch:
+        raise ExportError(f"--backend {cfg.backend}: --max-slots {max_slots} is above the engines' --max-batch-size "
+                          f"{batch}{auto}")
+    context = build_context(root, manifest, "trt" if cfg.backend == "trt" else "torch")  # auto: the lower of the two
+    max_seq_len = min(MAX_SEQ_LEN, context or MAX_SEQ_LEN) if cfg.max_seq_len is None else cfg.max_seq_len
+    if context and max_seq_len > context:
+        what = "the build's --max-seq-len" if context == built.get("max_seq_len") else "the target's context"
+        raise ExportError(f"--max-seq-len {max_seq_len} is above {what} of {context} tokens")
     try:
         settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
-                                 cfg.max_slots, cfg.max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
+                                 max_slots, max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     except SettingError as e:  # named as the flag it came from (each setting is export_triton.py's flag of its name)
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
     if cfg.device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
@@ -267,6 +282,7 @@ def _write_model(repo: Path, name: str, config: str) -> None:
 
 
 def readme(out: Path, root: Path, manifest: dict, s: ServeSettings) -> str:
+    text = "through the target's chat template" if s.chat_template else "as raw text (exported with --raw-prompts)"
     where = f"a copy of `{root}` in `{COPIED_ENGINE}/`" if not s.engine_dir.is_absolute() else f"`{root}` (referenced)"
     return f"""# Triton model repository: Beam + DFlash2 ({manifest['precision']}, TP {s.world_size})
 
@@ -287,7 +303,7 @@ ensemble):
 
 | model | what it does |
 |---|---|
-| `preprocessing` | `text_input` -> `input_ids` through the target's chat template |
+| `preprocessing` | `text_input` -> `input_ids` {text} |
 | `{MODEL}` | decoupled Python model: speculative decoding (backend {s.backend}, block {s.block_size}, {s.dtype}, \
 up to {s.max_slots} requests at once, {s.max_seq_len} tokens each) |
 | `postprocessing` | `output_ids` -> `text_output` |
@@ -297,16 +313,20 @@ The ensemble's tensors (each with a leading batch dimension of 1):
 
 | tensor | type | |
 |---|---|---|
-{tensor_rows()}
+{tensor_rows(s.chat_template)}
 
 See docs/TRITON.md in the beamtrt checkout.
 """
 
 
-def tensor_rows() -> str:
+RAW_TEXT_INPUT = "the prompt, as raw text (no chat template)"  # text_input's help in a --raw-prompts repository
+
+
+def tensor_rows(chat_template: bool = True) -> str:
     inputs, outputs = ensemble_tensors()
+    helps = {} if chat_template else {"text_input": RAW_TEXT_INPUT}
     return "\n".join(f"| {kind} `{t.name}` | {t.dtype.removeprefix('TYPE_')} {list(t.dims)}"
-                     f"{', optional' if t.optional else ''} | {t.help} |"
+                     f"{', optional' if t.optional else ''} | {helps.get(t.name, t.help)} |"
                      for kind, tensors in (("in", inputs), ("out", outputs)) for t in tensors)
 
 
