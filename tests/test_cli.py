@@ -765,6 +765,40 @@ def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_voc
     assert not (small / "draft_vocab.json").exists()
 
 
+def test_an_output_inside_what_the_command_reads_is_refused(mini_vocab_sources, tmp_path, run, monkeypatch):
+    """A --json (benchmark.py's --out) into a checkpoint, a cache or a prompts file the command reads would replace or
+    add a file there (it replaced a target's config.json, a cache's meta.json, a model's weights); into a folder whose
+    contents a benchmark replaces (--work) it would be deleted. Refused before any model is loaded, the inputs intact."""
+    from beamtrt.models import beam
+
+    monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target was loaded"))
+    target, drafter, prompts = (mini_vocab_sources / name for name in ("target", "drafter", "prompts.jsonl"))
+    before = {f: f.read_bytes() for f in (target / "config.json", drafter / "config.json", prompts)}
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "meta.json").write_text("{}")
+    pair = ["--model", str(target), "--drafter", str(drafter)]
+    for script, args, needle in (
+            ("runtime/run.py", [*pair, "--json", str(target / "config.json")],
+             f"--json {target / 'config.json'}: is inside the target {target}, which this command reads"),
+            ("runtime/run.py", [*pair, "--prompts", str(prompts), "--json", str(prompts)],
+             f"--json {prompts}: is --prompts {prompts}, which this command reads"),
+            ("scripts/benchmark.py", [*pair, "--families", "chat", "--prompts", f"chat={prompts}", "--out",
+                                      str(drafter / "bench")], f"--out {drafter / 'bench'}.json: is inside the drafter"),
+            ("scripts/bench_spec.py", [*pair, "--json", str(drafter / "config.json")], "is inside the drafter"),
+            ("scripts/bench_decode.py", ["--model", str(target), "--json", str(target / "model.safetensors")],
+             "is inside the target"),
+            ("scripts/eval_drafter.py", ["--data", str(cache), "--target", str(target), "--drafter", str(drafter),
+                                         "--json", str(cache / "meta.json")], f"is inside --data {cache}"),
+            ("scripts/bench_tp.py", ["--work", str(tmp_path / "w"), "--json", str(tmp_path / "w" / "r.json")],
+             "is inside --work"),
+            ("scripts/bench_convert.py", ["--work", str(tmp_path / "w"), "--json", str(tmp_path / "w" / "r.json")],
+             "is inside --work")):
+        assert_one_line_error(run(script, *args), needle)
+    assert {f: f.read_bytes() for f in before} == before and (cache / "meta.json").read_text() == "{}"
+    assert not (tmp_path / "w").exists() and not (drafter / "bench.json").exists()
+
+
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")

@@ -14,7 +14,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, TypeVar
+from typing import Callable, Iterable, Iterator, NoReturn, TypeVar
 
 from beamtrt.errors import BeamtrtError
 
@@ -198,6 +198,17 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     except OSError as e:
         raise BeamtrtError(f"{flag} {p}: cannot write in {ancestor} ({e.strerror or e})") from None
     return p
+
+
+def outside_inputs(path: str | Path, flag: str, reads: Iterable[tuple[str, str | Path | None]]) -> None:
+    """An output file is none of the files and folders (what, path) the command reads, nor inside one: written there it
+    would replace a checkpoint's config.json or a cache's meta.json, or add a file a build's manifest does not list."""
+    from beamtrt.checkpoint.hf import holds
+
+    for what, d in reads:
+        if d is not None and holds(d, path):
+            raise BeamtrtError(f"{flag} {path}: {'is' if holds(path, d) else 'is inside'} {what} {d}, which this "
+                               "command reads; choose another place")
 
 
 WORK_MARK = ".beamtrt-work"  # names the benchmark whose scratch folder this is

@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import (ArgumentParser, check_threads, description, output_path, run_ranks_cli, set_threads,
-                              torch_device)
+from beamtrt.cli_util import (ArgumentParser, check_threads, description, output_path, outside_inputs, run_ranks_cli,
+                              set_threads, torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, render_chats, utf8_text
@@ -214,6 +214,10 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # before beam-mini is made
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, True)
     sources.check_block(args.block_size)
+    for ext in OUT_EXTS:
+        outside_inputs(args.out + ext, "--out", [("the build", engine_dir), ("the target", sources.model_dir),
+                                                 ("the drafter", sources.drafter_dir),
+                                                 *(("--prompts", f) for f in files.values())])
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = {fam: render_chats(tokenizer, c, [f"{fam}: prompt {i + 1}" for i in range(len(c))])
                   for fam, c in chats.items()}  # every prompt rendered before the models load

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import (ArgumentParser, child_error, ending_with_us, free_bytes, output_path, run_cli,
-                              work_dir)
+from beamtrt.cli_util import (ArgumentParser, child_error, ending_with_us, free_bytes, output_path, outside_inputs,
+                              run_cli, work_dir)
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--size-gb must be a finite number > 0 and --tp >= 1, got {args.size_gb} and {args.tp}")
         if args.json:
             output_path(args.json, "--json")
+            outside_inputs(args.json, "--json", [("--work", args.work)])  # its contents are replaced
         free = free_bytes(args.work)  # a build alone needs --size-gb: beyond the disk, said before any config is made
         reused = args.size_gb * 1e9 <= free and (
             _made_layers(args.work / "target") == source_config(args.size_gb).num_hidden_layers)

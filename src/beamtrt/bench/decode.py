@@ -20,7 +20,8 @@ import torch
 
 from beamtrt import native
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, description, output_path, progress, run_cli, say, set_threads
+from beamtrt.cli_util import (ArgumentParser, description, output_path, outside_inputs, progress, run_cli, say,
+                              set_threads)
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             output_path(args.json, "--json")
         model_dir = Path(args.model) if args.model else ensure_beam_mini()
+        if args.json:
+            outside_inputs(args.json, "--json", [("the target", model_dir)])
         result = {"model": str(model_dir), "threads": torch.get_num_threads(), "context": args.context,
                   "device": "cpu", "results": []}
         bar = progress(len(args.dtypes) * len(args.batches), "bench_decode")

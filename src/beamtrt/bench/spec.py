@@ -10,7 +10,8 @@ import time
 import torch
 
 from beamtrt.checkpoint.hf import write_json
-from beamtrt.cli_util import ArgumentParser, description, output_path, progress, run_cli, say, set_threads
+from beamtrt.cli_util import (ArgumentParser, description, output_path, outside_inputs, progress, run_cli, say,
+                              set_threads)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             output_path(args.json, "--json")
         model_dir, drafter_dir = hf_sources(args.model, args.drafter, True, engine_dir_flag=False)
+        if args.json:
+            outside_inputs(args.json, "--json", [("the target", model_dir), ("the drafter", drafter_dir)])
         asked = BENCH_PROMPTS[:max(args.batches)]
         prompt_ids = render_chats(load_tokenizer(model_dir), [[{"role": "user", "content": q}] for q in asked],
                                   [f"benchmark prompt {i + 1}" for i in range(len(asked))])  # before the load

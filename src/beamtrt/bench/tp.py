@@ -9,7 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from beamtrt.cli_util import ArgumentParser, child_error, output_path, progress, run_child, run_cli, say, work_dir
+from beamtrt.cli_util import (ArgumentParser, child_error, output_path, outside_inputs, progress, run_child, run_cli,
+                              say, work_dir)
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError("--tp, --concurrency and --max-new-tokens must be >= 1")
         if args.json:
             output_path(args.json, "--json")
+            outside_inputs(args.json, "--json", [("--model", args.model), ("--drafter", args.drafter),
+                                                 ("--work", args.work)])  # --work's contents are replaced
         work_dir(args.work, "--work", "bench_tp.py")
         results = {"precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
         bar = progress(len(args.tp) * (1 + 2 * len(args.concurrency)), "bench_tp", unit="command")

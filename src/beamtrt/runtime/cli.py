@@ -10,13 +10,12 @@ from pathlib import Path
 
 from beamtrt.checkpoint.hf import write_json
 from beamtrt.checkpoint.manifest import MANIFEST
-from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_path, run_ranks_cli, set_threads,
-                              torch_device)
+from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_path, outside_inputs, run_ranks_cli,
+                              set_threads, torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, make_decode, read_chat_lines, render_chats, special_stops, utf8_text
-from beamtrt.runtime.loader import (BACKENDS, DTYPES, Sources, check_device, find_sources, open_build,
-                                   pick_backend)
+from beamtrt.runtime.loader import BACKENDS, DTYPES, Sources, check_device, find_sources, open_build, pick_backend
 from beamtrt.spec.decoder import too_long
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import TextStream, first_stop
@@ -169,6 +168,9 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     check_device(args.device, backend, dist.size)
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec, "--no-spec")
     sources.check_block(args.block_size)
+    if args.json:
+        outside_inputs(args.json, "--json", [("the build", engine_dir), ("the target", sources.model_dir),
+                                             ("the drafter", sources.drafter_dir), ("--prompts", args.prompts)])
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = render_chats(tokenizer, chats, where)
     stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint.hf import require_dir, write_json
-from beamtrt.cli_util import ArgumentParser, output_path, run_cli, set_threads, torch_device
+from beamtrt.cli_util import ArgumentParser, output_path, outside_inputs, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer
 
@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 default = " (the default for the target's name: pass --drafter DIR)" if (
                     what == "drafter" and not args.drafter) else ""
                 raise BeamtrtError(f"{what} {d}: not a checkpoint directory (no config.json){default}")
+        if args.json:
+            outside_inputs(args.json, "--json", [("the target", target_dir), ("the drafter", drafter_dir),
+                                                 *(("--data", d) for d in args.data)])
         tokenizer = load_tokenizer(target_dir)  # the answers are scored as text: before any weight loads
         dcfg = drafter_config_for(drafter_dir, BeamConfig.from_file(target_dir / "config.json"))  # so is this
         if args.block_size > dcfg.block_size:
