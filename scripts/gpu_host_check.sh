@@ -4,6 +4,8 @@
 #   for each precision (bf16, fp8, and nvfp4 on Blackwell): build beam-mini's engines, decode the same prompts with
 #   the trt and the torch backends, and print greedy token identity, acceptance length and tokens/s for both.
 # Usage: scripts/gpu_host_check.sh [--tp N] [--precisions "bf16 fp8 nvfp4"] [--max-new-tokens N]
+#   --tp: ranks, one GPU each (default 1); --precisions: any of bf16, fp8, nvfp4, space-separated (default: bf16 fp8,
+#   and nvfp4 on Blackwell); --max-new-tokens: per prompt (default 64). Python: $PY (default .venv/bin/python).
 # Reports go to bench/gpu-host/<precision>-tp<N>/ (run JSONs, comparison JSON, build log). Greedy identity between
 # the backends is reported, not required: TensorRT's and PyTorch's GEMMs may round a near-tie differently.
 set -euo pipefail
@@ -22,12 +24,19 @@ while [ $# -gt 0 ]; do
     --tp) TP="$2"; shift 2 ;;
     --precisions) PRECISIONS="$2"; shift 2 ;;
     --max-new-tokens) MAX_NEW="$2"; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) fail "unknown argument $1 (see --help)" ;;
   esac
 done
 [[ "$TP" =~ ^[1-9][0-9]*$ ]] || fail "--tp must be a positive integer, got $TP"
 [[ "$MAX_NEW" =~ ^[1-9][0-9]*$ ]] || fail "--max-new-tokens must be a positive integer, got $MAX_NEW"
+if [ -n "$PRECISIONS" ]; then  # all checked before the first build
+  for precision in $PRECISIONS; do
+    case "$precision" in bf16|fp8|nvfp4) ;; *) fail "--precisions: unknown precision '$precision' (bf16, fp8, nvfp4, \
+separated by spaces)" ;; esac
+  done
+  [ -n "${PRECISIONS// /}" ] || fail "--precisions: no precision given (bf16, fp8, nvfp4, separated by spaces)"
+fi
 command -v "$PY" >/dev/null || fail "$PY not found: run make setup in a Python with tensorrt_llm 1.2, or set PY"
 
 "$PY" - <<'EOF' || exit 2
@@ -53,10 +62,14 @@ for precision in $PRECISIONS; do
   report="bench/gpu-host/$precision-tp$TP"
   mkdir -p "$report"
   echo "== $precision, tp $TP: building $out"
-  "$PY" build/build_engines.py --precision "$precision" --tp "$TP" --out "$out" --force --quiet 2>&1 \
-    | tee "$report/build.log"
+  if ! "$PY" build/build_engines.py --precision "$precision" --tp "$TP" --out "$out" --force --quiet \
+      > "$report/build.log" 2>&1; then
+    cat "$report/build.log" >&2  # ends with the build's error: line
+    exit 2
+  fi
+  cat "$report/build.log"
   "$PY" -c "import json, sys; s = json.load(open('$out/manifest.json'))['stages']['engines']; \
-sys.exit(0 if s['status'] in ('ran', 'reused') else f\"engines {s['status']}: {s.get('reason')}\")"
+s['status'] in ('ran', 'reused') or sys.exit(f\"error: engines {s['status']}: {s.get('reason')}\")" || exit 2
   run=(runtime/run.py --engine-dir "$out" --dtype bfloat16 --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW"
        --concurrency 8 --quiet)
   echo "== $precision, tp $TP: decoding with the trt backend ($TP rank(s))"

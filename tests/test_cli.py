@@ -171,7 +171,9 @@ def test_gpu_check_help_and_bad_argument():
                                              env={**os.environ, "PY": sys.executable}), "no CUDA device")
     host = str(ROOT / "scripts/gpu_host_check.sh")
     for args, needle in ((["--tp"], "--tp needs a value"), (["--tp", "x"], "positive integer"),
-                         (["--bogus"], "unknown argument"), (["--precisions", ""], "--precisions: an empty value")):
+                         (["--bogus"], "unknown argument"), (["--precisions", ""], "--precisions: an empty value"),
+                         (["--precisions", "bf16,fp8"], "unknown precision 'bf16,fp8'"),  # before any build
+                         (["--precisions", " "], "--precisions: no precision given")):
         assert_one_line_error(subprocess.run([host, *args], capture_output=True, text=True, timeout=30), needle)
     assert "set -euo" not in subprocess.run([host, "--help"], capture_output=True, text=True, timeout=30).stdout
 
@@ -441,6 +443,10 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--layers", "100000000"),
                           "num_hidden_layers=100000000", "beyond any real model")  # nor its layers listed
     assert not (tmp_path / "x").exists()
+    link = tmp_path / "link"  # dangling: its target is made, as for every output (it failed after the writing)
+    link.symlink_to(tmp_path / "made")
+    result = run("scripts/make_random_beam.py", "--out", str(link), "--layers", "1", "--hidden-size", "64")
+    assert result.returncode == 0 and link.is_symlink() and (tmp_path / "made" / "config.json").is_file(), result
 
 
 def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):

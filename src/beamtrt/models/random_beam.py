@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, staging
+from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, replace_dir, staging
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 from beamtrt.models.beam import hf_tensor_specs
@@ -40,5 +40,5 @@ def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: to
             for name, tensor in tensors:
                 writer.add(name, tensor)
         cfg.save(tmp / "config.json")
-        tmp.rename(out)
+        replace_dir(tmp, out)  # through a symbolic link at out, as every output is written
     return out

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="draft block, from 2 up to the drafter's own block size (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device of the target and drafter, e.g. cpu or cuda "
                                                    "(default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
     return p.parse_args(argv)
 
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate_by_kind(drafter, concat_features(parts), kinds, args.per_kind, args.block_size)
         answers["all"] = sum(answers.values())
         rows = {kind: {"answers": answers[kind]} | r for kind, r in rows.items()}
-        print("| kind | greedy answers | scored | τ decoded | τ top-1 | every-anchor mean | top-16 recall |\n"
+        top_k = min(dcfg.selector_top_k, dcfg.vocab_size)  # the selector's candidates per slot (trainer.evaluate)
+        print(f"| kind | greedy answers | scored | τ decoded | τ top-1 | every-anchor mean | top-{top_k} recall |\n"
               "|---|---|---|---|---|---|---|")
         for kind, r in rows.items():
             print(f"| {kind} | {r['answers']} | {r['scored']} | {r.get('eval_tau', float('nan')):.2f} | "
