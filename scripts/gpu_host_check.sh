@@ -9,6 +9,7 @@
 # Reports go to bench/gpu-host/<precision>-tp<N>/ (run JSONs, comparison JSON, build log). Greedy identity between
 # the backends is reported, not required: TensorRT's and PyTorch's GEMMs may round a near-tie differently.
 set -euo pipefail
+set -f  # --precisions is split into words, never expanded as file names
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 TP=1
@@ -31,11 +32,12 @@ done
 [[ "$TP" =~ ^[1-9][0-9]*$ ]] || fail "--tp must be a positive integer, got $TP"
 [[ "$MAX_NEW" =~ ^[1-9][0-9]*$ ]] || fail "--max-new-tokens must be a positive integer, got $MAX_NEW"
 if [ -n "$PRECISIONS" ]; then  # all checked before the first build
-  for precision in $PRECISIONS; do
+  read -ra words <<< "$PRECISIONS"
+  [ "${#words[@]}" -gt 0 ] || fail "--precisions: no precision given (bf16, fp8, nvfp4, separated by spaces)"
+  for precision in "${words[@]}"; do
     case "$precision" in bf16|fp8|nvfp4) ;; *) fail "--precisions: unknown precision '$precision' (bf16, fp8, nvfp4, \
 separated by spaces)" ;; esac
   done
-  [ -n "${PRECISIONS// /}" ] || fail "--precisions: no precision given (bf16, fp8, nvfp4, separated by spaces)"
 fi
 command -v "$PY" >/dev/null || fail "$PY not found: run make setup in a Python with tensorrt_llm 1.2, or set PY"
 

@@ -774,7 +774,8 @@ def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_voc
 def test_an_output_inside_what_the_command_reads_is_refused(mini_vocab_sources, tmp_path, run, monkeypatch):
     """A --json (benchmark.py's --out) into a checkpoint, a cache or a prompts file the command reads would replace or
     add a file there (it replaced a target's config.json, a cache's meta.json, a model's weights); into a folder whose
-    contents a benchmark replaces (--work) it would be deleted. Refused before any model is loaded, the inputs intact."""
+    contents a benchmark replaces (--work) it would be deleted. Refused before any model is loaded, the inputs
+    intact."""
     from beamtrt.models import beam
 
     monkeypatch.setattr(beam, "load_beam", lambda *a, **k: pytest.fail("the target was loaded"))
@@ -790,7 +791,8 @@ def test_an_output_inside_what_the_command_reads_is_refused(mini_vocab_sources, 
             ("runtime/run.py", [*pair, "--prompts", str(prompts), "--json", str(prompts)],
              f"--json {prompts}: is --prompts {prompts}, which this command reads"),
             ("scripts/benchmark.py", [*pair, "--families", "chat", "--prompts", f"chat={prompts}", "--out",
-                                      str(drafter / "bench")], f"--out {drafter / 'bench'}.json: is inside the drafter"),
+                                      str(drafter / "bench")],
+             f"--out {drafter / 'bench'}.json: is inside the drafter"),
             ("scripts/bench_spec.py", [*pair, "--json", str(drafter / "config.json")], "is inside the drafter"),
             ("scripts/bench_decode.py", ["--model", str(target), "--json", str(target / "model.safetensors")],
              "is inside the target"),

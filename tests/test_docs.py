@@ -50,7 +50,8 @@ def test_the_docs_show_commands():
 
 
 def test_the_files_make_test_starts_first_exist():
-    """README: `make test` starts the files that take minutes first (conftest.SLOW_FILES); a renamed one would not be."""
+    """README: `make test` starts the files that take minutes first (conftest.SLOW_FILES); a renamed one would not
+    be."""
     from conftest import SLOW_FILES
 
     assert [name for name in SLOW_FILES if not (ROOT / "tests" / name).is_file()] == []

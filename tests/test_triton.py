@@ -696,6 +696,25 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
     rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "torch",
                                "--max-slots", "5", "--block-size", "4", "--force")  # the checkpoints: any batch, block
     assert rc == 0, stderr
+    from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
+
+    context = TrtllmCheckpoint(builds[1] / "target").beam_config().max_position_embeddings
+    long = _with_engines(builds[1], tmp_path / "long", max_seq_len=10 * context)  # engines past the target's context
+    unrecorded = _with_engines(builds[1], tmp_path / "unrecorded")  # an older manifest: no engine settings
+    _break_manifest(unrecorded, lambda m: m["engines"].pop("settings"))
+    for build in (long, unrecorded):
+        rc, _, stderr = run_export(capsys, "--engine-dir", str(build), "--out", str(out), "--backend", "trt",
+                                   "--max-seq-len", str(context + 1), "--force")
+        assert rc == 2 and f"is above the target's context of {context} tokens" in stderr, stderr
+    tiny = tmp_path / "tiny"  # built with --max-seq-len 10: the default leaves no room for a block of 8
+    shutil.copytree(builds[1], tiny)
+    _break_manifest(tiny, lambda m: m["engines"]["settings"].update(max_seq_len=10))
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny), "--out", str(out), "--force")
+    assert rc == 2 and stderr.startswith("error: the build's --max-seq-len of 10 tokens leaves no room for a request "
+                                         "in blocks of 8 (--max-seq-len must be >= block_size + 3 = 11"), stderr
+    assert stderr.endswith("pass a smaller --block-size or rebuild with a larger --max-seq-len\n"), stderr
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny), "--out", str(out), "--force", "--block-size", "4")
+    assert rc == 0, stderr
     short = tmp_path / "short"  # built with --max-seq-len 64, no engines: the torch server stops requests there
     shutil.copytree(builds[1], short)
     _break_manifest(short, lambda m: m["engines"]["settings"].update(max_seq_len=64))

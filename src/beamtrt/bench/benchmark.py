@@ -214,10 +214,9 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     chats = {fam: load_chats(fam, args.num_prompts, files) for fam in families}  # before beam-mini is made
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, True)
     sources.check_block(args.block_size)
+    reads = [*sources.inputs(engine_dir), *(("--prompts", f) for f in files.values())]
     for ext in OUT_EXTS:
-        outside_inputs(args.out + ext, "--out", [("the build", engine_dir), ("the target", sources.model_dir),
-                                                 ("the drafter", sources.drafter_dir),
-                                                 *(("--prompts", f) for f in files.values())])
+        outside_inputs(args.out + ext, "--out", reads)
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = {fam: render_chats(tokenizer, c, [f"{fam}: prompt {i + 1}" for i in range(len(c))])
                   for fam, c in chats.items()}  # every prompt rendered before the models load

@@ -67,14 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> None:
+        from beamtrt.models.beam_mini import DEFAULT_DIR, RANDOM_DRAFTER, TRAINED_DRAFTER
         from beamtrt.quant.calibrate import default_prompts_path
 
         if min(args.tp) < 1 or min(args.concurrency) < 1 or args.max_new_tokens < 1:
             raise BeamtrtError("--tp, --concurrency and --max-new-tokens must be >= 1")
         if args.json:
             output_path(args.json, "--json")
-            outside_inputs(args.json, "--json", [("--model", args.model), ("--drafter", args.drafter),
-                                                 ("--work", args.work)])  # --work's contents are replaced
+            drafters = [args.drafter] if args.drafter else [TRAINED_DRAFTER, RANDOM_DRAFTER]  # build_engines' default
+            outside_inputs(args.json, "--json", [("the target", args.model or DEFAULT_DIR),
+                                                 *(("the drafter", d) for d in drafters),
+                                                 ("the prompts", default_prompts_path()),
+                                                 ("--work", args.work)])  # whose contents are replaced
         work_dir(args.work, "--work", "bench_tp.py")
         results = {"precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
         bar = progress(len(args.tp) * (1 + 2 * len(args.concurrency)), "bench_tp", unit="command")

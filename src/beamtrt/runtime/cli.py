@@ -169,8 +169,7 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec, "--no-spec")
     sources.check_block(args.block_size)
     if args.json:
-        outside_inputs(args.json, "--json", [("the build", engine_dir), ("the target", sources.model_dir),
-                                             ("the drafter", sources.drafter_dir), ("--prompts", args.prompts)])
+        outside_inputs(args.json, "--json", [*sources.inputs(engine_dir), ("--prompts", args.prompts)])
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = render_chats(tokenizer, chats, where)
     stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")

@@ -76,6 +76,10 @@ class Sources:
     drafter_dir: Path | None = None  # its drafter (None: a build's own, or plain decoding)
     drafter_block: int | None = None  # the largest block the drafter drafts (None: plain decoding, or not recorded)
 
+    def inputs(self, engine_dir: Path | None) -> list[tuple[str, Path | None]]:
+        """(what, folder) of everything loaded from, for cli_util.outside_inputs (None: not one of these sources)."""
+        return [("the build", engine_dir), ("the target", self.model_dir), ("the drafter", self.drafter_dir)]
+
     def check_block(self, block_size: int) -> None:
         """A verification block the drafter can draft (at most the block it trained at), or a one-line ConfigError."""
         if self.drafter_block is not None and (why := drafter_block_error(block_size, self.drafter_block)):

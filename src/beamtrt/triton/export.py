@@ -32,8 +32,9 @@ MODELS_SOURCE = Path(__file__).resolve().parent / "models"
 PYTHON_PATH = Path(serving.__file__).resolve().parents[2]  # the folder holding the beamtrt package
 COPIED_ENGINE = f"{MODEL}/1/engine"  # where --copy-engines puts the build, relative to the repository
 LAUNCH = "scripts/launch_triton.sh"
-MAX_SLOTS, MAX_SEQ_LEN = ServeSettings.max_slots, ServeSettings.max_seq_len  # the defaults, lowered to what the
-# build serves where it serves less
+# --max-slots and --max-seq-len left unset: these, or what the build serves where it serves less
+MAX_SLOTS, MAX_SEQ_LEN = ServeSettings.max_slots, ServeSettings.max_seq_len
+RAW_TEXT_INPUT = "the prompt, as raw text (no chat template)"  # text_input's help in a --raw-prompts repository
 
 
 class ExportError(BeamtrtError):
@@ -239,15 +240,19 @@ def export(cfg: ExportConfig) -> list[str]:
     if batch and max_slots > batch:
         raise ExportError(f"--backend {cfg.backend}: --max-slots {max_slots} is above the engines' --max-batch-size "
                           f"{batch}{auto}")
-    context = build_context(root, manifest, "trt" if cfg.backend == "trt" else "torch")  # auto: the lower of the two
-    max_seq_len = min(MAX_SEQ_LEN, context or MAX_SEQ_LEN) if cfg.max_seq_len is None else cfg.max_seq_len
-    if context and max_seq_len > context:
-        what = "the build's --max-seq-len" if context == built.get("max_seq_len") else "the target's context"
+    context = build_context(root, manifest, "torch")  # the target's context, or the build's --max-seq-len where lower
+    what = "the build's --max-seq-len" if context == built.get("max_seq_len") else "the target's context"
+    max_seq_len = min(MAX_SEQ_LEN, context) if cfg.max_seq_len is None else cfg.max_seq_len
+    if max_seq_len > context:
         raise ExportError(f"--max-seq-len {max_seq_len} is above {what} of {context} tokens")
     try:
         settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
                                  max_slots, max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     except SettingError as e:  # named as the flag it came from (each setting is export_triton.py's flag of its name)
+        if e.name == "max_seq_len" and cfg.max_seq_len is None:  # not given: the build's own length is too short
+            rebuild = " or rebuild with a larger --max-seq-len" if what.startswith("the build's") else ""
+            raise ExportError(f"{what} of {context} tokens leaves no room for a request in blocks of {block} "
+                              f"(--max-seq-len {e.why}): pass a smaller --block-size{rebuild}") from None
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
     if cfg.device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
         check_device(cfg.device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
@@ -317,9 +322,6 @@ The ensemble's tensors (each with a leading batch dimension of 1):
 
 See docs/TRITON.md in the beamtrt checkout.
 """
-
-
-RAW_TEXT_INPUT = "the prompt, as raw text (no chat template)"  # text_input's help in a --raw-prompts repository
 
 
 def tensor_rows(chat_template: bool = True) -> str:
