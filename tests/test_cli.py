@@ -805,6 +805,13 @@ def test_an_output_inside_what_the_command_reads_is_refused(mini_vocab_sources, 
         assert_one_line_error(run(script, *args), needle)
     assert {f: f.read_bytes() for f in before} == before and (cache / "meta.json").read_text() == "{}"
     assert not (tmp_path / "w").exists() and not (drafter / "bench.json").exists()
+    from beamtrt.bench import tp
+    from beamtrt.models import beam_mini
+
+    monkeypatch.setattr(tp, "build", lambda *a, **k: pytest.fail("bench_tp.py built"))
+    monkeypatch.setattr(beam_mini, "TRAINED_DRAFTER", drafter)  # bench_tp's builds read beam-mini's by default
+    assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path / "w"), "--json",
+                              str(drafter / "config.json")), f"is inside the drafter {drafter}")
 
 
 def test_bench_bad_values_are_one_line(tmp_path, run):
