@@ -273,7 +273,15 @@ def test_out_that_holds_a_source_or_sits_under_a_file_is_refused(sources, tmp_pa
     src = _corrupt_copy(sources, tmp_path, lambda d: None)
     for out, flag in ((src / "target", "--model"), (src, "--model"), (src / "drafter", "--drafter")):
         one_line_error(build(src, out, "--force"), f"--out {out} holds the {flag} input")
-    assert (src / "target" / "config.json").is_file() and (src / "drafter" / "config.json").is_file()
+    for out, flag in ((src / "target" / "out", "--model"), (src / "drafter" / "a" / "b", "--drafter")):
+        one_line_error(build(src, out), f"--out {out} is inside the {flag} input")  # a source read whole
+    names = [sorted(p.name for p in (root / "drafter").iterdir()) for root in (src, sources)]
+    assert names[0] == names[1]
+    assert (src / "target" / "config.json").is_file() and not (src / "target" / "out").exists()
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    for args in (["--out", str(tmp_path / "loop1")], ["--model", str(tmp_path / "loop1")]):
+        one_line_error(build(src, tmp_path / "out", *args), f"{tmp_path / 'loop1'}: a loop of symbolic links")
     (tmp_path / "afile").write_text("")
     one_line_error(build(src, tmp_path / "afile" / "out"), "afile is a file, not a directory")
 
@@ -384,8 +392,13 @@ def test_tokenizer_files_are_inputs_and_outputs_take_the_umask(sources, tmp_path
     src, out = tmp_path / "src", tmp_path / "out"
     shutil.copytree(sources / "target", src)
     (src / "chat_template.jinja").write_text("{{ messages }}")
+    for name in ("pytorch_model.bin", "README.md", ".gitattributes"):  # neither copied nor inputs of the build
+        (src / name).write_text("x")
     assert build(sources, out, "--model", str(src)).returncode == 0
     assert (out / "tokenizer" / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == ["chat_template.jinja"]
+    (src / "README.md").write_text("a model card, edited")
+    assert "up to date" in build(sources, out, "--model", str(src)).stderr
     assert out.stat().st_mode & 0o777 == 0o777 & ~_UMASK
     modes = {f.stat().st_mode & 0o777 for f in out.rglob("*") if f.is_file()}  # weights, configs, tokenizer
     assert modes == {0o666 & ~_UMASK}, modes

@@ -97,10 +97,13 @@ def _run(args: argparse.Namespace) -> None:
     if not has_tokenizer(bc.model):  # a conversion benchmark's random model has none; decoding and Triton need one
         log(f"warning: {bc.model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): the build is complete, "
             "but runtime/run.py and the Triton export need them to encode prompts")
+        if bc.calib_prompts and bc.needs_calibration:
+            log("warning: --calib-prompts was not used: without a tokenizer, calibration ran on random token ids")
     if args.out is None:  # runtime/run.py runs the last default-location build unless told otherwise
         from beamtrt.checkpoint.hf import write_text
         write_text(LAST_BUILD, str(bc.out.resolve()) + "\n")
     stage = read_manifest(bc.out)["stages"]["engines"]
     if stage["status"] == "skipped":
         log(f"engines: skipped ({stage['reason']}); the TensorRT-LLM checkpoints are complete in {bc.out}; to build "
-            "engines, run this same command on a GPU host with TensorRT-LLM 1.2")
+            "engines, run this same command with --force on a GPU host with TensorRT-LLM 1.2 (the checkpoints are "
+            "reused)")

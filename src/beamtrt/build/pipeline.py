@@ -283,11 +283,17 @@ def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool)
     return files + _copy_tokenizer(bc.model, out.parent / "tokenizer")
 
 
+TOKENIZER_NAMES = frozenset(("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                             "vocab.json", "vocab.txt", "merges.txt", "chat_template.json", "generation_config.json"))
+TOKENIZER_SUFFIXES = (".model", ".tiktoken", ".jinja")  # SentencePiece and tiktoken vocabularies, chat templates
+
+
 def _tokenizer_files(model: Path) -> list[Path]:
-    """The source's tokenizer, chat template and generation config: every file but the config, weights and build
-    markers. Copied into the output, and part of the target stage's inputs."""
-    skip = {"config.json", "model.safetensors.index.json", "beam_mini.json"}
-    return [p for p in sorted(model.iterdir()) if p.is_file() and p.suffix != ".safetensors" and p.name not in skip]
+    """The source's tokenizer, chat template and generation config (named, not "all but the weights": a checkpoint
+    folder may also hold other weight formats, a model card, git's files). Copied into the output, and part of the
+    target stage's inputs."""
+    return [p for p in sorted(model.iterdir()) if p.is_file() and not p.name.startswith(".") and (
+        p.name in TOKENIZER_NAMES or p.suffix in TOKENIZER_SUFFIXES)]
 
 
 def _copy_tokenizer(model: Path, dst: Path) -> list[Path]:

@@ -195,8 +195,15 @@ def writing(folder: Path, busy: str | None = None) -> Iterator[None]:
 
 def holds(outer: Path, inner: Path) -> bool:
     """Whether `outer` is `inner` or one of its ancestors (links resolved): replacing `outer` would replace `inner`."""
-    outer, inner = Path(outer).resolve(), Path(inner).resolve()
+    outer, inner = _resolved(outer), _resolved(inner)
     return outer == inner or outer in inner.parents
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except RuntimeError:  # Python 3.10-3.12 on a loop of symbolic links (3.13 raises OSError, said in one line too)
+        raise CheckpointError(f"{path}: a loop of symbolic links") from None
 
 
 def holds_cwd(path: Path) -> bool:
