@@ -32,7 +32,7 @@ done
 [[ "$TP" =~ ^[1-9][0-9]*$ ]] || fail "--tp must be a positive integer, got $TP"
 [[ "$MAX_NEW" =~ ^[1-9][0-9]*$ ]] || fail "--max-new-tokens must be a positive integer, got $MAX_NEW"
 if [ -n "$PRECISIONS" ]; then  # all checked before the first build
-  read -ra words <<< "$PRECISIONS"
+  words=($PRECISIONS)  # split on any whitespace (globbing is off), as the build loop below takes them
   [ "${#words[@]}" -gt 0 ] || fail "--precisions: no precision given (bf16, fp8, nvfp4, separated by spaces)"
   for precision in "${words[@]}"; do
     case "$precision" in bf16|fp8|nvfp4) ;; *) fail "--precisions: unknown precision '$precision' (bf16, fp8, nvfp4, \

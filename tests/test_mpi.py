@@ -197,7 +197,11 @@ def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
         watchdog.cancel()
         if proc.poll() is None:  # an assertion failed with the job still decoding: it must not run on
             proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=30)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
     assert proc.returncode != 0 and time.perf_counter() - start < 15
     left = subprocess.run(["pgrep", "-f", str(engine)], capture_output=True, text=True).stdout.split()
     assert left == []

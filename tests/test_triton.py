@@ -715,6 +715,10 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
     assert stderr.endswith("pass a smaller --block-size or rebuild with a larger --max-seq-len\n"), stderr
     rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny), "--out", str(out), "--force", "--block-size", "4")
     assert rc == 0, stderr
+    tiny_engines = _with_engines(builds[1], tmp_path / "tiny-engines", max_seq_len=10)  # their block is fixed
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny_engines), "--out", str(out), "--force")
+    assert rc == 2 and stderr.endswith(": rebuild with a larger --max-seq-len, or pass --backend torch and a smaller "
+                                       "--block-size\n"), stderr
     short = tmp_path / "short"  # built with --max-seq-len 64, no engines: the torch server stops requests there
     shutil.copytree(builds[1], short)
     _break_manifest(short, lambda m: m["engines"]["settings"].update(max_seq_len=64))

@@ -553,7 +553,8 @@ class BuildConfig:
         for flag, src in sources:
             if src is not None and holds(self.out, src):
                 _fail(f"--out {self.out} holds the {flag} input {src}: a build replaces its --out, so choose another")
-            if src is not None and holds(src, self.out):  # a checkpoint folder is read whole (hashed, copied)
+            # nor inside one: a checkpoint remade (make_beam_mini.py, train_drafter.py --force) replaces its folder
+            if src is not None and holds(src, self.out):
                 _fail(f"--out {self.out} is inside the {flag} input {src}; choose another")
 
     @property

@@ -106,4 +106,4 @@ def _run(args: argparse.Namespace) -> None:
     if stage["status"] == "skipped":
         log(f"engines: skipped ({stage['reason']}); the TensorRT-LLM checkpoints are complete in {bc.out}; to build "
             "engines, run this same command with --force on a GPU host with TensorRT-LLM 1.2 (the checkpoints are "
-            "reused)")
+            "reused where their inputs are unchanged)")

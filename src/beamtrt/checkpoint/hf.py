@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import glob
@@ -195,15 +196,22 @@ def writing(folder: Path, busy: str | None = None) -> Iterator[None]:
 
 def holds(outer: Path, inner: Path) -> bool:
     """Whether `outer` is `inner` or one of its ancestors (links resolved): replacing `outer` would replace `inner`."""
-    outer, inner = _resolved(outer), _resolved(inner)
+    outer, inner = resolved(outer), resolved(inner)
     return outer == inner or outer in inner.parents
 
 
-def _resolved(path: Path) -> Path:
+def resolved(path: str | Path) -> Path:
+    """Path.resolve(), with a loop of symbolic links a one-line CheckpointError (Python 3.10-3.12 raise RuntimeError
+    there, 3.13 returns the path as it is)."""
     try:
-        return Path(path).resolve()
-    except RuntimeError:  # Python 3.10-3.12 on a loop of symbolic links (3.13 raises OSError, said in one line too)
+        real = Path(path).resolve()
+        os.stat(path)
+    except RuntimeError:
         raise CheckpointError(f"{path}: a loop of symbolic links") from None
+    except OSError as e:  # a path not made yet is fine
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: a loop of symbolic links") from None
+    return real
 
 
 def holds_cwd(path: Path) -> bool:

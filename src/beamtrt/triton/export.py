@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from beamtrt.checkpoint.hf import holds, replace_dir, staging
+from beamtrt.checkpoint.hf import holds, replace_dir, resolved, staging
 from beamtrt.checkpoint.manifest import MANIFEST, read_manifest
 from beamtrt.cli_util import output_path
 from beamtrt.config import drafter_block_error
@@ -207,7 +207,7 @@ class ExportConfig:
 
 def export(cfg: ExportConfig) -> list[str]:
     """Write and validate the repository at cfg.out; returns summary lines."""
-    root, out = cfg.engine_dir.resolve(), cfg.out.resolve()
+    root, out = resolved(cfg.engine_dir), resolved(cfg.out)
     if holds(root, out):
         raise ExportError(f"--out {out} is inside the engine directory; choose another place")
     if holds(out, root):
@@ -250,9 +250,11 @@ def export(cfg: ExportConfig) -> list[str]:
                                  max_slots, max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     except SettingError as e:  # named as the flag it came from (each setting is export_triton.py's flag of its name)
         if e.name == "max_seq_len" and cfg.max_seq_len is None:  # not given: the build's own length is too short
-            rebuild = " or rebuild with a larger --max-seq-len" if what.startswith("the build's") else ""
+            remedy = ("rebuild with a larger --max-seq-len, or pass --backend torch and a smaller --block-size"
+                      if on_engines else "pass a smaller --block-size" + (
+                          " or rebuild with a larger --max-seq-len" if what.startswith("the build's") else ""))
             raise ExportError(f"{what} of {context} tokens leaves no room for a request in blocks of {block} "
-                              f"(--max-seq-len {e.why}): pass a smaller --block-size{rebuild}") from None
+                              f"(--max-seq-len {e.why}): {remedy}") from None
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
     if cfg.device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
         check_device(cfg.device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
