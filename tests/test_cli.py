@@ -1136,6 +1136,10 @@ def test_train_drafter_bad_values_are_one_line(tmp_path, run, beam_mini):
     assert_one_line_error(run("scripts/train_drafter.py", "--extra-data", str(tmp_path / "gone")), "gone",
                           "no such directory")
     assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path)), "--init", "no config.json")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")  # a RuntimeError traceback on Python 3.10-3.12
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    assert_one_line_error(run("scripts/train_drafter.py", "--init", str(tmp_path / "loop1")),
+                          f"{tmp_path / 'loop1'}: a loop of symbolic links")
     # with every folder in tmp_path: a check that stopped working would write nothing into checkpoints/
     paths = ["--target", str(beam_mini)] + [f"--{flag}={tmp_path / flag}" for flag in ("data", "work", "out")]
     assert_one_line_error(run("scripts/train_drafter.py", *paths, "--max-new-tokens", "1"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import require_dir, write_json, writing
+from beamtrt.checkpoint.hf import require_dir, resolved, write_json, writing
 from beamtrt.cli_util import ArgumentParser, check_seed, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                           gamma=args.gamma, selector_weight=args.selector_weight, seed=args.seed,
                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                           head_vocab=args.head_vocab, distill=args.distill,
-                          init_from=str(Path(args.init).resolve()) if args.init else "")
+                          init_from=str(resolved(args.init)) if args.init else "")
         recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                             batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size),
                             mix=args.prompt_mix)
@@ -261,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
         if not (target_dir / "config.json").is_file():
             raise BeamtrtError(f"--target {target_dir}: not a checkpoint directory (no config.json)")
-        name = target_dir.resolve().name
+        name = resolved(target_dir).name
         data_dir = Path(args.data) if args.data else CHECKPOINTS / f"{name}-dflash2-data"
         work = Path(args.work) if args.work else CHECKPOINTS / f"{name}-dflash2-train"
         out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2-trained"
         outputs = (("--data", data_dir),) + (() if args.data_only else (("--work", work), ("--out", out)))
         for flag, d in outputs:  # before hours of work (--data-only writes neither --work nor --out)
             output_path(d, flag, directory=True)
-        caches = [d.resolve() for d in (*map(Path, args.extra_data), data_dir)]
+        caches = [resolved(d) for d in (*map(Path, args.extra_data), data_dir)]
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
                                "trained on)")
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.data_only:
             held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds "
                                              "the folder's lock): wait for it to end, or choose another --work"))
-        if any(Path(d).resolve() == data_dir.resolve() for d in args.skip_answered_in or []):
+        if any(resolved(d) == resolved(data_dir) for d in args.skip_answered_in or []):
             raise BeamtrtError(f"--skip-answered-in names --data {data_dir} itself (its own prompts would be left out)")
         inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + extra
         if not args.data_only:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import require_dir, write_json
+from beamtrt.checkpoint.hf import require_dir, resolved, write_json
 from beamtrt.cli_util import ArgumentParser, output_path, outside_inputs, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer
@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             output_path(args.json, "--json")
         for d in args.data:
             require_dir(d, "a feature cache directory", "--data")
-        if len({Path(d).resolve() for d in args.data}) < len(args.data):
+        if len({resolved(d) for d in args.data}) < len(args.data):
             raise BeamtrtError("--data names the same cache twice (its answers would be counted twice)")
         target_dir = Path(args.target) if args.target else ensure_beam_mini()
-        drafter_dir = Path(args.drafter) if args.drafter else CHECKPOINTS / f"{target_dir.resolve().name}-dflash2"
+        drafter_dir = Path(args.drafter) if args.drafter else CHECKPOINTS / f"{resolved(target_dir).name}-dflash2"
         for what, d in (("target", target_dir), ("drafter", drafter_dir)):
             if not (d / "config.json").is_file():
                 default = " (the default for the target's name: pass --drafter DIR)" if (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import require_dir
+from beamtrt.checkpoint.hf import require_dir, resolved
 from beamtrt.cli_util import ArgumentParser, description, run_cli
 from beamtrt.errors import BeamtrtError
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_sequences < 0:
             raise ValueError(f"--eval-sequences must be >= 0, got {args.eval_sequences}")
         dirs = [require_dir(d, "an answers or feature cache directory", "--data") for d in args.data]
-        if len({d.resolve() for d in dirs}) < len(dirs):  # as train_drafter.py refuses it
+        if len({resolved(d) for d in dirs}) < len(dirs):  # as train_drafter.py refuses it
             raise BeamtrtError("--data names the same cache twice (its held-out answers would count as trained on)")
         if args.target:  # read only when a cache records its target: a wrong path is said whether or not
             require_dir(args.target, "the target checkpoint directory", "--target")
