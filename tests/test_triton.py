@@ -504,6 +504,11 @@ def parse(path: Path):
     return text_format.Parse(path.read_text(), pb2.ModelConfig())
 
 
+def served_params(repo: Path) -> dict[str, str]:
+    """beam_dflash2's parameters in an exported repository."""
+    return {k: v.string_value for k, v in parse(repo / "beam_dflash2" / "config.pbtxt").parameters.items()}
+
+
 def run_export(capsys, *args: str):
     from beamtrt.triton.cli import main
 
@@ -566,7 +571,7 @@ def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, c
     moved = tmp_path / "elsewhere"
     out.rename(moved)
     assert export.check_repository(moved)  # relative paths: the copy validates where it lands
-    params = {k: v.string_value for k, v in parse(moved / "beam_dflash2" / "config.pbtxt").parameters.items()}
+    params = served_params(moved)
     assert params["engine_dir"] == export.COPIED_ENGINE
 
 
@@ -691,7 +696,7 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
             assert stderr.endswith(hint) == (backend == "auto" and "--max-seq-len" not in args), stderr
     rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "auto")
     assert rc == 0, stderr
-    params = {k: v.string_value for k, v in parse(out / "beam_dflash2" / "config.pbtxt").parameters.items()}
+    params = served_params(out)
     assert (params["max_slots"], params["max_seq_len"]) == ("4", "512")  # the defaults, lowered to the engines'
     rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "torch",
                                "--max-slots", "5", "--block-size", "4", "--force")  # the checkpoints: any batch, block
@@ -726,7 +731,7 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
     assert rc == 2 and "--max-seq-len 65 is above the build's --max-seq-len of 64" in stderr, stderr
     rc, _, stderr = run_export(capsys, "--engine-dir", str(short), "--out", str(out), "--force", "--raw-prompts")
     assert rc == 0, stderr
-    params = {k: v.string_value for k, v in parse(out / "beam_dflash2" / "config.pbtxt").parameters.items()}
+    params = served_params(out)
     assert (params["max_slots"], params["max_seq_len"]) == ("8", "64")
     readme = (out / "README.md").read_text()  # says what --raw-prompts does to text_input
     assert "up to 8 requests at once, 64 tokens each" in readme and "chat template |" not in readme

@@ -551,10 +551,11 @@ class BuildConfig:
 
         sources = (("--model", self.model), ("--drafter", self.drafter), ("--calib-prompts", self.calib_prompts))
         for flag, src in sources:
-            if src is not None and holds(self.out, src):
+            if src is None:
+                continue
+            if holds(self.out, src):
                 _fail(f"--out {self.out} holds the {flag} input {src}: a build replaces its --out, so choose another")
-            # nor inside one: a checkpoint remade (make_beam_mini.py, train_drafter.py --force) replaces its folder
-            if src is not None and holds(src, self.out):
+            if holds(src, self.out):  # a checkpoint remade (make_beam_mini.py, train_drafter.py --force) replaces it
                 _fail(f"--out {self.out} is inside the {flag} input {src}; choose another")
 
     @property

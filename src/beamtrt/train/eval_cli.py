@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate_by_kind(drafter, concat_features(parts), kinds, args.per_kind, args.block_size)
         answers["all"] = sum(answers.values())
         rows = {kind: {"answers": answers[kind]} | r for kind, r in rows.items()}
-        top_k = min(dcfg.selector_top_k, dcfg.vocab_size)  # the selector's candidates per slot (trainer.evaluate)
+        top_k = dcfg.selector_top_k  # the selector's candidates per slot (at most the vocabulary: DrafterConfig)
         print(f"| kind | greedy answers | scored | τ decoded | τ top-1 | every-anchor mean | top-{top_k} recall |\n"
               "|---|---|---|---|---|---|---|")
         for kind, r in rows.items():

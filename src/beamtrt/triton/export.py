@@ -241,7 +241,8 @@ def export(cfg: ExportConfig) -> list[str]:
         raise ExportError(f"--backend {cfg.backend}: --max-slots {max_slots} is above the engines' --max-batch-size "
                           f"{batch}{auto}")
     context = build_context(root, manifest, "torch")  # the target's context, or the build's --max-seq-len where lower
-    what = "the build's --max-seq-len" if context == built.get("max_seq_len") else "the target's context"
+    by_build = context == built.get("max_seq_len")
+    what = "the build's --max-seq-len" if by_build else "the target's context"
     max_seq_len = min(MAX_SEQ_LEN, context) if cfg.max_seq_len is None else cfg.max_seq_len
     if max_seq_len > context:
         raise ExportError(f"--max-seq-len {max_seq_len} is above {what} of {context} tokens")
@@ -250,9 +251,10 @@ def export(cfg: ExportConfig) -> list[str]:
                                  max_slots, max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     except SettingError as e:  # named as the flag it came from (each setting is export_triton.py's flag of its name)
         if e.name == "max_seq_len" and cfg.max_seq_len is None:  # not given: the build's own length is too short
-            remedy = ("rebuild with a larger --max-seq-len, or pass --backend torch and a smaller --block-size"
-                      if on_engines else "pass a smaller --block-size" + (
-                          " or rebuild with a larger --max-seq-len" if what.startswith("the build's") else ""))
+            if on_engines:  # their block is fixed
+                remedy = "rebuild with a larger --max-seq-len, or pass --backend torch and a smaller --block-size"
+            else:
+                remedy = "pass a smaller --block-size" + (" or rebuild with a larger --max-seq-len" if by_build else "")
             raise ExportError(f"{what} of {context} tokens leaves no room for a request in blocks of {block} "
                               f"(--max-seq-len {e.why}): {remedy}") from None
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
