@@ -151,10 +151,10 @@ def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
 def test_the_same_error_on_every_rank_is_one_line():
     """When every rank meets the same error (a file they all read), each printed its line: through scripts/mpirun the
     first rank's alone passes, and the job's status stays the user error's 2."""
-    code = ("import os, sys; print(f\"error: rank {os.environ['OMPI_COMM_WORLD_RANK']}: the same damaged file\", "
-            "file=sys.stderr, flush=True); sys.exit(2)")
+    code = ("import os, sys; from beamtrt.cli_util import say_last; "  # the ranks' own line, under --output :raw
+            "say_last(f\"error: rank {os.environ['OMPI_COMM_WORLD_RANK']}: the same damaged file\"); sys.exit(2)")
     proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "3", sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: rank ") and lines[0].endswith(": the same damaged file"), lines[0]
@@ -182,8 +182,8 @@ def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
     import threading
 
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
-    cmd = [MPIRUN, "-n", "4", sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir", str(engine),
-           "--prompt", PROMPTS[0], "--max-new-tokens", "2000"]
+    cmd = [MPIRUN, "--output", ":raw", "-n", "4", sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir",
+           str(engine), "--prompt", PROMPTS[0], "--max-new-tokens", "2000"]  # :raw: the answer's text as it comes
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     watchdog = threading.Timer(240, proc.kill)  # a job that never starts decoding fails this test, not the suite
     watchdog.start()
@@ -205,6 +205,29 @@ def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
     assert proc.returncode != 0 and time.perf_counter() - start < 15
     left = subprocess.run(["pgrep", "-f", str(engine)], capture_output=True, text=True).stdout.split()
     assert left == []
+
+
+def test_the_wrapper_passes_output_on_as_it_is_written(tmp_path):
+    """scripts/mpirun shows a rank's text before its line ends, as run.py streams an answer (Open MPI 5 alone holds
+    it back until the line ends: the rank here would give up waiting, and exit 3, before its "x" came)."""
+    go = tmp_path / "go"
+    code = ("import os, sys, time; print('x', end='', flush=True); deadline = time.time() + 30\n"
+            f"while not os.path.exists({str(go)!r}):\n"
+            "    time.sleep(0.1)\n"
+            "    if time.time() > deadline: sys.exit(3)\n"
+            "print('y')")
+    proc = subprocess.Popen([str(ROOT / "scripts/mpirun"), "-n", "1", sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.read(1) == "x"
+        go.touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        go.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and out == "y\n", err
 
 
 def test_the_wrapper_reports_a_terminated_job():

@@ -249,15 +249,17 @@ def _out_of_memory(e: BaseException) -> str | None:
     return None
 
 
-def _say(line: str) -> None:
+def say_last(line: str) -> None:
     """A command's closing line on stderr (its error, or why it stopped), after closing the progress bars still
-    drawing, so that it starts on a line of its own and stays the last."""
+    drawing, so that it starts on a line of its own and stays the last. One write: under `mpirun --output :raw` the
+    lines of ranks that speak at once do not interleave."""
     if "tqdm" in sys.modules:
         from tqdm import tqdm
 
         for bar in list(getattr(tqdm, "_instances", ())):
             bar.close()
-    print(line, file=sys.stderr, flush=True)
+    sys.stderr.write(line + "\n")  # print() writes the line and its newline apart
+    sys.stderr.flush()
 
 
 class Terminated(KeyboardInterrupt):
@@ -339,12 +341,12 @@ def _run_cli(body: Callable[[], None]) -> int:
                     signal.signal(sig, _terminate)
             body()
         except (BeamtrtError, ValueError, OSError) as e:
-            _say(f"error: {error_line(e)}")
+            say_last(f"error: {error_line(e)}")
             return 2
         except (MemoryError, RuntimeError) as e:  # a size asked for beyond this host's memory: torch's own message
             if (line := _out_of_memory(e)) is None:
                 raise
-            _say(f"error: {line}")
+            say_last(f"error: {line}")
             return 2
         finally:
             for sig, handler in saved.items():
@@ -357,7 +359,7 @@ def _run_cli(body: Callable[[], None]) -> int:
 def ended_by(signum: int) -> int:
     """Says how a signal ended the command (Ctrl-C: `interrupted`; SIGTERM, SIGHUP: `terminated`) and returns its exit
     status, 128 + the signal's number."""
-    _say("interrupted" if signum == signal.SIGINT else "terminated")
+    say_last("interrupted" if signum == signal.SIGINT else "terminated")
     return 128 + signum
 
 
@@ -395,7 +397,7 @@ def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], 
         failed = error_line(e)
     flags = dist.agree(failed is not None, SETUP_PATIENCE_S)  # a rank returning alone would wait in MPI_Finalize
     if flags is None:
-        _say(f"error: rank {dist.rank}: {failed} (and some rank did not finish its setup)")
+        say_last(f"error: rank {dist.rank}: {failed} (and some rank did not finish its setup)")
         dist.abort(2)
     if any(flags):
         lines = dist.gather(failed)
@@ -407,12 +409,12 @@ def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], 
     try:
         execute(state, dist)
     except (BeamtrtError, ValueError, OSError) as e:
-        _say(f"error: rank {dist.rank}: {error_line(e)}")
+        say_last(f"error: rank {dist.rank}: {error_line(e)}")
         dist.abort(2)
     except (MemoryError, RuntimeError) as e:
         if (line := _out_of_memory(e)) is None:
             raise
-        _say(f"error: rank {dist.rank}: {line}")
+        say_last(f"error: rank {dist.rank}: {line}")
         dist.abort(2)
     tp.stop(dist)
     return 0

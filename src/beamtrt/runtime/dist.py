@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from beamtrt.cli_util import say_last
 from beamtrt.errors import BeamtrtError
 
 _LAUNCHED_BY_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -49,13 +50,12 @@ class Dist:
 
         def hook(kind, value, tb):
             if issubclass(kind, KeyboardInterrupt):
-                print(f"rank {self.rank}: interrupted", file=sys.stderr, flush=True)
+                say_last(f"rank {self.rank}: interrupted")
             elif issubclass(kind, BeamtrtError):
-                print(f"error: rank {self.rank}: {str(value).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+                say_last(f"error: rank {self.rank}: {str(value).strip().splitlines()[0]}")
             else:
                 previous(kind, value, tb)
-                print(f"error: rank {self.rank} failed ({kind.__name__}); aborting all ranks", file=sys.stderr,
-                      flush=True)
+                say_last(f"error: rank {self.rank} failed ({kind.__name__}); aborting all ranks")
             self.abort(130 if issubclass(kind, KeyboardInterrupt) else 2)
 
         sys.excepthook = hook
