@@ -58,12 +58,17 @@ def _our_ranges(cfg: BeamConfig, amax: dict[str, torch.Tensor]) -> dict[str, flo
     return out
 
 
-@pytest.mark.parametrize("precision, cfg_name, tp", [("fp8", "FP8_DEFAULT_CFG", 2), ("nvfp4", "NVFP4_DEFAULT_CFG", 2),
-                                                      ("nvfp4", "NVFP4_DEFAULT_CFG", 4)])
-def test_rank_files_equal_modelopt_export(tmp_path, precision, cfg_name, tp):
+@pytest.mark.parametrize("precision, cfg_name, tp, zero", [
+    ("fp8", "FP8_DEFAULT_CFG", 2, False), ("nvfp4", "NVFP4_DEFAULT_CFG", 2, False),
+    ("nvfp4", "NVFP4_DEFAULT_CFG", 4, False), ("fp8", "FP8_DEFAULT_CFG", 2, True)])
+def test_rank_files_equal_modelopt_export(tmp_path, precision, cfg_name, tp, zero):
+    """zero: an expert's down_proj is all zeros (a pruned expert); its scale is modelopt's too, 1.0 (modelopt's NVFP4
+    export writes NaN block scales for it: tests/test_trtllm.py checks ours)."""
     from modelopt_ref import tiny_qwen3_moe
 
     model = tiny_qwen3_moe(seed=3, mlp_only_layers=[1], moe_intermediate_size=64)  # NVFP4 at TP 4: 16 per rank
+    if zero:
+        model.model.layers[0].mlp.experts[1].down_proj.weight.data.zero_()
     source = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = BeamConfig.from_dict(model.config.to_dict())
     amax, theirs = _quantize_and_export_trtllm(model, cfg_name, tp, tmp_path)

@@ -91,6 +91,24 @@ def test_converted_target_gives_identical_logits(tmp_path):
     assert torch.equal(model(ids, model.new_cache(2, 16)).logits, ref.eval()(ids, ref.new_cache(2, 16)).logits)
 
 
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_an_all_zero_expert_quantizes_to_zeros(tmp_path, precision):
+    """A pruned expert (its down_proj all zeros) gets the scale of modelopt's zero-amax rule (amax = the format's
+    largest value) instead of failing the build on a zero scale, and loads back as zeros."""
+    tensors = dict(random_tensors(SPLITTABLE, seed=4))
+    tensors["model.layers.0.mlp.experts.5.down_proj.weight"].zero_()
+    mapping = trtllm.Mapping(2)
+    ranges = {f"transformer.layers.{i}.{site}": 3.0 for i in range(2)
+              for site in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj")}
+    ckpt = write(tmp_path, SPLITTABLE, trtllm.target_units(SPLITTABLE, mapping),
+                 trtllm.target_config(SPLITTABLE, mapping, precision, "auto", torch.bfloat16), tensors, 2, precision,
+                 ranges)
+    name = "transformer.layers.0.mlp.proj.weights_scaling_factor" + ("" if precision == "fp8" else "_2")
+    assert float(ckpt.get(1, name)[5]) == float(torch.tensor(1.0 if precision == "fp8" else 1 / 448))  # fp32
+    model = load_target(tmp_path)
+    assert not model.layers[0].mlp.w_down[5].any() and model.layers[0].mlp.w_down[4].any()
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_drafter_round_trip_bit_exact(tmp_path, tp):
     cfg = DrafterConfig.for_target(SPLITTABLE, num_hidden_layers=2, target_layer_ids=(0, 1), mask_token_id=0)

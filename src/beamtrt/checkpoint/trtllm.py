@@ -425,6 +425,17 @@ def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor, dtype:
     return {"weight": packed, "weights_scaling_factor": block, "weights_scaling_factor_2": scale_2.reshape(())}
 
 
+# what an all-zero weight group's amax becomes: the quantizer's largest value, as modelopt's export does for a zero
+# amax, so that its scale stays positive (its weights quantize to zeros whatever the scale: a pruned expert)
+ZERO_WEIGHT_AMAX = {"fp8": fp8.E4M3_MAX, "nvfp4": nvfp4.E2M1_MAX}
+
+
+def _weight_amax(weights: list[torch.Tensor], precision: str) -> torch.Tensor:
+    """The largest |value| over a group of weights that share one scale (fp32 scalar)."""
+    amax = torch.stack([w.abs().amax().float() for w in weights]).amax()
+    return amax if precision == "bf16" or amax > 0 else torch.tensor(ZERO_WEIGHT_AMAX[precision])
+
+
 def act_scale(precision: str, amax: float) -> torch.Tensor:
     a = torch.tensor(float(amax), dtype=torch.float32)
     return fp8.scale_from_amax(a) if precision == "fp8" else nvfp4.global_scale(a)
@@ -449,7 +460,7 @@ def produce(units: list[Unit], get: Sources, mapping: Mapping, precision: str, d
             continue
         fulls = [get(p.source) for p in unit.parts]
         peers = [get(n) for n in unit.scale_peers] if precision != "bf16" else []
-        weight_amax = torch.stack([f.abs().amax().float() for f in fulls + peers]).amax()  # shared by the group
+        weight_amax = _weight_amax(fulls + peers, precision)  # shared by the group
         biases = [get(p.source) for p in unit.bias]
         for r in ranks:
             w = torch.cat([p.take(f, r) for p, f in zip(unit.parts, fulls)])
@@ -476,7 +487,7 @@ def _produce_experts(unit: Linear, get: Sources, mapping: Mapping, precision: st
             holders.setdefault(e, []).append((r, slot))
     for e in sorted(holders):
         fulls = [get(p.source.format(e=e)) for p in unit.parts]
-        weight_amax = torch.stack([f.abs().amax().float() for f in fulls]).amax()
+        weight_amax = _weight_amax(fulls, precision)
         for r, slot in holders[e]:
             w = torch.cat([p.take(f, r) for p, f in zip(unit.parts, fulls)])
             for key, t in _quantize(precision, w, weight_amax, dtype).items():
