@@ -199,6 +199,16 @@ def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needle
     no_leftovers(tmp_path)
 
 
+def test_an_all_zero_expert_builds_with_a_warning(sources, tmp_path):
+    """A pruned expert (all-zero weights) is quantized to zeros with modelopt's zero-range scale and named in a
+    warning (a zero scale failed the build after calibration, naming no tensor)."""
+    name = "model.layers.2.mlp.experts.1.down_proj.weight"
+    src = _corrupt_copy(sources, tmp_path, lambda d: _rewrite(d / "target", name, lambda t, n: t[n].zero_()))
+    proc = build(src, tmp_path / "out", "--precision", "fp8", "--calib-samples", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: {name}: all zeros; quantized to zeros with the scale of amax 448" in proc.stderr
+
+
 @pytest.mark.parametrize("field, value, needles", [
     ("hidden_size", 32, ["does not fit target", "hidden_size"]),
     ("vocab_size", 100, ["does not fit target", "vocab_size=100"]),

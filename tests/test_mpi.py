@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -179,7 +180,6 @@ def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
 def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
     """SIGINT to mpirun mid-decode ends the job within seconds and leaves no rank behind."""
     import signal
-    import threading
 
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp4-ep1", 4)
     cmd = [MPIRUN, "--output", ":raw", "-n", "4", sys.executable, str(ROOT / "runtime/run.py"), "--engine-dir",
@@ -218,11 +218,14 @@ def test_the_wrapper_passes_output_on_as_it_is_written(tmp_path):
             "print('y')")
     proc = subprocess.Popen([str(ROOT / "scripts/mpirun"), "-n", "1", sys.executable, "-c", code],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    watchdog = threading.Timer(120, proc.kill)  # a job that never starts fails this test, not the suite
+    watchdog.start()
     try:
         assert proc.stdout.read(1) == "x"
         go.touch()
         out, err = proc.communicate(timeout=60)
     finally:
+        watchdog.cancel()
         go.touch()
         if proc.poll() is None:
             proc.kill()

@@ -25,11 +25,11 @@ SHARED = BeamConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_atte
 SPLITS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 8)]
 
 
-def write(tmp_path, cfg, units, config, tensors, tp, precision="bf16", amax=None):
+def write(tmp_path, cfg, units, config, tensors, tp, precision="bf16", amax=None, warn=None):
     get = dict(tensors).__getitem__
     mapping = trtllm.Mapping(tp, config["mapping"]["moe_ep_size"])
     specs = trtllm.unit_specs(units, precision, torch.bfloat16)
-    items = trtllm.produce(units, get, mapping, precision, torch.bfloat16, amax or {})
+    items = trtllm.produce(units, get, mapping, precision, torch.bfloat16, amax or {}, warn)
     write_checkpoint(tmp_path, config, specs, tp, items)
     return TrtllmCheckpoint(tmp_path)
 
@@ -93,20 +93,27 @@ def test_converted_target_gives_identical_logits(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
 def test_an_all_zero_expert_quantizes_to_zeros(tmp_path, precision):
-    """A pruned expert (its down_proj all zeros) gets the scale of modelopt's zero-amax rule (amax = the format's
-    largest value) instead of failing the build on a zero scale, and loads back as zeros."""
+    """A pruned expert (its down_proj all zeros) and a zeroed dense MLP (gate and up, which share a scale) get the
+    scale of modelopt's zero-amax rule (amax = the format's largest value) instead of failing the build on a zero
+    scale, are named in a warning each, and load back as zeros."""
     tensors = dict(random_tensors(SPLITTABLE, seed=4))
-    tensors["model.layers.0.mlp.experts.5.down_proj.weight"].zero_()
+    dense = [f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up")]
+    for name in ("model.layers.0.mlp.experts.5.down_proj.weight", *dense):
+        tensors[name].zero_()
     mapping = trtllm.Mapping(2)
     ranges = {f"transformer.layers.{i}.{site}": 3.0 for i in range(2)
               for site in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj")}
+    warned: list[str] = []
     ckpt = write(tmp_path, SPLITTABLE, trtllm.target_units(SPLITTABLE, mapping),
                  trtllm.target_config(SPLITTABLE, mapping, precision, "auto", torch.bfloat16), tensors, 2, precision,
-                 ranges)
+                 ranges, warned.append)
+    assert [line.split(": all zeros")[0] for line in warned] == [
+        "warning: model.layers.0.mlp.experts.5.down_proj.weight", *(f"warning: {name}" for name in dense)]
     name = "transformer.layers.0.mlp.proj.weights_scaling_factor" + ("" if precision == "fp8" else "_2")
     assert float(ckpt.get(1, name)[5]) == float(torch.tensor(1.0 if precision == "fp8" else 1 / 448))  # fp32
     model = load_target(tmp_path)
     assert not model.layers[0].mlp.w_down[5].any() and model.layers[0].mlp.w_down[4].any()
+    assert not model.layers[1].mlp.gate_up.weight.any()
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

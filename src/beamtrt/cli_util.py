@@ -385,8 +385,8 @@ def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], 
 
     try:
         dist = Dist.create()
-    except BeamtrtError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except BeamtrtError as e:  # every rank (mpi4py missing)
+        say_last(f"error: {e}")
         return 2
     if dist.size == 1:
         return run_cli(lambda: execute(setup(dist), dist))
@@ -403,8 +403,7 @@ def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], 
         lines = dist.gather(failed)
         if dist.rank == 0:
             first, line = next((r, line) for r, line in enumerate(lines) if line is not None)
-            print(f"error: {line}" if lines == [line] * dist.size else f"error: rank {first}: {line}",
-                  file=sys.stderr, flush=True)
+            say_last(f"error: {line}" if lines == [line] * dist.size else f"error: rank {first}: {line}")
         return 2
     try:
         execute(state, dist)

@@ -270,12 +270,20 @@ def _progress(units: list, desc: str, progress: bool):
     return tqdm(units, desc=desc, unit="tensor")
 
 
+def _warn(progress: bool):
+    """Where a stage's warnings go: above its progress bar, if it draws one."""
+    if not progress:
+        return log
+    from tqdm import tqdm
+    return lambda line: tqdm.write(line, file=sys.stderr)
+
+
 def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool) -> list[Path]:
     bc, cfg = plan.bc, plan.target_cfg
     out.mkdir()
     config = trtllm.target_config(cfg, plan.mapping, bc.precision, bc.kv_cache, plan.dtype)
     items = trtllm.produce(_progress(plan.target_units, f"target {bc.precision}", progress),
-                           plan.target_reader.get, plan.mapping, bc.precision, plan.dtype, amax)
+                           plan.target_reader.get, plan.mapping, bc.precision, plan.dtype, amax, _warn(progress))
     if bc.kv_cache == "fp8":
         kv = list(trtllm.kv_cache_scales(cfg.num_hidden_layers, amax))
         items = _chain(items, ((r, n, t, None) for n, t in kv for r in range(bc.tp)))
@@ -317,7 +325,7 @@ def _write_drafter(plan: Plan, out: Path, amax: dict[str, float], progress: bool
     precision = plan.bc.drafter_precision
     config = trtllm.drafter_config(plan.drafter_cfg, plan.mapping, plan.drafter_dtype, precision)
     items = trtllm.produce(_progress(plan.drafter_units, f"drafter {precision}", progress), plan.drafter_reader.get,
-                           plan.mapping, precision, plan.drafter_dtype, amax)
+                           plan.mapping, precision, plan.drafter_dtype, amax, _warn(progress))
     files = write_checkpoint(out, config, plan.drafter_specs, plan.bc.tp, items)
     from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE
 

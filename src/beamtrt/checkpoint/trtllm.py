@@ -411,6 +411,7 @@ def tensor_dtype(name: str, raw: str) -> torch.dtype:
 # ---- producing rank tensors ----------------------------------------------------------------------------------
 
 Sources = Callable[[str], torch.Tensor]  # HF name -> tensor
+Warn = Callable[[str], None] | None  # told a warning's line
 
 
 def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -430,10 +431,16 @@ def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor, dtype:
 ZERO_WEIGHT_AMAX = {"fp8": fp8.E4M3_MAX, "nvfp4": nvfp4.E2M1_MAX}
 
 
-def _weight_amax(weights: list[torch.Tensor], precision: str) -> torch.Tensor:
-    """The largest |value| over a group of weights that share one scale (fp32 scalar)."""
+def _weight_amax(weights: list[torch.Tensor], names: list[str], precision: str, warn: Warn) -> torch.Tensor:
+    """The largest |value| over a group of weights that share one scale (fp32 scalar); an all-zero group is warned
+    about (a pruned expert, or a broken checkpoint), as modelopt's export warns."""
     amax = torch.stack([w.abs().amax().float() for w in weights]).amax()
-    return amax if precision == "bf16" or amax > 0 else torch.tensor(ZERO_WEIGHT_AMAX[precision])
+    if precision == "bf16" or amax > 0:
+        return amax
+    if warn is not None:
+        warn(f"warning: {', '.join(names)}: all zeros; quantized to zeros with the scale of amax "
+             f"{ZERO_WEIGHT_AMAX[precision]:g}, as modelopt's export does")
+    return torch.tensor(ZERO_WEIGHT_AMAX[precision])
 
 
 def act_scale(precision: str, amax: float) -> torch.Tensor:
@@ -442,9 +449,10 @@ def act_scale(precision: str, amax: float) -> torch.Tensor:
 
 
 def produce(units: list[Unit], get: Sources, mapping: Mapping, precision: str, dtype: torch.dtype,
-            amax: dict[str, float]) -> Iterator[tuple[int, str, torch.Tensor, int | None]]:
+            amax: dict[str, float], warn: Warn = None) -> Iterator[tuple[int, str, torch.Tensor, int | None]]:
     """Yield (rank, name, tensor, expert slot or None) for every unit, loading each source tensor once per unit
-    (per expert for expert units), so memory holds one unit (one expert) at a time."""
+    (per expert for expert units), so memory holds one unit (one expert) at a time. warn(line) is told of all-zero
+    weight groups."""
     ranks = range(mapping.tp_size)
     for unit in units:
         if isinstance(unit, Plain):
@@ -456,11 +464,12 @@ def produce(units: list[Unit], get: Sources, mapping: Mapping, precision: str, d
                 yield r, unit.name, piece.to(unit.dtype or dtype).contiguous(), None
             continue
         if unit.expert_slots:
-            yield from _produce_experts(unit, get, mapping, precision, dtype, amax)
+            yield from _produce_experts(unit, get, mapping, precision, dtype, amax, warn)
             continue
-        fulls = [get(p.source) for p in unit.parts]
+        names = [p.source for p in unit.parts]
+        fulls = [get(n) for n in names]
         peers = [get(n) for n in unit.scale_peers] if precision != "bf16" else []
-        weight_amax = _weight_amax(fulls + peers, precision)  # shared by the group
+        weight_amax = _weight_amax(fulls + peers, names, precision, warn)  # shared by the group
         biases = [get(p.source) for p in unit.bias]
         for r in ranks:
             w = torch.cat([p.take(f, r) for p, f in zip(unit.parts, fulls)])
@@ -480,14 +489,15 @@ def _act_tensor(unit: Linear, precision: str, amax: dict[str, float]) -> torch.T
 
 
 def _produce_experts(unit: Linear, get: Sources, mapping: Mapping, precision: str, dtype: torch.dtype,
-                     amax: dict[str, float]) -> Iterator[tuple[int, str, torch.Tensor, int | None]]:
+                     amax: dict[str, float], warn: Warn) -> Iterator[tuple[int, str, torch.Tensor, int | None]]:
     holders: dict[int, list[tuple[int, int]]] = {}  # expert -> [(rank, slot)]
     for r, ids in enumerate(unit.experts):
         for slot, e in enumerate(ids):
             holders.setdefault(e, []).append((r, slot))
     for e in sorted(holders):
-        fulls = [get(p.source.format(e=e)) for p in unit.parts]
-        weight_amax = _weight_amax(fulls, precision)
+        names = [p.source.format(e=e) for p in unit.parts]
+        fulls = [get(n) for n in names]
+        weight_amax = _weight_amax(fulls, names, precision, warn)
         for r, slot in holders[e]:
             w = torch.cat([p.take(f, r) for p, f in zip(unit.parts, fulls)])
             for key, t in _quantize(precision, w, weight_amax, dtype).items():
