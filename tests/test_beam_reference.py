@@ -63,8 +63,6 @@ CASES = [("qwen3", name) for name in QWEN3_CASES] + [("qwen2", name) for name in
 CASE_IDS = [f"{family}-{name}" for family, name in CASES]
 
 
-
-
 class Case(NamedTuple):
     hf: torch.nn.Module
     cfg: BeamConfig

@@ -516,8 +516,6 @@ def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):
     assert err.startswith("error: out of memory") and len(err.strip().splitlines()) == 1, err
 
 
-
-
 def test_make_beam_mini_bad_values_are_one_line(tmp_path, run, beam_mini):
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--top-k", "5"), "--top-k")
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", "-1"),

@@ -24,8 +24,6 @@ TAPS = (0, 2)
 BLOCK = 6
 
 
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_model()

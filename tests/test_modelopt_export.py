@@ -205,7 +205,6 @@ def test_fp8_emulation_equals_modelopt_numerics(tmp_path):
     assert torch.equal(ours, want)
 
 
-
 def test_fp8_drafter_emulation_equals_modelopt_numerics(tmp_path):
     """The drafter exported in FP8 (decoder-layer GEMMs) drafts exactly what the reference drafter drafts with
     modelopt's FP8 numerics applied to the same GEMMs."""

@@ -143,7 +143,6 @@ def test_an_edited_header_rebuilds_the_library(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").rglob("*.so"))) == 2
 
 
-
 def test_a_damaged_cached_library_is_built_again(tmp_path, monkeypatch):
     """A cached library that is not the file its build wrote (truncated, overwritten) is rebuilt, not loaded: a
     truncated ELF would kill the process with a bus error. The host CPU is part of the cache key (-march=native)."""

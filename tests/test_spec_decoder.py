@@ -18,8 +18,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run
 N_PROMPTS, MAX_NEW = 20, 24
 
 
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_model(seed=7)

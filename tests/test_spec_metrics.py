@@ -12,8 +12,6 @@ from beamtrt.spec.metrics import SpecMetrics
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
 
 
-
-
 def test_docstring_example():
     m = SpecMetrics(block_size=4)
     m.record_step("a", num_accepted=3, committed=4, num_drafted=3)

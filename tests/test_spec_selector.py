@@ -14,8 +14,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run
 ALPHA = 1e-6  # false-alarm probability allowed to each statistical check (the tests are seeded, so deterministic)
 
 
-
-
 def random_lattice(n: int, s: int, k: int, vocab: int, seed: int, scale: float = 2.0):
     g = torch.Generator().manual_seed(seed)
     cand_ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n * s)]).view(n, s, k)

@@ -165,7 +165,6 @@ def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
     return path
 
 
-
 def drafter_layout(target_cfg, layers: int = 2, selector_rank: int = 32, block_size: int = 16):
     """The DFlash 2 layout trained for a target (beam-mini's by default): `layers` draft layers, 5 taps spread over
     the target's depth, the target's head layout and dense MLP width, mask token 0, selector of the given rank
