@@ -159,6 +159,11 @@ def test_the_same_error_on_every_rank_is_one_line():
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: rank ") and lines[0].endswith(": the same damaged file"), lines[0]
+    # a line that names no rank (every rank failed before it knew its own: mpi4py missing) passes once too
+    code = "import sys; from beamtrt.cli_util import say_last; say_last('error: mpi4py is missing'); sys.exit(2)"
+    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "3", sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 2 and proc.stderr == "error: mpi4py is missing\n", proc.stderr
 
 
 @pytest.mark.parametrize("tp, ep", [(4, 1)])
