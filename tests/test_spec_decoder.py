@@ -126,6 +126,19 @@ def test_greedy_identity_with_random_drafter(target, prompts, reference, batch, 
     assert got == reference
 
 
+@pytest.mark.parametrize("block", [17, 32])
+def test_greedy_identity_in_bf16_above_16_rows(prompts, block):
+    """A drafter trained at a block above 16 (up to 32): its verify blocks get the bits of single-token steps in bf16
+    too (they took the batched GEMMs meant for prefill, and greedy output differed from plain; found by an audit)."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from test_dflash2 import make_drafter
+
+    model = tiny_model(seed=7, dtype=torch.bfloat16)
+    reference = [generate(model, [p], MAX_NEW)[0] for p in prompts]
+    got, _ = run(model, TorchDrafter(make_drafter(model, seed=3, block_size=32)), prompts, block, 4)
+    assert got == reference
+
+
 def test_no_spec_equals_plain_decoding(target, prompts, reference):
     dec = SpeculativeDecoder(TorchTarget(target), None)
     got = [c.output_ids for c in dec.generate([Request(tuple(p), MAX_NEW) for p in prompts])]

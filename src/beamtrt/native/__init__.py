@@ -27,13 +27,15 @@ from typing import Sequence
 
 import torch
 
+from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.errors import DeviceError
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("beam_step.cpp", "draft_step.cpp"))
-MAX_ROWS = 16          # tokens per sequence in a decode or verify step; longer inputs (prefill) use PyTorch's GEMMs,
-#                        faster for many rows. Decode and verify take this path at any batch size, so that a row's bits
-#                        never depend on the batch (beam-mini fp32, 2-core dev machine: 16 rows x 1 token 0.22 s here
-#                        against 0.52 s in plain PyTorch; 16 x 9 1.43 s against 1.14 s)
+MAX_ROWS = MAX_BLOCK_SIZE  # tokens per sequence in a decode or verify step (every block a drafter may be trained
+#                        at); longer inputs (prefill) use PyTorch's GEMMs, faster for many rows. Decode and verify take
+#                        this path at any batch size, so that a row's bits never depend on the batch (beam-mini fp32,
+#                        2-core dev machine: 16 rows x 1 token 0.22 s here against 0.52 s in plain PyTorch; 16 x 9
+#                        1.43 s against 1.14 s)
 MAX_HEAD_DIM = 1024    # the RoPE scratch in host_math.h
 ABI = 2                # beam_step_abi() of a library this module can drive
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
