@@ -88,6 +88,19 @@ def test_table_names_the_verified_block(result):
     assert "| τ greedy / sampled (block 4) |" in markdown(data).splitlines()[0]
 
 
+def test_a_column_says_when_fewer_requests_ran_at_once(result):
+    """--concurrency 32 on a family of 2 prompts runs 2 at once: the cell says so (its column read c=32 alone)."""
+    from beamtrt.bench.benchmark import markdown
+
+    data = json.loads(result.with_suffix(".json").read_text())
+    assert " at c=" not in markdown(data)
+    fam = data["families"][0]
+    fam["concurrency"]["32"] = fam["concurrency"].pop("2")
+    data["concurrency"] = [1, 32]
+    row = next(line for line in markdown(data).splitlines() if line.startswith("| chat |"))
+    assert row.split(" | ")[4].endswith("×) at c=2") and "decode tok/s c=32" in markdown(data)
+
+
 def test_out_names_three_files_whatever_its_suffix():
     from beamtrt.bench.benchmark import parse_args
 
@@ -107,6 +120,8 @@ def test_out_names_three_files_whatever_its_suffix():
     (["--threads", "100000"], "--threads must be in [0, "),
     (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
     (["--out", "."], "give a file name stem"),
+    (["--out", "new/"], "give a file name stem"),  # it wrote new/.json, new/.md and new/.png
+    (["--out", "new/."], "give a file name stem"),
     (["--out", ""], "argument --out: an empty value"),
     (["--out", "/tmp"], "not a directory: the files are OUT.json, OUT.md and OUT.png"),
     (["--engine-dir", "/nonexistent-build"], "no such directory"),

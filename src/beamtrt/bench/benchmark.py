@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def speedup_cell(point: dict) -> str:
-    return f"{point['no_spec_tok_s']:.1f} → {point['spec_tok_s']:.1f} ({point['speedup']:.2f}×)"
+def speedup_cell(point: dict, c: int) -> str:
+    """One decode column's cell; a family with fewer prompts than c ran them all at once, and says how many."""
+    at_once = point.get("effective_concurrency", c)
+    return (f"{point['no_spec_tok_s']:.1f} → {point['spec_tok_s']:.1f} ({point['speedup']:.2f}×)" +
+            (f" at c={at_once}" if at_once != c else ""))
 
 
 def markdown(result: dict) -> str:
@@ -72,7 +76,7 @@ def markdown(result: dict) -> str:
     lines = [head, "|" + "---|" * (len(cs) + 4)]
     for fam in result["families"]:
         tau16 = f"{fam['tau_block16']:.2f}" if fam.get("tau_block16") is not None else "—"
-        cells = [speedup_cell(fam["concurrency"][str(c)]) for c in cs]
+        cells = [speedup_cell(fam["concurrency"][str(c)], c) for c in cs]
         same = sum(p["greedy_identical"] for p in fam["concurrency"].values())
         total = sum(p["requests"] for p in fam["concurrency"].values())
         lines.append(f"| {FAMILY_NAMES.get(fam['family'], fam['family'])} | {fam['tau_greedy']:.2f} / "
@@ -195,7 +199,7 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     if args.max_new_tokens < 2:
         raise ValueError(f"--max-new-tokens must be >= 2 (decode speed counts the tokens after the first), got "
                          f"{args.max_new_tokens}")
-    if Path(args.out).name in ("", ".", "..") or Path(args.out).is_dir():
+    if os.path.basename(args.out) in ("", ".", "..") or Path(args.out).is_dir():  # not Path: it drops "/", "/."
         raise ValueError(f"--out {args.out!r}: give a file name stem, e.g. bench/benchmark (not a directory: the "
                          "files are OUT.json, OUT.md and OUT.png)")
     check_block_size(args.block_size)
@@ -278,8 +282,8 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
     context = getattr(target, "max_seq_len", None)
     for fam, requests in family_requests.items():  # every prompt fits, before the first family is measured
         for i, r in enumerate(requests):
-            if why := too_long(len(r.prompt_ids), r.max_new_tokens, 16 if block16 else args.block_size, context,
-                               "--max-new-tokens"):
+            widest = max(args.block_size, 16) if block16 else args.block_size  # the widest block this run verifies
+            if why := too_long(len(r.prompt_ids), r.max_new_tokens, widest, context, "--max-new-tokens"):
                 raise BeamtrtError(f"{fam}: prompt {i + 1}: {why}; leave it out or lower --max-new-tokens")
 
     def whole(n: int) -> list[int]:  # the concurrencies whose speculative run decodes all n prompts in whole blocks
