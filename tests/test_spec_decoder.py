@@ -194,7 +194,8 @@ def test_stops_and_budget(target, prompts, reference):
     dec = SpeculativeDecoder(TorchTarget(target), OracleDrafter([prompts[0] + reference[0]], hit=1.0), block_size=8)
     out = dec.generate([Request(tuple(prompts[0]), 3)])
     assert out[0].output_ids == reference[0][:3] and out[0].finish_reason == "length"
-    assert out[0].committed == 2 and out[0].steps == 1  # the step was cut short: it counts what it committed
+    assert out[0].committed == 2 and out[0].steps == 1  # the step was cut short: it counts what it committed,
+    assert out[0].accepted == 2  # both accepted drafts (committed - steps undercounted them; found by an audit)
 
 
 def test_stop_strings(target, prompts, reference):

@@ -147,7 +147,7 @@ def test_concurrent_greedy_requests_equal_generate(server, builds):
         assert not any(d.text.endswith("\ufffd") for d in deltas[:-1])
         m = deltas[-1].metrics
         assert (m.output_tokens, m.steps, m.accepted_draft_tokens, m.draft_tokens) == (
-            len(c.output_ids), c.steps, c.committed - c.steps, c.drafted)
+            len(c.output_ids), c.steps, c.accepted, c.drafted)
         assert c.drafted == 7 * c.steps  # whole blocks of 8: no draft threshold
         assert m.acceptance_length == pytest.approx(c.acceptance_length)
     assert all(len(deltas) > 2 for deltas in results.values())  # streamed: a delta per step
@@ -297,6 +297,14 @@ def test_bad_requests_are_one_line_errors(server, fields, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_text_that_encodes_to_no_tokens_is_a_request_error(server, monkeypatch):
+    """Raw text a tokenizer drops whole: refused for that request (queued, its empty prompt failed every request in
+    flight inside the decode loop; found by an audit)."""
+    monkeypatch.setattr(serving, "encode_prompt", lambda *args: [])
+    with pytest.raises(RequestError, match="^text_input encodes to no tokens$"):
+        server.submit({"text_input": "\x01", "max_tokens": 4}, lambda d: None)
+
+
 @pytest.mark.parametrize("template, needle", [
     ("{{ raise_exception('') }}", "text_input: the chat template rejected it (TemplateError)"),  # a reason-less raise
     ("{{ raise_exception('only system turns') }}", "text_input: the chat template rejected it (only system turns)"),
@@ -341,7 +349,7 @@ def test_triton_shaped_tensors_parse_and_outputs_match_the_config(server, tmp_pa
             protocol.parse_request(not_fields)
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
     config = export.parse_config(tmp_path / "repo" / export.MODEL / "config.pbtxt")
-    delta = Delta((5, 6), (4,), -1, "xy", Metrics(3, 2, 1, 14), True, "length")
+    delta = Delta((5, 6), (4,), -1, "xy", Metrics(3, 2, 1, 14, committed=3), True, "length")
     arrays = protocol.delta_outputs(delta)
     assert list(arrays) == [t.name for t in config.output]
     for t in config.output:

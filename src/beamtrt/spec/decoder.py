@@ -40,6 +40,7 @@ class Completion:
     finish_reason: str = ""     # "stop" (stop token or string) or "length"
     steps: int = 0              # verification steps
     committed: int = 0          # tokens committed by verification steps (the token right after prefill excluded)
+    accepted: int = 0           # of those, accepted drafts (a step cut short inside its drafts keeps drafts only)
     drafted: int = 0            # drafts those steps verified
 
     @property
@@ -259,6 +260,7 @@ class SpeculativeDecoder:
             self.metrics.record_step(i, k - 1, kept, drafted)
             done[i].steps += 1
             done[i].committed += kept
+            done[i].accepted += min(k - 1, kept)
             done[i].drafted += drafted
             if done[i].finish_reason:
                 self.release(s, done[i])

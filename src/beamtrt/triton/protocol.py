@@ -180,12 +180,14 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
 class Metrics:
     output_tokens: int = 0
     steps: int = 0                  # verification steps
-    accepted_draft_tokens: int = 0  # tokens committed by verification minus one per step: drafts accepted and kept
+    accepted_draft_tokens: int = 0  # drafts accepted and kept
     draft_tokens: int = 0           # drafts verified: steps × (block_size - 1) unless a draft threshold cut some
+    committed: int = 0              # tokens committed by verification: accepted drafts and one more per step, unless
+    #                                 max_tokens or a stop cut the last step inside its drafts
 
     @property
     def acceptance_length(self) -> float:
-        return (self.accepted_draft_tokens + self.steps) / self.steps if self.steps else 0.0
+        return self.committed / self.steps if self.steps else 0.0
 
 
 @dataclass(frozen=True)
