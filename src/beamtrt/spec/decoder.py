@@ -252,6 +252,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             t, c = time.perf_counter(), self._comm_s()
             self.drafter.append_context(*self._scatter(slots, out.taps, committed))
+            if device.type == "cuda":  # its kernels are this step's work: timed here, not in the next (untimed) prefill
+                torch.cuda.synchronize(device)
             self.times.drafter_s += time.perf_counter() - t
             self.times.drafter_comm_s += self._comm_s() - c
         for s, row, k, drafted in zip(active, tokens.tolist(), committed.tolist(), num_drafts.tolist()):
