@@ -189,7 +189,7 @@ def test_a_prompt_too_long_for_the_target_is_refused_before_any_family_is_measur
                "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert rc == 2 and err.splitlines()[-1].startswith("error: long: prompt 2: its prompt ("), err
-    assert "exceed the target's context of 32768 tokens; leave it out or lower --max-new-tokens" in err
+    assert "more than the target's context of 32768 tokens; leave it out or lower --max-new-tokens" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.jsonl"]
 
 

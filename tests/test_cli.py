@@ -624,8 +624,9 @@ def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
     prompts.write_text(prompts.read_text() + json.dumps({"prompt": "hello " * 9000}) + "\n")
     proc = run_script("runtime/run.py", "--model", str(beam_mini), "--prompts", str(prompts), "--max-new-tokens", "4",
                       "--dtype", "bfloat16")
-    assert_one_line_error(proc, f"{prompts}:4: its prompt (9031 tokens), --max-new-tokens 4 and the 9 positions of "
-                                "a verify block exceed the target's context of 8192 tokens; shorten the prompt")
+    assert_one_line_error(proc, f"{prompts}:4: its prompt (9031 tokens) and --max-new-tokens 4 need 9041 positions "
+                                "(verifying blocks of 8), more than the target's context of 8192 tokens; shorten the "
+                                "prompt")
     assert ">>>" not in proc.stdout
     unreadable = tmp_path / "unreadable"  # beam-mini's configs and tokenizer, weights that cannot load: refused first
     unreadable.mkdir()
@@ -636,8 +637,8 @@ def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
             (unreadable / f.name).symlink_to(f)
     proc = run_script("runtime/run.py", "--model", str(unreadable), "--prompt", "hi", "--max-new-tokens", "9000",
                       "--no-spec")
-    assert_one_line_error(proc, "--prompt: its prompt (", "--max-new-tokens 9000 and the 2 positions of a verify "
-                          "block exceed the target's context of 8192 tokens")
+    assert_one_line_error(proc, "--prompt: its prompt (", "--max-new-tokens 9000 need ", " positions, more than the "
+                          "target's context of 8192 tokens")
     (tmp_path / "b\udcff").symlink_to(beam_mini)  # a folder name that is not UTF-8 (b"b\xff"): the tokenizer was blamed
     assert_one_line_error(run_script("runtime/run.py", "--model", str(tmp_path / "b\udcff"), "--prompt", "hi"),
                           "the tokenizer library opens only UTF-8 paths; rename the folder whose name is not UTF-8")

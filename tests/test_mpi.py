@@ -125,7 +125,7 @@ def test_the_torch_backend_keeps_to_the_builds_max_seq_len(sources, tmp_path_fac
     (it ran to the model's 8,192 positions, so the same command failed only on an engine host)."""
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-s64", 2, "--max-seq-len", "64")
     proc = run(engine, 2, "--prompt", "hi", "--max-new-tokens", "100")
-    assert proc.returncode == 2 and "exceed the target's context of 64 tokens" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "more than the target's context of 64 tokens" in proc.stderr, proc.stderr
     assert run(engine, 0, "--prompt", "hi", "--max-new-tokens", "8").returncode == 0
 
 
@@ -146,7 +146,7 @@ def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
     # A prompt too long for the target is refused before any weight loads (it came after a 501B load), on rank 0 alone
     proc = run(broken, 2, "--prompt", "hi", "--max-new-tokens", "40000", timeout=120)
     assert proc.returncode == 2 and proc.stderr.splitlines()[0].startswith("error: --prompt: its prompt ("), proc.stderr
-    assert proc.stderr.count("error:") == 1 and "exceed the target's context of 32768 tokens" in proc.stderr
+    assert proc.stderr.count("error:") == 1 and "more than the target's context of 32768 tokens" in proc.stderr
 
 
 def test_the_same_error_on_every_rank_is_one_line():

@@ -150,14 +150,16 @@ def test_a_request_longer_than_the_context_is_refused_before_any_work(target, pr
     backend = TorchTarget(target)
     context = target.cfg.max_position_embeddings
     dec = SpeculativeDecoder(backend, None)
-    with pytest.raises(ValueError, match=f"request 1: its prompt \\({len(prompts[1])} tokens\\), max_new_tokens "
-                                         f"{context} and the 2 positions of a verify block exceed the target's "
-                                         f"context of {context} tokens"):
+    n = len(prompts[1])
+    with pytest.raises(ValueError, match=f"request 1: its prompt \\({n} tokens\\) and max_new_tokens {context} need "
+                                         f"{n + context - 1} positions, more than the target's context of {context} "
+                                         "tokens$"):
         dec.generate([Request(tuple(prompts[0]), 4), Request(tuple(prompts[1]), context)])
     assert backend.cache is None  # nothing was allocated
     spec = SpeculativeDecoder(backend, OracleDrafter([[]], hit=0.0), block_size=8)
-    fits = context - len(prompts[1]) - 9  # the allocation start() asks for: an engine refuses more than its context
-    with pytest.raises(ValueError, match=f"max_new_tokens {fits + 1} and the 9 positions"):
+    fits = context - n - 6  # the allocation start() asks for: an engine refuses more than its context
+    with pytest.raises(ValueError, match=f"max_new_tokens {fits + 1} need {context + 1} positions \\(verifying "
+                                         "blocks of 8\\)"):
         spec.generate([Request(tuple(prompts[1]), fits + 1)])
     assert backend.cache is None
 
@@ -170,6 +172,27 @@ def test_a_request_longer_than_the_context_is_refused_before_any_work(target, pr
     with pytest.raises(Allocated) as asked:  # what fits gets what fits
         spec.generate([Request(tuple(prompts[1]), fits)])
     assert asked.value.args == (context,)
+
+
+@pytest.mark.parametrize("block", [1, 2, 8])
+def test_a_request_that_fills_the_context_decodes(block):
+    """prompt + max_new_tokens + block - 2 = the context: when every draft is rejected, the last step's block ends on
+    the context's last position (the check kept 3 more free; found by an audit). Block 1: no drafter."""
+    import dataclasses
+
+    from conftest import TINY
+
+    model = tiny_model(dataclasses.replace(TINY, max_position_embeddings=48), seed=7)
+    prompt = tuple(range(3, 41))  # 38 tokens
+    new = 48 - 38 - (block - 2)
+    reference = generate(model, [list(prompt)], new)[0]
+    drafter = None if block == 1 else OracleDrafter([list(prompt) + reference], hit=0.0)
+    out = SpeculativeDecoder(TorchTarget(model), drafter, block_size=block).generate(
+        [Request(prompt, new)])
+    assert out[0].output_ids == reference and len(reference) == new
+    with pytest.raises(ValueError, match="more than the target's context of 48 tokens"):
+        SpeculativeDecoder(TorchTarget(model), drafter, block_size=block).generate(
+            [Request(prompt, new + 1)])
 
 
 def test_full_block_accepts_give_bonus_tokens(target, prompts, reference):

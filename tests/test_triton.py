@@ -630,7 +630,7 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
                          (["--seed", str(2**70)], "error: --seed must be in [0, 2**63)"),
                          (["--max-seq-len", str(10**9)], "above the build's --max-seq-len of 32768"),
-                         (["--max-seq-len", "10"], "error: --max-seq-len must be >= block_size + 3 = 11 (one prompt "),
+                         (["--max-seq-len", "7"], "error: --max-seq-len must be >= block_size = 8 (one prompt "),
                          (["--out", str(tmp_path / "a-file"), "--force"], "is a file; expected a directory path")):
         (tmp_path / "a-file").write_text("keep me")  # --force replaces a repository, never a file
         argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
@@ -719,16 +719,16 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
         rc, _, stderr = run_export(capsys, "--engine-dir", str(build), "--out", str(out), "--backend", "trt",
                                    "--max-seq-len", str(context + 1), "--force")
         assert rc == 2 and f"is above the target's context of {context} tokens" in stderr, stderr
-    tiny = tmp_path / "tiny"  # built with --max-seq-len 10: the default leaves no room for a block of 8
+    tiny = tmp_path / "tiny"  # built with --max-seq-len 7: the default leaves no room for a block of 8
     shutil.copytree(builds[1], tiny)
-    _break_manifest(tiny, lambda m: m["engines"]["settings"].update(max_seq_len=10))
+    _break_manifest(tiny, lambda m: m["engines"]["settings"].update(max_seq_len=7))
     rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny), "--out", str(out), "--force")
-    assert rc == 2 and stderr.startswith("error: the build's --max-seq-len of 10 tokens leaves no room for a request "
-                                         "in blocks of 8 (--max-seq-len must be >= block_size + 3 = 11"), stderr
+    assert rc == 2 and stderr.startswith("error: the build's --max-seq-len of 7 tokens leaves no room for a request "
+                                         "in blocks of 8 (--max-seq-len must be >= block_size = 8"), stderr
     assert stderr.endswith("pass a smaller --block-size or rebuild with a larger --max-seq-len\n"), stderr
     rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny), "--out", str(out), "--force", "--block-size", "4")
     assert rc == 0, stderr
-    tiny_engines = _with_engines(builds[1], tmp_path / "tiny-engines", max_seq_len=10)  # their block is fixed
+    tiny_engines = _with_engines(builds[1], tmp_path / "tiny-engines", max_seq_len=7)  # their block is fixed
     rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny_engines), "--out", str(out), "--force")
     assert rc == 2 and stderr.endswith(": rebuild with a larger --max-seq-len, or pass --backend torch and a smaller "
                                        "--block-size\n"), stderr

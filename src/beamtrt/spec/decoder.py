@@ -72,22 +72,24 @@ def proposal_lengths(proposal: DraftStep, threshold: float) -> torch.Tensor:
 
 
 def headroom(block_size: int) -> int:
-    """Cache positions a request needs beyond its prompt and max_new_tokens at `block_size` (1 without a drafter): a
-    last verify writes up to a block past the tokens kept (a request fits a context of prompt + max_new_tokens +
-    headroom)."""
-    return block_size + 1
+    """Cache positions a request needs beyond its prompt and max_new_tokens at `block_size` (1 without a drafter):
+    the last step starts with max_new_tokens - 1 tokens made, its anchor (the last of them) at position prompt +
+    max_new_tokens - 2, and writes the anchor and up to block_size - 1 drafts (a request fits a context of prompt +
+    max_new_tokens + headroom; -1 without a drafter: the last token made is never written)."""
+    return block_size - 2
 
 
 def too_long(prompt_tokens: int, max_new_tokens: int, block_size: int, context: int | None,
              field: str = "max_new_tokens") -> str | None:
-    """Why a request does not fit a target's `context` (its prompt, max_new_tokens and the positions of a verify
-    block), or None (also for a context of None: a backend without one); `field` is what the message calls
+    """Why a request does not fit a target's `context` (its prompt, max_new_tokens and the positions of a last
+    verify block), or None (also for a context of None: a backend without one); `field` is what the message calls
     max_new_tokens."""
-    room = headroom(block_size)
-    if context is None or prompt_tokens + max_new_tokens + room <= context:
+    need = prompt_tokens + max_new_tokens + headroom(block_size)
+    if context is None or need <= context:
         return None
-    return (f"its prompt ({prompt_tokens} tokens), {field} {max_new_tokens} and the {room} positions of a verify "
-            f"block exceed the target's context of {context} tokens")
+    block = f" (verifying blocks of {block_size})" if block_size > 1 else ""
+    return (f"its prompt ({prompt_tokens} tokens) and {field} {max_new_tokens} need {need} positions{block}, more "
+            f"than the target's context of {context} tokens")
 
 
 class SpeculativeDecoder:

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests decoded at once; more wait in beam_dflash2's queue; served on the build's engines, "
                         f"at most their --max-batch-size (default: {MAX_SLOTS}, or that where lower)")
     p.add_argument("--max-seq-len", type=int,
-                   help="the most tokens one request may need: prompt + max_tokens + block size + 1, at most the "
+                   help="the most tokens one request may need: prompt + max_tokens + block size - 2, at most the "
                         "target's context and the build's --max-seq-len "
                         f"(default: {MAX_SEQ_LEN}, or the lower of those)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")

@@ -55,7 +55,7 @@ class ServeSettings:
     dtype: str = "bfloat16"  # torch backend compute dtype
     device: str = "auto"    # torch device; auto = cuda where available, else cpu (resolve_device)
     max_slots: int = 8      # requests decoded at once (cache slots); more wait in the queue
-    max_seq_len: int = 4096  # prompt + max_tokens + block_size + 1 per request
+    max_seq_len: int = 4096  # prompt + max_tokens + block_size - 2 per request (decoder.headroom)
     seed: int = 0           # of the decode thread's random generator
     chat_template: bool = True  # text_input is a user message sent through the chat template (else raw text)
     draft_threshold: float = 0.0  # verify only the drafts above it (SpeculativeDecoder); 0 = whole blocks
@@ -72,9 +72,9 @@ class ServeSettings:
                    f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
                   (0 <= self.draft_threshold <= 1, "draft_threshold", f"must be in [0, 1], got {self.draft_threshold}"),
                   (self.max_slots >= 1, "max_slots", f"must be >= 1, got {self.max_slots}"),
-                  (self.max_seq_len >= self.block_size + 3, "max_seq_len",  # a 1-token prompt, 1 new token
-                   (f"must be >= block_size + 3 = {self.block_size + 3} (one prompt token, one new token and a "
-                    f"verify block), got {self.max_seq_len}")),
+                  (self.max_seq_len >= self.block_size, "max_seq_len",  # prompt 1 + 1 new + headroom(block_size)
+                   (f"must be >= block_size = {self.block_size} (one prompt token and one new token at that block), "
+                    f"got {self.max_seq_len}")),
                   (0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")]
         bad = next(((name, why) for ok, name, why in checks if not ok), None)
         if bad:
