@@ -298,11 +298,16 @@ def test_bad_requests_are_one_line_errors(server, fields, needle):
 
 
 def test_text_that_encodes_to_no_tokens_is_a_request_error(server, monkeypatch):
-    """Raw text a tokenizer drops whole: refused for that request (queued, its empty prompt failed every request in
-    flight inside the decode loop; found by an audit)."""
-    monkeypatch.setattr(serving, "encode_prompt", lambda *args: [])
+    """Raw text a tokenizer drops whole: refused for that request, by beam_dflash2 and by the ensemble's preprocessing
+    (queued, its empty prompt failed every request in flight inside the decode loop; found by an audit)."""
+    import dataclasses
+
+    monkeypatch.setattr(server.tokenizer, "encode", lambda *args, **kwargs: [])
+    monkeypatch.setattr(server, "settings", dataclasses.replace(server.settings, chat_template=False))  # raw prompts
     with pytest.raises(RequestError, match="^text_input encodes to no tokens$"):
         server.submit({"text_input": "\x01", "max_tokens": 4}, lambda d: None)
+    with pytest.raises(RequestError, match="^text_input encodes to no tokens$"):
+        protocol.preprocess(server.tokenizer, {"text_input": "\x01"}, chat_template=False)
 
 
 @pytest.mark.parametrize("template, needle", [
@@ -715,6 +720,9 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
     long = _with_engines(builds[1], tmp_path / "long", max_seq_len=10 * context)  # engines past the target's context
     unrecorded = _with_engines(builds[1], tmp_path / "unrecorded")  # an older manifest: no engine settings
     _break_manifest(unrecorded, lambda m: m["engines"].pop("settings"))
+    from beamtrt.runtime.loader import build_context  # run.py on the engines: their RoPE stops at the context too
+
+    assert [build_context(b, read_manifest(b), "trt") for b in (long, unrecorded)] == [context, None]
     for build in (long, unrecorded):
         rc, _, stderr = run_export(capsys, "--engine-dir", str(build), "--out", str(out), "--backend", "trt",
                                    "--max-seq-len", str(context + 1), "--force")

@@ -280,10 +280,10 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
     family_requests = {fam: [Request(tuple(ids), args.max_new_tokens, eos) for ids in fam_ids]
                        for fam, fam_ids in prompt_ids.items()}
     context = getattr(target, "max_seq_len", None)
+    verified = max(args.block_size, 16) if block16 else args.block_size  # the widest block this run verifies
     for fam, requests in family_requests.items():  # every prompt fits, before the first family is measured
         for i, r in enumerate(requests):
-            widest = max(args.block_size, 16) if block16 else args.block_size  # the widest block this run verifies
-            if why := too_long(len(r.prompt_ids), r.max_new_tokens, widest, context, "--max-new-tokens"):
+            if why := too_long(len(r.prompt_ids), r.max_new_tokens, verified, context, "--max-new-tokens"):
                 raise BeamtrtError(f"{fam}: prompt {i + 1}: {why}; leave it out or lower --max-new-tokens")
 
     def whole(n: int) -> list[int]:  # the concurrencies whose speculative run decodes all n prompts in whole blocks

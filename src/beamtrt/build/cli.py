@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64,
                    help="engines: most requests decoded at once (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=32768,
-                   help="engines: most tokens per request, prompt and output together (default: %(default)s)")
+                   help="engines: most cache positions per request: its prompt, its output and block - 2 more for "
+                        "the last verify (default: %(default)s)")
     p.add_argument("--max-num-tokens", type=int, default=8192,
                    help="engines: most tokens in one target step, all requests together (longer prompts are "
                         "prefilled in chunks of this size) (default: %(default)s)")

@@ -36,6 +36,8 @@ MAX_ROWS = MAX_BLOCK_SIZE  # tokens per sequence in a decode or verify step (eve
 #                        this path at any batch size, so that a row's bits never depend on the batch (beam-mini fp32,
 #                        2-core dev machine: 16 rows x 1 token 0.22 s here against 0.52 s in plain PyTorch; 16 x 9
 #                        1.43 s against 1.14 s)
+GEMM_ROWS = 16         # a product that asks no row invariance (the drafter's, a prefill's) takes the host GEMM up to
+#                        this many rows; PyTorch's GEMMs are faster for more
 MAX_HEAD_DIM = 1024    # the RoPE scratch in host_math.h
 ABI = 2                # beam_step_abi() of a library this module can drive
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -264,9 +266,9 @@ _descriptors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -
 
 
 def gemm_usable(weight: torch.Tensor, rows: int, any_rows: bool = False) -> bool:
-    """Whether `gemm` can take a [rows, K] x weightᵀ product: at most MAX_ROWS rows (the drafter's LM head on its
-    block rows; PyTorch's GEMMs are faster for more), or any number with `any_rows`."""
-    return ((any_rows or rows <= MAX_ROWS) and weight.device.type == "cpu" and weight.dtype in DTYPES
+    """Whether `gemm` can take a [rows, K] x weightᵀ product: at most GEMM_ROWS rows (the drafter's LM head on its
+    block rows), or any number with `any_rows` (row-invariant products)."""
+    return ((any_rows or rows <= GEMM_ROWS) and weight.device.type == "cpu" and weight.dtype in DTYPES
             and weight.is_contiguous() and enabled() and available())
 
 

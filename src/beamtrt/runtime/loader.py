@@ -56,13 +56,14 @@ def build_tokenizer_dir(root: Path, manifest: dict) -> Path:
 
 def build_context(root: Path, manifest: dict, backend: str) -> int:
     """The longest request (prompt, new tokens and a verify block's positions) a build's target runs, from its configs:
-    its engines' --max-seq-len on TensorRT; on torch its max_position_embeddings, bounded by the engines' --max-seq-len
-    where they were built (the same command fails the same way on either backend)."""
-    built = mf.field(manifest, "engines.settings.max_seq_len", None)
-    if backend == "trt":
-        return built
+    its max_position_embeddings, bounded by the engines' --max-seq-len where they were built (the same command fails
+    the same way on either backend; the build's default, 32768, is past beam-mini's 8192 positions); on TensorRT None
+    where an older build kept no engine settings."""
     from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
 
+    built = mf.field(manifest, "engines.settings.max_seq_len", None)
+    if backend == "trt" and built is None:
+        return None
     context = TrtllmCheckpoint(root / manifest["target"]["dir"]).beam_config().max_position_embeddings
     return min(context, built) if built else context
 

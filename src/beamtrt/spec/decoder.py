@@ -72,7 +72,7 @@ def proposal_lengths(proposal: DraftStep, threshold: float) -> torch.Tensor:
 
 
 def headroom(block_size: int) -> int:
-    """Cache positions a request needs beyond its prompt and max_new_tokens at `block_size` (1 without a drafter):
+    """Cache positions a request needs beyond its prompt and max_new_tokens at `block_size` (block_size 1: no drafter):
     the last step starts with max_new_tokens - 1 tokens made, its anchor (the last of them) at position prompt +
     max_new_tokens - 2, and writes the anchor and up to block_size - 1 drafts (a request fits a context of prompt +
     max_new_tokens + headroom; -1 without a drafter: the last token made is never written)."""

@@ -167,7 +167,9 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     if not text.strip():
         raise RequestError("text_input is empty")
     if not chat_template:
-        return tokenizer.encode(text, add_special_tokens=False)
+        if not (ids := tokenizer.encode(text, add_special_tokens=False)):  # a tokenizer that drops it whole
+            raise RequestError("text_input encodes to no tokens")
+        return ids
     try:
         return render_chat(tokenizer, [{"role": "user", "content": text}])
     except ValueError as e:  # a template that rejects the message

@@ -197,8 +197,6 @@ class Server:
         """Queue a request (fields as parse_request takes them); on_delta is called from the decode thread."""
         params = values if isinstance(values, RequestParams) else parse_request(values)
         ids = tuple(params.prompt_ids or encode_prompt(self.tokenizer, params.text, self.settings.chat_template))
-        if not ids:  # raw text the tokenizer drops whole: decoding it failed every request in flight
-            raise RequestError("text_input encodes to no tokens")
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
@@ -330,7 +328,8 @@ class Server:
                 self._send(live, Delta(*taken, self._metrics(live.completion), final, live.completion.finish_reason))
 
     def _metrics(self, c: Completion) -> Metrics:
-        return Metrics(len(c.output_ids), c.steps, c.accepted, c.drafted, c.committed)
+        return Metrics(output_tokens=len(c.output_ids), steps=c.steps, accepted_draft_tokens=c.accepted,
+                       draft_tokens=c.drafted, committed=c.committed)
 
     def _send(self, live: _Live, delta: Delta) -> None:
         if delta.finished:
