@@ -152,17 +152,18 @@ def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
 def test_the_same_error_on_every_rank_is_one_line():
     """When every rank meets the same error (a file they all read), each printed its line: through scripts/mpirun the
     first rank's alone passes, and the job's status stays the user error's 2."""
-    code = ("import os, sys; from beamtrt.cli_util import say_last; "  # the ranks' own line, under --output :raw
-            "say_last(f\"error: rank {os.environ['OMPI_COMM_WORLD_RANK']}: the same damaged file\"); sys.exit(2)")
-    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "3", sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    def ranks_say(line: str) -> subprocess.CompletedProcess:  # 3 ranks print `line` (an f-string) with say_last
+        code = f"import os, sys; from beamtrt.cli_util import say_last; say_last(f{line!r}); sys.exit(2)"
+        return subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "3", sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+    proc = ranks_say("error: rank {os.environ['OMPI_COMM_WORLD_RANK']}: the same damaged file")  # as under :raw
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: rank ") and lines[0].endswith(": the same damaged file"), lines[0]
     # a line that names no rank (every rank failed before it knew its own: mpi4py missing) passes once too
-    code = "import sys; from beamtrt.cli_util import say_last; say_last('error: mpi4py is missing'); sys.exit(2)"
-    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "3", sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    proc = ranks_say("error: mpi4py is missing")
     assert proc.returncode == 2 and proc.stderr == "error: mpi4py is missing\n", proc.stderr
 
 

@@ -414,8 +414,9 @@ Sources = Callable[[str], torch.Tensor]  # HF name -> tensor
 Warn = Callable[[str], None] | None  # told a warning's line
 
 
-def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Quantize one rank's [out, in] weight with the group's shared weight amax (fp32 scalar)."""
+def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor | None,
+              dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Quantize one rank's [out, in] weight with the group's shared weight amax (fp32 scalar; None in bf16)."""
     if precision == "bf16":
         return {"weight": w.to(dtype)}
     if precision == "fp8":
@@ -431,11 +432,14 @@ def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor, dtype:
 ZERO_WEIGHT_AMAX = {"fp8": fp8.E4M3_MAX, "nvfp4": nvfp4.E2M1_MAX}
 
 
-def _weight_amax(weights: list[torch.Tensor], names: list[str], precision: str, warn: Warn) -> torch.Tensor:
-    """The largest |value| over a group of weights that share one scale (fp32 scalar); an all-zero group is warned
-    about (a pruned expert, or a broken checkpoint), as modelopt's export warns."""
+def _weight_amax(weights: list[torch.Tensor], names: list[str], precision: str, warn: Warn) -> torch.Tensor | None:
+    """The largest |value| over a group of weights that share one scale (fp32 scalar; None in bf16, which has no
+    scale: a pass over every weight saved); an all-zero group is warned about (a pruned expert, or a broken
+    checkpoint), as modelopt's export warns."""
+    if precision == "bf16":
+        return None
     amax = torch.stack([w.abs().amax().float() for w in weights]).amax()
-    if precision == "bf16" or amax > 0:
+    if amax > 0:
         return amax
     if warn is not None:
         warn(f"warning: {', '.join(names)}: all zeros; quantized to zeros with the scale of amax "

@@ -54,7 +54,7 @@ def build_tokenizer_dir(root: Path, manifest: dict) -> Path:
     return root / tokenizer if tokenizer else Path(manifest["target"]["source"])
 
 
-def build_context(root: Path, manifest: dict, backend: str) -> int:
+def build_context(root: Path, manifest: dict, backend: str) -> int | None:
     """The longest request (prompt, new tokens and a verify block's positions) a build's target runs, from its configs:
     its max_position_embeddings, bounded by the engines' --max-seq-len where they were built (the same command fails
     the same way on either backend; the build's default, 32768, is past beam-mini's 8192 positions); on TensorRT None
