@@ -239,6 +239,27 @@ def test_the_wrapper_passes_output_on_as_it_is_written(tmp_path):
     assert proc.returncode == 0 and out == "y\n", err
 
 
+def test_ranks_waiting_for_rank_0_do_not_spin():
+    """While rank 0 is idle (reading a prompt, a server between requests) the other ranks wait in tp.serve without
+    spinning a core (MPI's blocking broadcast used a whole core per rank); commands of any size still arrive whole."""
+    code = ("import sys, time, torch; from beamtrt.runtime import tp; from beamtrt.runtime.dist import Dist\n"
+            "class Echo:\n"
+            "    def put(self, x): self.got = x\n"
+            "dist, echo = Dist.create(), Echo()\n"
+            "if dist.rank == 0:\n"
+            "    time.sleep(3); remote = tp.RankZero('echo', Echo(), dist)\n"
+            "    for n in (1, 10_000): remote.put(torch.arange(n))  # one pickle fits the first broadcast, one not\n"
+            "    tp.stop(dist)\n"
+            "else:\n"
+            "    cpu = time.process_time(); tp.serve(dist, {'echo': echo})\n"
+            "    assert torch.equal(echo.got, torch.arange(10_000))\n"
+            "    print(f'cpu {time.process_time() - cpu:.2f}')")
+    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.split()[-1]) < 1.0, proc.stdout  # over 3 s of waiting (it was 3 s)
+
+
 def test_the_wrapper_reports_a_terminated_job():
     """SIGTERM to the wrapper's process group (a scheduler cancelling the job): every rank ends and the wrapper says
     so, as Ctrl-C's "interrupted" (it ended silently, the shell's status only)."""

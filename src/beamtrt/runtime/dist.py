@@ -9,6 +9,7 @@ replicated state (the residual stream, MoE routing) never diverges between ranks
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import time
 from typing import Any
@@ -20,6 +21,9 @@ from beamtrt.cli_util import say_last
 from beamtrt.errors import BeamtrtError
 
 _LAUNCHED_BY_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+WAIT_SPIN_S = 0.02  # a rank waiting for rank 0's next command polls without pause this long (a decode step's gap) ...
+WAIT_NAP_S = 0.001  # ... then sleeps this long between polls: idle ranks use next to no CPU
+COMMAND_BYTES = 2048  # a broadcast command up to this size (with its 8-byte length) takes one collective
 
 
 class Dist:
@@ -115,10 +119,36 @@ class Dist:
         return torch.cat(list(parts), dim=-1)
 
     def bcast(self, obj: Any) -> Any:
-        """rank 0's obj on every rank (pickled; for commands and small tensors)."""
+        """rank 0's obj on every rank (pickled; for commands and small tensors). A rank that waits for it longer than
+        WAIT_SPIN_S (rank 0 reading a prompt, a server between requests) polls every WAIT_NAP_S instead of spinning
+        a core as MPI's blocking broadcast does: a non-blocking broadcast of COMMAND_BYTES carries the pickle's size
+        and, when it fits, the pickle; a larger one follows in a second broadcast."""
         if self.size == 1:
             return obj
         start = time.perf_counter()
-        obj = self.comm.bcast(obj, root=0)
+        head = np.empty(COMMAND_BYTES, dtype=np.uint8)
+        size = head[:8].view(np.int64)
+        if self.rank == 0:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size[0] = len(payload)
+            fits = len(payload) <= COMMAND_BYTES - 8
+            if fits:
+                head[8:8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            self.comm.Ibcast(head, root=0).Wait()
+            if not fits:
+                self.comm.Bcast(bytearray(payload), root=0)
+        else:
+            request = self.comm.Ibcast(head, root=0)
+            spin_until = time.monotonic() + WAIT_SPIN_S
+            while not request.Test():
+                if time.monotonic() > spin_until:
+                    time.sleep(WAIT_NAP_S)
+            n = int(size[0])
+            if n <= COMMAND_BYTES - 8:
+                payload = head[8:8 + n]
+            else:
+                payload = bytearray(n)
+                self.comm.Bcast(payload, root=0)
+            obj = pickle.loads(payload)
         self.comm_s += time.perf_counter() - start
         return obj
