@@ -67,7 +67,7 @@ def test_draft_steps_agree(target, device, path, monkeypatch):
     g = torch.Generator().manual_seed(9)
     for d in (ref, ker):
         d.allocate(3)
-        d.append_context(torch.randn(3, 20, 2 * 64, generator=torch.Generator().manual_seed(1)),
+        d.append_context(torch.randn(3, 20, 2 * 64, generator=torch.Generator().manual_seed(1)), torch.arange(3),
                          torch.tensor([20, 7, 0]))
     anchors, slots = torch.tensor([4, 50]), torch.tensor([2, 0])
     uniforms = torch.rand(2, 7, generator=g)

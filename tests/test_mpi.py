@@ -247,7 +247,7 @@ def test_ranks_waiting_for_rank_0_do_not_spin():
             "    def put(self, x): self.got = x\n"
             "dist, echo = Dist.create(), Echo()\n"
             "if dist.rank == 0:\n"
-            "    time.sleep(3); remote = tp.RankZero('echo', Echo(), dist)\n"
+            "    time.sleep(3); remote = tp.RankZero('echo', Echo(), dist, {})\n"
             "    for n in (1, 10_000): remote.put(torch.arange(n))  # one pickle fits the first broadcast, one not\n"
             "    tp.stop(dist)\n"
             "else:\n"
@@ -258,6 +258,31 @@ def test_ranks_waiting_for_rank_0_do_not_spin():
                           text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout.split()[-1]) < 1.0, proc.stdout  # over 3 s of waiting (it was 3 s)
+
+
+def test_a_result_passed_back_is_not_broadcast():
+    """A tensor of a backend's last result given to a later call (the target's taps to the drafter) reaches every rank
+    as a reference to that rank's own result, which each rank computed itself, not as rank 0's bytes."""
+    code = ("import dataclasses, torch; from beamtrt.runtime import tp; from beamtrt.runtime.dist import Dist\n"
+            "@dataclasses.dataclass\n"
+            "class Out:\n"
+            "    taps: torch.Tensor\n"
+            "class Model:\n"
+            "    def __init__(self, rank): self.rank = rank\n"
+            "    def forward(self): return Out(torch.full((1000,), float(self.rank)))\n"
+            "    def append(self, taps, n): self.got = (taps, n)\n"
+            "dist = Dist.create(); model = Model(dist.rank)\n"
+            "if dist.rank == 0:\n"
+            "    target, drafter = tp.rank_zero(dist, model, model)\n"
+            "    out = target.forward(); drafter.append(out.taps, torch.ones(1000)); tp.stop(dist)\n"
+            "else:\n"
+            "    tp.serve(dist, {'target': model, 'drafter': model})\n"
+            "    taps, n = model.got\n"
+            "    assert torch.equal(taps, torch.full((1000,), float(dist.rank))) and torch.equal(n, torch.ones(1000))\n"
+            "    print('own')")
+    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 0 and proc.stdout.split() == ["own"], proc.stdout + proc.stderr
 
 
 def test_the_wrapper_reports_a_terminated_job():

@@ -49,9 +49,9 @@ class OracleDrafter:
     def allocate(self, slots: int) -> None:
         self.length = torch.zeros(slots, dtype=torch.long)
 
-    def append_context(self, taps: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        assert taps.shape[-1] == 2 * 64 and taps.shape[:2][0] == len(self.length)
-        self.length += num_tokens
+    def append_context(self, taps: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        assert taps.shape[-1] == 2 * 64 and len(taps) == len(slots) == len(num_tokens)
+        self.length[slots] += num_tokens
 
     def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor, params, uniforms) -> DraftStep:
         n, s = len(anchor_ids), block_size - 1

@@ -174,7 +174,7 @@ def test_target_and_selector_are_non_trivial(target, drafter, case):
     tt.allocate(V, len(PROMPT) + 1)
     td.allocate(V)
     out = tt.forward(torch.tensor(PROMPT).expand(V, len(PROMPT)), torch.arange(V), taps=td.target_layer_ids)
-    td.append_context(out.taps, torch.full((V,), len(PROMPT)))
+    td.append_context(out.taps, torch.arange(V), torch.full((V,), len(PROMPT)))
     step = td.drafter.draft(td.cache, torch.arange(V), BLOCK)  # the lattice itself, before any walk
     assert step.cand_ids.shape == (V, BLOCK - 1, K)
     q0 = draft_probs(step.scores[:, 0, 0], params.temperature, params.top_p).double()      # [x1, K]

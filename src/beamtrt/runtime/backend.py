@@ -57,8 +57,9 @@ class DrafterBackend(Protocol):
     def allocate(self, slots: int) -> None:
         """(Re)create the context cache for `slots` sequences."""
 
-    def append_context(self, taps: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """Append committed tokens' taps [slots, T, n_taps * H] (right-padded; num_tokens [slots]) to every slot."""
+    def append_context(self, taps: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Append committed tokens' taps [N, T, n_taps * H] (right-padded, on the target's device; num_tokens [N]) to
+        cache slots [N]. Under tensor parallelism every rank passes the taps of its own target pass."""
 
     def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor, params: SamplingParams,
               uniforms: torch.Tensor | None) -> DraftStep:

@@ -51,9 +51,13 @@ class TorchDrafter:
     def allocate(self, slots: int) -> None:
         self.cache = self.drafter.new_cache(slots)
 
-    def append_context(self, taps: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    def append_context(self, taps: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         device = self.drafter.device
-        self.drafter.append_context(self.cache, taps.to(device, self.drafter.dtype), num_tokens.to(device))
+        full = torch.zeros(self.cache.batch, *taps.shape[1:], dtype=self.drafter.dtype, device=device)  # every slot
+        full[slots.to(device)] = taps.to(device, self.drafter.dtype)
+        counts = torch.zeros(self.cache.batch, dtype=torch.long, device=device)
+        counts[slots.to(device)] = num_tokens.to(device)
+        self.drafter.append_context(self.cache, full, counts)
 
     @torch.inference_mode()
     def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor, params: SamplingParams,

@@ -2,7 +2,8 @@
 
 Rank 0 runs the speculative loop and makes every decision; each backend call it makes is broadcast to the other
 ranks (`RankZero`), which replay it on their shards (`serve`), so the collectives inside the models line up and
-every rank commits exactly the tokens rank 0 chose.
+every rank commits exactly the tokens rank 0 chose. A backend's result passed back in (the target's taps, for the
+drafter) is replicated on every rank, so it goes as a `Ref` to each rank's own.
 """
 
 from __future__ import annotations
@@ -208,11 +209,26 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
 
 # ---- rank 0 drives, the others replay ------------------------------------------------------------------------
 
-class RankZero:
-    """On rank 0: a backend whose every method call is first broadcast to the other ranks (which replay it)."""
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """Sent in place of an argument that is a tensor of a backend's last result (the target's taps): every rank
+    computed the same one (the residual stream is replicated), so each passes its own instead of receiving it."""
+    backend: str
+    field: str
 
-    def __init__(self, name: str, backend, dist: Dist):
-        self._name, self._backend, self._dist = name, backend, dist
+
+def _tensors(result) -> dict[str, torch.Tensor]:
+    if not dataclasses.is_dataclass(result):
+        return {}
+    return {f.name: v for f in dataclasses.fields(result) if isinstance(v := getattr(result, f.name), torch.Tensor)}
+
+
+class RankZero:
+    """On rank 0: a backend whose every method call is first broadcast to the other ranks (which replay it); an
+    argument that is a tensor of a backend's last result goes as a `Ref` (`results`: shared by the backends)."""
+
+    def __init__(self, name: str, backend, dist: Dist, results: dict):
+        self._name, self._backend, self._dist, self._results = name, backend, dist, results
         self.comm_s = 0.0  # seconds this backend's calls spent in collectives (the broadcast included)
 
     def __getattr__(self, attr: str):
@@ -221,13 +237,24 @@ class RankZero:
             return value
 
         def call(*args, **kwargs):
+            refs = {id(t): Ref(name, field) for name, result in self._results.items()
+                    for field, t in _tensors(result).items()}
+            sent = tuple(refs.get(id(a), a) for a in args), {k: refs.get(id(v), v) for k, v in kwargs.items()}
             before = self._dist.comm_s
-            self._dist.bcast((self._name, attr, args, kwargs))
+            self._dist.bcast((self._name, attr, *sent))
+            self._results.pop(self._name, None)  # not held while this call makes the next (a prefill's taps)
             try:
-                return value(*args, **kwargs)
+                result = self._results[self._name] = value(*args, **kwargs)
+                return result
             finally:
                 self.comm_s += self._dist.comm_s - before
         return call
+
+
+def rank_zero(dist: Dist, target, drafter) -> tuple:
+    """On rank 0 of several: (target, drafter) whose calls the other ranks replay (`serve`); drafter may be None."""
+    results: dict = {}
+    return RankZero("target", target, dist, results), drafter and RankZero("drafter", drafter, dist, results)
 
 
 FAIL_RANK_ENV = "BEAMTRT_FAIL_RANK"  # fault injection (tests): this rank raises on its first replayed call
@@ -236,13 +263,17 @@ FAIL_RANK_ENV = "BEAMTRT_FAIL_RANK"  # fault injection (tests): this rank raises
 def serve(dist: Dist, backends: dict) -> None:
     """On ranks > 0: replay rank 0's backend calls until it says stop."""
     fail = os.environ.get(FAIL_RANK_ENV) == str(dist.rank)
+    results: dict = {}
+    own = lambda a: _tensors(results.get(a.backend))[a.field] if isinstance(a, Ref) else a  # noqa: E731
     while True:
         name, method, args, kwargs = dist.bcast(None)
         if name == "stop":
             return
         if fail:
             raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={dist.rank})")
-        getattr(backends[name], method)(*args, **kwargs)
+        args, kwargs = tuple(map(own, args)), {k: own(v) for k, v in kwargs.items()}
+        results.pop(name, None)
+        results[name] = getattr(backends[name], method)(*args, **kwargs)
 
 
 def drive(dist: Dist, target, drafter) -> tuple | None:
@@ -253,7 +284,7 @@ def drive(dist: Dist, target, drafter) -> tuple | None:
         return None
     if dist.size == 1:
         return target, drafter
-    return RankZero("target", target, dist), drafter and RankZero("drafter", drafter, dist)
+    return rank_zero(dist, target, drafter)
 
 
 def stop(dist: Dist) -> None:

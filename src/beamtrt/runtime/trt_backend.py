@@ -262,11 +262,11 @@ class TrtDrafter:
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(slots)]  # per slot: committed rows' taps
 
-    def append_context(self, taps: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        # taps: [slots, T, n_taps * H] right-padded; num_tokens: [slots]
-        for s, n in enumerate(num_tokens.tolist()):
+    def append_context(self, taps: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        # taps: [N, T, n_taps * H] right-padded; slots, num_tokens: [N]
+        for row, (s, n) in enumerate(zip(slots.tolist(), num_tokens.tolist())):
             if n:
-                self.pending[s].append(taps[s, :n])
+                self.pending[s].append(taps[row, :n])
 
     def draft(self, anchor_ids: torch.Tensor, block_size: int, slots: torch.Tensor, params: SamplingParams,
               uniforms: torch.Tensor | None) -> DraftStep:

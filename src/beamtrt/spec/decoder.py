@@ -184,7 +184,7 @@ class SpeculativeDecoder:
         ids = torch.tensor([p + (0,) * (width - len(p)) for p in prompts])  # [M, width] right-padded
         out = self.target.forward(ids, slots, lengths, taps=self.taps, last_only=True)
         if self.drafter is not None:
-            self.drafter.append_context(*self._scatter(slots, out.taps, lengths))
+            self.drafter.append_context(out.taps, slots, lengths)
         uniforms = None if params.greedy else self._uniforms(len(admitted)).to(out.logits.device)
         first = sample(out.logits[:, -1], params, uniforms).cpu()  # sampled where the logits are; M ids come back
         self.anchor[slots] = first
@@ -194,16 +194,6 @@ class SpeculativeDecoder:
             self._commit(i, requests[i], done[i], [token], on_tokens)
             if done[i].finish_reason:
                 self.release(s, done[i])
-
-    def _scatter(self, slots: torch.Tensor, taps: torch.Tensor, counts: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for some slots -> the drafter's every-slot layout: taps [slots, T, F] (zeros elsewhere), counts.
-        The taps stay on the target's device."""
-        full = taps.new_zeros(len(self.owner), *taps.shape[1:])
-        full[slots.to(taps.device)] = taps
-        n = torch.zeros(len(self.owner), dtype=torch.long)
-        n[slots] = counts
-        return full, n
 
     def step(self, active: list[int], requests: Sequence[Request], done: Sequence[Completion],
              on_tokens: Callable[[int, list[int]], None] | None, params: SamplingParams | None = None) -> None:
@@ -253,7 +243,7 @@ class SpeculativeDecoder:
         self.anchor[slots] = tokens.gather(1, num_accepted[:, None]).squeeze(1)
         if self.drafter is not None:
             t, c = time.perf_counter(), self._comm_s()
-            self.drafter.append_context(*self._scatter(slots, out.taps, committed))
+            self.drafter.append_context(out.taps, slots, committed)
             if device.type == "cuda":  # its kernels are this step's work: timed here, not in the next (untimed) prefill
                 torch.cuda.synchronize(device)
             self.times.drafter_s += time.perf_counter() - t

@@ -403,7 +403,7 @@ def open_server(settings: ServeSettings) -> Server | Follower:
         return Follower(dist, {"target": loaded.target, "drafter": loaded.drafter})
     target, drafter = loaded.target, loaded.drafter
     if dist.size > 1:
-        target, drafter = tp.RankZero("target", target, dist), tp.RankZero("drafter", drafter, dist)
+        target, drafter = tp.rank_zero(dist, target, drafter)
     return Server(target, drafter, load_tokenizer(loaded.tokenizer_dir), settings, dist)
 
 
