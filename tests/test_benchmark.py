@@ -236,3 +236,42 @@ def test_generated_gsm8k_stops_at_the_test_split_size():
     assert GSM8K_SIZE == 1319
     assert len(gsm8k(2000)) == GSM8K_SIZE
     assert gsm8k(3) == gsm8k(GSM8K_SIZE)[:3]  # the first N of the same set
+
+
+def test_the_table_rounds_each_value_once():
+    """The JSON keeps the measured values; the table rounds them (a speedup of 1.12501 was stored as 1.125 and then
+    shown as 1.12×)."""
+    from beamtrt.bench.benchmark import Run, decode_point, speedup_cell
+
+    plain, spec = (Run([[1, 2, 3]], tok_s, 2.0, [0.5]) for tok_s in (100.0, 112.501))
+    point = decode_point(plain, spec, 1, spec_first=False)
+    assert point["speedup"] == 1.12501 and point["greedy_identical"] == 1
+    assert speedup_cell(point, 1) == "100.0 → 112.5 (1.13×)"
+
+
+def test_a_warm_up_comes_first_and_links_are_written_through(mini_vocab_sources, tmp_path, one_thread, monkeypatch):
+    """Both sides decode a few tokens untimed before the first measured run (a GPU's first kernels are not timed);
+    --out files that are symbolic links are written at their targets, the links kept (the table and chart replaced
+    the links while the JSON was written through them)."""
+    from beamtrt.bench import benchmark
+
+    calls = []
+    real = benchmark.decode
+    monkeypatch.setattr(benchmark, "decode", lambda target, drafter, block, requests, c, params, *a, **k: (
+        calls.append((drafter is not None, {r.max_new_tokens for r in requests}, (a[1:] or [k.get("on_finish")])[0]
+                      is not None)),  # counted on the bar: a measured run
+        real(target, drafter, block, requests, c, params, *a, **k))[1])
+    (tmp_path / "real").mkdir()
+    for ext in (".json", ".md", ".png"):
+        (tmp_path / f"b{ext}").symlink_to(tmp_path / "real" / f"x{ext}")
+    src = mini_vocab_sources
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert benchmark.main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
+                           "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "2", "--c1-prompts", "1",
+                           "--concurrency", "1", "--max-new-tokens", "6", "--no-block16",
+                           "--out", str(tmp_path / "b")]) == 0
+    assert calls[:2] == [(False, {benchmark.WARMUP_TOKENS}, False), (True, {benchmark.WARMUP_TOKENS}, False)]
+    assert all(tokens == {6} and timed for _, tokens, timed in calls[2:])
+    assert json.loads((tmp_path / "real/x.json").read_text())["warmup"] == {"requests": 1, "max_new_tokens": 4}
+    for ext in (".json", ".md", ".png"):
+        assert (tmp_path / f"b{ext}").is_symlink() and (tmp_path / "real" / f"x{ext}").stat().st_size > 0

@@ -3,14 +3,16 @@ decode speedup of speculative over plain decoding at each concurrency, measured 
 
 For every family and concurrency c the same requests run twice, plain and speculative, on the same loaded model; the
 side that runs first alternates from one cell of the table to the next, so that a drift of a shared host's speed, or
-a cost the first of two runs pays, does not bias every speedup the same way. Decode throughput counts the tokens
-after each request's first (which prefill produces either way) over the time spent in decode steps. Greedy
-speculative outputs are compared with the plain ones token by token and the result is reported, never assumed.
+a cost the first of two runs pays, does not bias every speedup the same way; before the first cell, both sides decode
+a few tokens untimed (a warm-up). Decode throughput counts the tokens after each request's first (which prefill
+produces either way) over the time spent in decode steps. Greedy speculative outputs are compared with the plain ones
+token by token and the result is reported, never assumed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from beamtrt.checkpoint.hf import write_json
+from beamtrt.checkpoint.hf import followed, write_json
 from beamtrt.cli_util import (ArgumentParser, check_threads, description, output_path, outside_inputs, run_ranks_cli,
                               set_threads, torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
@@ -31,6 +33,7 @@ from beamtrt.runtime.loader import BACKENDS, DTYPES, Sources
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
 OUT_EXTS = (".json", ".md", ".png")  # what --out OUT writes
+WARMUP_TOKENS = 4  # before the first measurement, the first family's first prompts decode this many tokens each way
 
 
 @dataclass
@@ -58,6 +61,18 @@ def decode(target, drafter, block_size: int, requests, concurrency: int, params,
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def decode_point(plain: Run, spec: Run, c: int, spec_first: bool) -> dict:
+    """One family's plain and speculative runs of the same requests at concurrency c, as a JSON cell. The values the
+    table shows are not rounded here: the table rounds them once (1.1251× was stored as 1.125, then shown as 1.12×)."""
+    diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
+    return {"requests": len(plain.outputs), "effective_concurrency": min(c, len(plain.outputs)),
+            "first": "speculative" if spec_first else "plain",
+            "no_spec_tok_s": plain.decode_tokens_per_s, "spec_tok_s": spec.decode_tokens_per_s,
+            "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s, "tau": spec.acceptance_length,
+            "greedy_identical": sum(d is None for d in diverged),
+            "first_divergence": [d for d in diverged if d is not None][:5]}
 
 
 def speedup_cell(point: dict, c: int) -> str:
@@ -296,6 +311,12 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
                file=sys.stderr, disable=None)  # on a terminal only: piped, stderr is its JSON lines
     finished = lambda i, completion: bar.update()  # noqa: E731
     log = lambda line: bar.write(json.dumps(line), file=sys.stderr)  # noqa: E731  above the bar, not through it
+    bar.set_postfix_str("warm-up")
+    warm = [dataclasses.replace(r, max_new_tokens=min(WARMUP_TOKENS, r.max_new_tokens))
+            for r in next(iter(family_requests.values()))[:max(cs)]]
+    for warm_drafter in (None, drafter):  # untimed: one-time costs (a GPU's first kernels, caches) are paid here
+        decode(target, warm_drafter, args.block_size, warm, max(cs), greedy, args.draft_threshold)
+    result["warmup"] = {"requests": len(warm), "max_new_tokens": WARMUP_TOKENS}
     for f, (fam, requests) in enumerate(family_requests.items()):
         row = {"family": fam, "prompts": len(requests), "concurrency": {}}
         spec_runs = {}
@@ -309,16 +330,7 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
             if not spec_first:
                 spec = decode(target, drafter, args.block_size, reqs, c, greedy, args.draft_threshold, finished)
             spec_runs[c] = timed(spec, fam)
-            timed(plain, fam)
-            diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
-            point = {"requests": len(reqs), "effective_concurrency": min(c, len(reqs)),
-                     "first": "speculative" if spec_first else "plain",
-                     "no_spec_tok_s": round(plain.decode_tokens_per_s, 2),
-                     "spec_tok_s": round(spec.decode_tokens_per_s, 2),
-                     "speedup": round(spec.decode_tokens_per_s / plain.decode_tokens_per_s, 3),
-                     "tau": round(spec.acceptance_length, 3),
-                     "greedy_identical": sum(d is None for d in diverged),
-                     "first_divergence": [d for d in diverged if d is not None][:5]}
+            point = decode_point(timed(plain, fam), spec, c, spec_first)
             row["concurrency"][str(c)] = point
             log({"family": fam, "concurrency": c, **point})
         batch = max(cs)
@@ -327,20 +339,22 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
             widest = spec_runs[full[-1]]
         else:  # τ is over every prompt in whole blocks: the speed runs cut blocks, or decoded only --c1-prompts
             widest = decode(target, drafter, args.block_size, requests, batch, greedy, on_finish=finished)
-        row["tau_greedy"] = round(timed(widest, fam).acceptance_length, 3)
+        row["tau_greedy"] = timed(widest, fam).acceptance_length
         row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
         samp = decode(target, drafter, args.block_size, requests, batch, sampled, on_finish=finished)
-        row["tau_sampled"] = round(timed(samp, fam).acceptance_length, 3)
+        row["tau_sampled"] = timed(samp, fam).acceptance_length
         row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
         if block16:
-            row["tau_block16"] = round(timed(decode(target, drafter, 16, requests, batch, greedy,
-                                                    on_finish=finished), fam).acceptance_length, 3)
+            row["tau_block16"] = timed(decode(target, drafter, 16, requests, batch, greedy, on_finish=finished),
+                                       fam).acceptance_length
         result["families"].append(row)
         log({k: v for k, v in row.items() if k != "concurrency"})
     bar.close()
     table = markdown(result)
-    out[".json"].parent.mkdir(parents=True, exist_ok=True)
-    staged = {ext: path.with_name(f".{path.name}.tmp") for ext, path in out.items() if ext != ".json"}
+    into = {ext: followed(path) for ext, path in out.items() if ext != ".json"}  # a link's target, as write_json
+    staged = {ext: path.with_name(f".{path.name}.tmp") for ext, path in into.items()}
+    for path in into.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
     try:  # all three or none: the chart and the table first, then the JSON, then the two renamed into place
         for ext, write in ((".png", lambda path: chart(result, path)), (".md", lambda path: path.write_text(table))):
             try:
@@ -349,7 +363,7 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
                 raise BeamtrtError(f"{out[ext]}: cannot write it ({e.strerror or e})") from None
         write_json(out[".json"], result)
         for ext, tmp in staged.items():
-            tmp.replace(out[ext])
+            tmp.replace(into[ext])
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
