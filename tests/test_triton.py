@@ -635,7 +635,7 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
                          (["--seed", str(2**70)], "error: --seed must be in [0, 2**63)"),
                          (["--max-seq-len", str(10**9)], "above the build's --max-seq-len of 32768"),
-                         (["--max-seq-len", "7"], "error: --max-seq-len must be >= block_size = 8 (one prompt "),
+                         (["--max-seq-len", "7"], "error: --max-seq-len must be >= 8 (one prompt "),
                          (["--out", str(tmp_path / "a-file"), "--force"], "is a file; expected a directory path")):
         (tmp_path / "a-file").write_text("keep me")  # --force replaces a repository, never a file
         argv = ["--engine-dir", str(builds[1]), "--out", str(tmp_path / "repo"), *args]
@@ -732,7 +732,7 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
     _break_manifest(tiny, lambda m: m["engines"]["settings"].update(max_seq_len=7))
     rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny), "--out", str(out), "--force")
     assert rc == 2 and stderr.startswith("error: the build's --max-seq-len of 7 tokens leaves no room for a request "
-                                         "in blocks of 8 (--max-seq-len must be >= block_size = 8"), stderr
+                                         "in blocks of 8 (--max-seq-len must be >= 8 (one prompt"), stderr
     assert stderr.endswith("pass a smaller --block-size or rebuild with a larger --max-seq-len\n"), stderr
     rc, _, stderr = run_export(capsys, "--engine-dir", str(tiny), "--out", str(out), "--force", "--block-size", "4")
     assert rc == 0, stderr

@@ -28,7 +28,7 @@ from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.errors import ConfigError
 from beamtrt.prompts import load_tokenizer, make_decode, special_stops
 from beamtrt.runtime.loader import DTYPES, check_device
-from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder
+from beamtrt.spec.decoder import Completion, Request, SpeculativeDecoder, headroom
 from beamtrt.spec.sampling import SamplingParams
 from beamtrt.spec.stops import TextStream
 from beamtrt.triton.protocol import (Delta, Metrics, RequestError, RequestParams, ServerClosed, encode_prompt,
@@ -72,8 +72,8 @@ class ServeSettings:
                    f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
                   (0 <= self.draft_threshold <= 1, "draft_threshold", f"must be in [0, 1], got {self.draft_threshold}"),
                   (self.max_slots >= 1, "max_slots", f"must be >= 1, got {self.max_slots}"),
-                  (self.max_seq_len >= self.block_size, "max_seq_len",  # prompt 1 + 1 new + headroom(block_size)
-                   (f"must be >= block_size = {self.block_size} (one prompt token and one new token at that block), "
+                  (self.max_seq_len >= (least := 1 + 1 + headroom(self.block_size)), "max_seq_len",
+                   (f"must be >= {least} (one prompt token and one new token at block_size {self.block_size}), "
                     f"got {self.max_seq_len}")),
                   (0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")]
         bad = next(((name, why) for ok, name, why in checks if not ok), None)
