@@ -260,29 +260,45 @@ def test_ranks_waiting_for_rank_0_do_not_spin():
     assert float(proc.stdout.split()[-1]) < 1.0, proc.stdout  # over 3 s of waiting (it was 3 s)
 
 
-def test_a_result_passed_back_is_not_broadcast():
-    """A tensor of a backend's last result given to a later call (the target's taps to the drafter) reaches every rank
-    as a reference to that rank's own result, which each rank computed itself, not as rank 0's bytes."""
-    code = ("import dataclasses, torch; from beamtrt.runtime import tp; from beamtrt.runtime.dist import Dist\n"
-            "@dataclasses.dataclass\n"
-            "class Out:\n"
-            "    taps: torch.Tensor\n"
-            "class Model:\n"
+def test_every_rank_gives_its_drafter_its_own_taps():
+    """In a decode (prefill, then verify steps, each step's taps given to the drafter after the target's crop) every
+    rank's drafter gets the taps of its own target pass, not rank 0's sent along, and no rank holds taps afterwards.
+    The fake target marks its taps with its rank; it continues every token t with t + 1, as the fake drafter does."""
+    code = ("import torch; from beamtrt.runtime import tp; from beamtrt.runtime.dist import Dist\n"
+            "from beamtrt.runtime.backend import DraftStep, TargetStep; from beamtrt.spec.decoder import *\n"
+            "V = 50\n"
+            "class Target:\n"
+            "    vocab_size, max_seq_len, eos_token_ids = V, 100, ()\n"
             "    def __init__(self, rank): self.rank = rank\n"
-            "    def forward(self): return Out(torch.full((1000,), float(self.rank)))\n"
-            "    def append(self, taps, n): self.got = (taps, n)\n"
-            "dist = Dist.create(); model = Model(dist.rank)\n"
+            "    def allocate(self, slots, max_len): pass\n"
+            "    def crop(self, slots, lengths): pass\n"
+            "    def reset(self, slots): pass\n"
+            "    def forward(self, ids, slots, num_tokens=None, taps=(), last_only=False):\n"
+            "        nxt = (ids + 1) % V\n"
+            "        nxt = nxt.gather(1, num_tokens[:, None] - 1) if last_only else nxt\n"
+            "        return TargetStep(torch.nn.functional.one_hot(nxt, V).float(),\n"
+            "                          torch.full((*ids.shape, 4), float(self.rank)))\n"
+            "class Drafter:\n"
+            "    target_layer_ids, block_size, seen = (0,), 4, []\n"
+            "    def allocate(self, slots): pass\n"
+            "    def reset(self, slots): pass\n"
+            "    def append_context(self, taps, slots, num_tokens): self.seen.append(taps.unique().tolist())\n"
+            "    def draft(self, anchor_ids, block_size, slots, params, uniforms):\n"
+            "        drafts = (anchor_ids[:, None] + torch.arange(1, block_size)) % V\n"
+            "        return DraftStep(drafts, drafts[..., None], None, torch.ones(drafts.shape))\n"
+            "dist, drafter = Dist.create(), Drafter()\n"
             "if dist.rank == 0:\n"
-            "    target, drafter = tp.rank_zero(dist, model, model)\n"
-            "    out = target.forward(); drafter.append(out.taps, torch.ones(1000)); tp.stop(dist)\n"
+            "    target, remote = tp.rank_zero(dist, Target(0), drafter)\n"
+            "    done = SpeculativeDecoder(target, remote, block_size=4).generate([Request((1, 2, 3), 10)])\n"
+            "    tp.stop(dist); assert done[0].output_ids == list(range(4, 14)) and target._held == {}\n"
             "else:\n"
-            "    tp.serve(dist, {'target': model, 'drafter': model})\n"
-            "    taps, n = model.got\n"
-            "    assert torch.equal(taps, torch.full((1000,), float(dist.rank))) and torch.equal(n, torch.ones(1000))\n"
-            "    print('own')")
+            "    tp.serve(dist, {'target': Target(dist.rank), 'drafter': drafter})\n"
+            "import os; os.write(1, f'{dist.rank} {drafter.seen}\\n'.encode())  # one write: ranks' lines stay whole")
     proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c", code], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert proc.returncode == 0 and proc.stdout.split() == ["own"], proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert seen == {"0": "[[0.0], [0.0], [0.0], [0.0]]", "1": "[[1.0], [1.0], [1.0], [1.0]]"}, seen  # prefill, 3 steps
 
 
 def test_the_wrapper_reports_a_terminated_job():

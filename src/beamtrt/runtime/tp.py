@@ -2,8 +2,8 @@
 
 Rank 0 runs the speculative loop and makes every decision; each backend call it makes is broadcast to the other
 ranks (`RankZero`), which replay it on their shards (`serve`), so the collectives inside the models line up and
-every rank commits exactly the tokens rank 0 chose. A backend's result passed back in (the target's taps, for the
-drafter) is replicated on every rank, so it goes as a `Ref` to each rank's own.
+every rank commits exactly the tokens rank 0 chose. The target's taps, which rank 0 passes on to the drafter, are
+replicated on every rank, so they go as `OwnTaps`: each rank uses its own.
 """
 
 from __future__ import annotations
@@ -210,25 +210,31 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
 # ---- rank 0 drives, the others replay ------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Ref:
-    """Sent in place of an argument that is a tensor of a backend's last result (the target's taps): every rank
-    computed the same one (the residual stream is replicated), so each passes its own instead of receiving it."""
-    backend: str
-    field: str
+class OwnTaps:
+    """Sent in place of the taps of the target's last pass when rank 0 passes them to a call (the drafter's context):
+    every rank's pass computed the same ones (the residual stream is replicated bit for bit), so each rank uses its
+    own instead of receiving rank 0's. Every rank holds its last taps until a call uses them (or a pass replaces them)."""
 
 
-def _tensors(result) -> dict[str, torch.Tensor]:
-    if not dataclasses.is_dataclass(result):
-        return {}
-    return {f.name: v for f in dataclasses.fields(result) if isinstance(v := getattr(result, f.name), torch.Tensor)}
+def _each(args: tuple, kwargs: dict, f) -> tuple[tuple, dict]:
+    return tuple(map(f, args)), {k: f(v) for k, v in kwargs.items()}
+
+
+def _uses_taps(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, OwnTaps) for a in (*args, *kwargs.values()))
+
+
+def _hold_taps(held: dict, result) -> None:
+    if isinstance(taps := getattr(result, "taps", None), torch.Tensor):
+        held["taps"] = taps
 
 
 class RankZero:
-    """On rank 0: a backend whose every method call is first broadcast to the other ranks (which replay it); an
-    argument that is a tensor of a backend's last result goes as a `Ref` (`results`: shared by the backends)."""
+    """On rank 0: a backend whose every method call is first broadcast to the other ranks (which replay it); the
+    target's taps passed to a call go as `OwnTaps` (`held`: rank 0's last taps, shared by the backends)."""
 
-    def __init__(self, name: str, backend, dist: Dist, results: dict):
-        self._name, self._backend, self._dist, self._results = name, backend, dist, results
+    def __init__(self, name: str, backend, dist: Dist, held: dict):
+        self._name, self._backend, self._dist, self._held = name, backend, dist, held
         self.comm_s = 0.0  # seconds this backend's calls spent in collectives (the broadcast included)
 
     def __getattr__(self, attr: str):
@@ -237,24 +243,25 @@ class RankZero:
             return value
 
         def call(*args, **kwargs):
-            refs = {id(t): Ref(name, field) for name, result in self._results.items()
-                    for field, t in _tensors(result).items()}
-            sent = tuple(refs.get(id(a), a) for a in args), {k: refs.get(id(v), v) for k, v in kwargs.items()}
+            taps = self._held.get("taps")
+            sent = _each(args, kwargs, lambda a: OwnTaps() if taps is not None and a is taps else a)
+            if _uses_taps(*sent):
+                del self._held["taps"]  # used: every rank lets go of its own
             before = self._dist.comm_s
             self._dist.bcast((self._name, attr, *sent))
-            self._results.pop(self._name, None)  # not held while this call makes the next (a prefill's taps)
             try:
-                result = self._results[self._name] = value(*args, **kwargs)
-                return result
+                result = value(*args, **kwargs)
             finally:
                 self.comm_s += self._dist.comm_s - before
+            _hold_taps(self._held, result)
+            return result
         return call
 
 
 def rank_zero(dist: Dist, target, drafter) -> tuple:
     """On rank 0 of several: (target, drafter) whose calls the other ranks replay (`serve`); drafter may be None."""
-    results: dict = {}
-    return RankZero("target", target, dist, results), drafter and RankZero("drafter", drafter, dist, results)
+    held: dict = {}
+    return RankZero("target", target, dist, held), drafter and RankZero("drafter", drafter, dist, held)
 
 
 FAIL_RANK_ENV = "BEAMTRT_FAIL_RANK"  # fault injection (tests): this rank raises on its first replayed call
@@ -263,17 +270,17 @@ FAIL_RANK_ENV = "BEAMTRT_FAIL_RANK"  # fault injection (tests): this rank raises
 def serve(dist: Dist, backends: dict) -> None:
     """On ranks > 0: replay rank 0's backend calls until it says stop."""
     fail = os.environ.get(FAIL_RANK_ENV) == str(dist.rank)
-    results: dict = {}
-    own = lambda a: _tensors(results.get(a.backend))[a.field] if isinstance(a, Ref) else a  # noqa: E731
+    held: dict = {}  # this rank's last taps, as rank 0's `RankZero`s hold theirs
     while True:
         name, method, args, kwargs = dist.bcast(None)
         if name == "stop":
             return
         if fail:
             raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={dist.rank})")
-        args, kwargs = tuple(map(own, args)), {k: own(v) for k, v in kwargs.items()}
-        results.pop(name, None)
-        results[name] = getattr(backends[name], method)(*args, **kwargs)
+        if _uses_taps(args, kwargs):
+            taps = held.pop("taps")
+            args, kwargs = _each(args, kwargs, lambda a: taps if isinstance(a, OwnTaps) else a)
+        _hold_taps(held, getattr(backends[name], method)(*args, **kwargs))
 
 
 def drive(dist: Dist, target, drafter) -> tuple | None:
