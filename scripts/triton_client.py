@@ -32,14 +32,18 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default="Write a haiku about GPUs.", help="the user message (default: %(default)r)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all "
-                   "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass; with --temperature > 0 (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = all; with "
+                   "--temperature > 0 (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-stream", action="store_true", help="one response at the end instead of one per step")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response "
                    "(default: %(default)s)")
     return p.parse_args(argv)
+
+
+MIN_TEMPERATURE = 1e-5  # the server's smallest sampling temperature (below it, logits / T overflow)
 
 
 def check(args):
@@ -48,10 +52,13 @@ def check(args):
     bad = [(not 1 <= args.max_tokens <= int32, f"--max-tokens must be in [1, {int32}], got {args.max_tokens}"),
            (not args.url.strip(), "--url is empty"),
            (not args.prompt.strip(), "--prompt is empty"),
-           (not 0 <= args.temperature <= np.finfo(np.float32).max,  # sent as FP32
-            f"--temperature must be a finite number >= 0, got {args.temperature}"),
-           (not 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+           (not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature <= np.finfo(np.float32).max),  # FP32
+            f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {args.temperature}"),
+           (not (0 < args.top_p <= 1 and np.float32(args.top_p) > 0),  # sent as FP32: 1e-50 would arrive as 0
+            f"--top-p must be in (0, 1], got {args.top_p}"),
            (not 0 <= args.top_k <= int32, f"--top-k must be in [0, {int32}], got {args.top_k}"),
+           (args.temperature == 0 and (args.top_p != 1 or args.top_k != 0),  # the server would ignore them
+            "--top-p and --top-k shape sampling: give them with a --temperature > 0 (the default, 0, is greedy)"),
            (any(not s for s in args.stop), "--stop needs a non-empty string"),
            (not 0 < args.timeout < math.inf, f"--timeout must be a finite number of seconds > 0, got {args.timeout}")]
     return next((why for failed, why in bad if failed), None)

@@ -289,7 +289,7 @@ def test_the_decode_thread_ends_nothing_silently(builds):
     ({"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[3, 4]], np.int32)},
      "max_tokens must be one value, got 2"),
     ({"input_ids": [5, 100000], "max_tokens": 4}, "outside the vocabulary"),
-    ({"text_input": "hi", "max_tokens": 190}, "more than this server's"),
+    ({"text_input": "hi", "max_tokens": 190}, "positions for a last verify block's drafts)"),  # block 8: 6
 ])
 def test_bad_requests_are_one_line_errors(server, fields, needle):
     with pytest.raises(RequestError) as err:
@@ -852,6 +852,11 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
     assert client.main(["--top-p", "0"]) == 2
     assert capsys.readouterr().err == "error: --top-p must be in (0, 1], got 0.0\n"
+    for args, needle in ((["--temperature", "1e-7"], "--temperature must be 0 (greedy) or a finite number >= 1e-05"),
+                         (["--temperature", "1", "--top-p", "1e-50"], "--top-p must be in (0, 1]"),  # 0 in FP32
+                         (["--top-k", "50"], "--top-p and --top-k shape sampling")):  # the server would be greedy
+        assert client.main(["--url", "localhost:1", *args]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {needle}")
     for flag, value in (("--timeout", "nan"), ("--timeout", "0"), ("--temperature", "nan"),
                         ("--max-tokens", "99999999999")):  # refused before connecting (no server at localhost:1)
         assert client.main(["--url", "localhost:1", flag, value]) == 2

@@ -46,8 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy; else finite and >= 1e-5 (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass, in (0, 1]; with --temperature > 0 (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens, 0 = all; with --temperature > 0 (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[],
                    help="stop a request when its text contains this string (repeatable; the text is cut before it); "
                         "a special token such as <|im_start|>, which the text never shows, stops on that token")
@@ -96,6 +98,9 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 def _validate(args: argparse.Namespace) -> SamplingParams:
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
+    if params.greedy and (args.top_p != 1 or args.top_k):  # they would be ignored
+        raise ValueError("--top-p and --top-k shape sampling: give them with a --temperature > 0 (the default, 0, is "
+                         "greedy)")
     if args.concurrency < 0:
         raise ValueError(f"--concurrency must be >= 0, got {args.concurrency}")
     if args.max_new_tokens < 1:

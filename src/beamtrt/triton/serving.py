@@ -202,9 +202,11 @@ class Server:
             raise RequestError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
         room = self.context - self.decoder.headroom
         if len(ids) + params.max_tokens > room:
+            drafts = (f", less {self.decoder.headroom} positions for a last verify block's drafts"
+                      if self.decoder.headroom else "")
             raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than this "
                                f"server's {room} (max_seq_len {self.settings.max_seq_len}, the model's context "
-                               f"{self.model_context or 'unknown'})")
+                               f"{self.model_context or 'unknown'}{drafts})")
         try:
             stop_ids, stops = special_stops(self.tokenizer, params.stop, "stop_words")
         except ValueError as e:
