@@ -62,7 +62,8 @@ OUTPUTS = (  # beam_dflash2's outputs, one set per response
            "cuts the final response)"),
     Tensor("text_output", "TYPE_STRING", (1,), False, "the text of output_ids: the new text when streaming"),
     Tensor("finish_reason", "TYPE_STRING", (1,), False, "empty until the final response, then stop or length"),
-    Tensor("acceptance_length", "TYPE_FP32", (1,), False, "tokens committed per verification step so far (τ)"),
+    Tensor("acceptance_length", "TYPE_FP32", (1,), False, "tokens committed per verification step so far (τ; 0 "
+           "before the first step, as for a request that ends at its first token)"),
     Tensor("accepted_draft_tokens", "TYPE_INT32", (1,), False, "drafted tokens accepted (and kept) so far"),
     Tensor("draft_tokens", "TYPE_INT32", (1,), False, "drafted tokens verified so far"),
 )
