@@ -65,7 +65,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def decode_point(plain: Run, spec: Run, c: int, spec_first: bool) -> dict:
     """One family's plain and speculative runs of the same requests at concurrency c, as a JSON cell. The values the
-    table shows are not rounded here: the table rounds them once (1.1251× was stored as 1.125, then shown as 1.12×)."""
+    table shows are not rounded here: the table rounds them once (1.1251× was stored as 1.125, then shown 1.12×)."""
     diverged = [first_divergence(a, b) for a, b in zip(plain.outputs, spec.outputs)]
     return {"requests": len(plain.outputs), "effective_concurrency": min(c, len(plain.outputs)),
             "first": "speculative" if spec_first else "plain",

@@ -213,7 +213,7 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
 class OwnTaps:
     """Sent in place of the taps of the target's last pass when rank 0 passes them to a call (the drafter's context):
     every rank's pass computed the same ones (the residual stream is replicated bit for bit), so each rank uses its
-    own instead of receiving rank 0's. Every rank holds its last taps until a call uses them (or a pass replaces them)."""
+    own instead of receiving rank 0's. Every rank holds its last taps until a call uses them or a pass replaces them."""
 
 
 def _each(args: tuple, kwargs: dict, f) -> tuple[tuple, dict]:
@@ -222,6 +222,12 @@ def _each(args: tuple, kwargs: dict, f) -> tuple[tuple, dict]:
 
 def _uses_taps(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, OwnTaps) for a in (*args, *kwargs.values()))
+
+
+def _portable(arg):
+    """A CUDA tensor goes as a host copy (pickling copies it to the host anyway): unpickled as it is, it would come back
+    on rank 0's GPU in every rank, each then opening a context there; the backends take their inputs from the host."""
+    return arg.cpu() if isinstance(arg, torch.Tensor) and arg.is_cuda else arg
 
 
 def _hold_taps(held: dict, result) -> None:
@@ -244,7 +250,7 @@ class RankZero:
 
         def call(*args, **kwargs):
             taps = self._held.get("taps")
-            sent = _each(args, kwargs, lambda a: OwnTaps() if taps is not None and a is taps else a)
+            sent = _each(args, kwargs, lambda a: OwnTaps() if taps is not None and a is taps else _portable(a))
             if _uses_taps(*sent):
                 del self._held["taps"]  # used: every rank lets go of its own
             before = self._dist.comm_s

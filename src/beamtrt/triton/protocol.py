@@ -47,7 +47,8 @@ FIELDS = (
     Tensor("top_p", "TYPE_FP32", (1,), True,
            "nucleus sampling mass in (0, 1] (default 1); only with temperature > 0 (greedy ignores it)"),
     Tensor("top_k", "TYPE_INT32", (1,), True,
-           "sample from the k most likely tokens; 0 = all (the default); only with temperature > 0 (greedy ignores it)"),
+           "sample from the k most likely tokens; 0 = all (the default); only with temperature > 0 (greedy ignores "
+           "it)"),
     Tensor("stop_words", "TYPE_STRING", (-1,), True,
            "stop when the text contains one of these; the text ends before it (an empty one is none)"),
     Tensor("bad_words", "TYPE_STRING", (-1,), True, "as TensorRT-LLM's ensemble takes it, but only empty: none"),
