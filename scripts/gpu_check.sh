@@ -26,8 +26,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -n "${OUT:-}" ]]; then  # everything from here on also goes to $OUT/gpu_check.log
   mkdir -p "$OUT"
   exec > >(tee "$OUT/gpu_check.log") 2>&1
+  tee_pid=$!
+  trap 'exec >&- 2>&-; wait "$tee_pid" || true' EXIT  # the log's last lines are written before this exits
 fi
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true; fi
 # one line and exit status 2 where this cannot run: no torch for $PY, or no CUDA device it can see
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda',
   torch.version.cuda)" 2>/dev/null || { echo "error: $PY has no torch: set PY to a python with a CUDA build of torch" >&2; exit 2; }
@@ -39,8 +41,8 @@ stage() { echo "== $1 (${SECONDS} s)"; shift; "$@" || { status=$?; echo "== FAIL
 stage "CMake build of plugins/" bash -c "cmake -S plugins -B plugins/_build ${TensorRT_ROOT:+-DTensorRT_ROOT=$TensorRT_ROOT} \
   && cmake --build plugins/_build -j $(nproc)"
 stage "torch extension" "$PY" -c "from beamtrt.native import cuda; cuda.extension(); print('torch extension: built')"
-stage "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --durations=5 tests/test_plugins.py \
-  tests/test_drafter_kernels.py tests/test_train_drafter.py
+stage "gpu tests" env BEAMTRT_PLUGINS_BUILD="$PWD/plugins/_build" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
+  --durations=5 tests/test_plugins.py tests/test_drafter_kernels.py tests/test_train_drafter.py  # the build above
 mkdir -p bench
 rm -f bench/kernels.json  # a failed benchmark leaves no earlier run's table to be copied as this one's
 stage "kernel micro-benchmark" "$PY" scripts/bench_kernels.py --json bench/kernels.json

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) latticeKernel(Args x, int32_t chunks
     for (int32_t m = 0; m < kPairsPerThread; m++) {
       const int32_t pair = threadIdx.x + m * kThreads, p = pair / K, j = pair % K;
       if (pair < P * K) {
-        for (int32_t r = 0; r < width; r++) acc[m] += (a[p * stride + r] * g[r]) * b[j * stride + r];  // edgeScore's
+        for (int32_t r = 0; r < width; r++) acc[m] = addProduct(acc[m], a[p * stride + r] * g[r], b[j * stride + r]);
       }
     }
   }

@@ -55,8 +55,8 @@ struct TopK {
 BEAMTRT_HD float edgeScore(Args const& x, float u, float const* g, int32_t a, int32_t b) {
   float edge = 0.0f;
   for (int32_t r = 0; r < x.R; r++) {
-    edge += (load(x.predecessor, int64_t(a) * x.R + r, x.codebookType) * g[r])
-        * load(x.successor, int64_t(b) * x.R + r, x.codebookType);
+    edge = addProduct(edge, load(x.predecessor, int64_t(a) * x.R + r, x.codebookType) * g[r],
+                      load(x.successor, int64_t(b) * x.R + r, x.codebookType));
   }
   return u + edge;
 }

@@ -37,6 +37,16 @@ BEAMTRT_HD uint32_t floatToBits(float f) {
 #endif
 }
 
+// x + a * b with the product rounded before the sum, as the host build (-ffp-contract=off) and PyTorch compute it;
+// nvcc would otherwise fuse the two into one FMA, rounded once, and the device's sums would differ in the last bit.
+BEAMTRT_HD float addProduct(float x, float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(x, __fmul_rn(a, b));
+#else
+  return x + a * b;
+#endif
+}
+
 BEAMTRT_HD float bf16ToFloat(uint16_t h) { return bitsToFloat(uint32_t(h) << 16); }
 
 BEAMTRT_HD uint16_t floatToBf16(float f) {  // round to nearest even; NaN stays NaN
