@@ -381,7 +381,6 @@ def test_the_torch_extension_links_and_checks_its_arguments(torch_ext, monkeypat
     from beamtrt.native import cuda
 
     monkeypatch.setattr(cuda, "extension", lambda: torch_ext)
-    monkeypatch.setattr(cuda, "_stream", lambda: 0)
     names = ("logits", "projected", "anchor", "A", "B", "temperature", "top_p", "uniforms")
     attention_names = ("q", "k", "v", "ck", "cv", "start", "count", "ring_k", "ring_v")
 

@@ -38,7 +38,11 @@ void checkDtype(torch::Tensor const& t, char const* name, std::initializer_list<
 }
 
 void checkCuda(std::initializer_list<torch::Tensor const*> tensors) {
-  for (auto const* t : tensors) TORCH_CHECK(t->is_cuda(), "CUDA tensors expected, got one on ", t->device());
+  for (auto const* t : tensors) {
+    TORCH_CHECK(t->is_cuda(), "CUDA tensors expected, got one on ", t->device());
+    TORCH_CHECK(t->device() == (*tensors.begin())->device(), "tensors on one device expected, got ",
+                (*tensors.begin())->device(), " and ", t->device());
+  }
 }
 
 // logits [N, S, V] fp32 / fp16 / bf16, projected [N, S, R] fp32, anchor_ids [N] int32, codebooks [V, R],
