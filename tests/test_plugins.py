@@ -163,6 +163,15 @@ def test_selector_top_p_keeps_the_smallest_prefix(host):
     assert (got["q"][0, 0] > 0).sum() < (got["q"][3, 0] > 0).sum()
 
 
+def test_selector_draws_inside_its_candidates_from_a_row_without_mass(host):
+    """A q row with no positive entry (top_p 0, which the decoder never passes, or NaN logits) draws candidate 0: the
+    draw was index -1, and the walk read the candidate before the slot's own."""
+    c = selector_case(5, torch.float32, N=2, S=3, V=50, K=6)
+    c["temperature"], c["top_p"] = torch.full((2,), 1.0), torch.zeros(2)
+    got = run_selector(host, c)
+    assert torch.equal(got["draft"], got["cand"][..., 0])
+
+
 def emulated_equals_host(build, host, c) -> dict:
     """The selector on case `c` through block_selector/kernel.cu run on host threads and through the host build:
     candidates, drafts and q rows equal bit for bit (the same operations in the same order, on the same host). Returns

@@ -92,7 +92,8 @@ BEAMTRT_HD void draftProbs(float const* row, int32_t K, float temperature, float
   for (int32_t j = 0; j < K; j++) q[j] /= kept;
 }
 
-// Inverse-CDF draw from q (need not be normalized): never an index of probability 0 (spec.sampling.sample_from).
+// Inverse-CDF draw from q (need not be normalized): never an index of probability 0 (spec.sampling.sample_from),
+// unless no entry is positive.
 BEAMTRT_HD int32_t sampleFrom(float const* q, int32_t K, float u) {
   float cdf[kMaxK];
   float run = 0.0f;
@@ -110,7 +111,7 @@ BEAMTRT_HD int32_t sampleFrom(float const* q, int32_t K, float u) {
       break;
     }
   }
-  return pick < last ? pick : last;
+  return pick < last ? pick : (last < 0 ? 0 : last);  // no positive entry (a NaN row): 0, never an index outside q
 }
 
 // The token before slot t when slot t-1 took its candidate p (t = 0: the anchor).
