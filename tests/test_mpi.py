@@ -149,14 +149,18 @@ def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
     assert proc.stderr.count("error:") == 1 and "more than the target's context of 32768 tokens" in proc.stderr
 
 
+def python_ranks(ranks: int, code: str) -> subprocess.CompletedProcess:
+    """`python -c code` on `ranks` ranks through scripts/mpirun, beamtrt importable."""
+    return subprocess.run([str(ROOT / "scripts/mpirun"), "-n", str(ranks), sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
 def test_the_same_error_on_every_rank_is_one_line():
     """When every rank meets the same error (a file they all read), each printed its line: through scripts/mpirun the
     first rank's alone passes, and the job's status stays the user error's 2."""
     def ranks_say(line: str) -> subprocess.CompletedProcess:  # 3 ranks print `line` (an f-string) with say_last
-        code = f"import os, sys; from beamtrt.cli_util import say_last; say_last(f{line!r}); sys.exit(2)"
-        return subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "3", sys.executable, "-c", code],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        return python_ranks(3, f"import os, sys; from beamtrt.cli_util import say_last; say_last(f{line!r}); sys.exit(2)")
 
     proc = ranks_say("error: rank {os.environ['OMPI_COMM_WORLD_RANK']}: the same damaged file")  # as under :raw
     lines = proc.stderr.splitlines()
@@ -254,8 +258,7 @@ def test_ranks_waiting_for_rank_0_do_not_spin():
             "    cpu = time.process_time(); tp.serve(dist, {'echo': echo})\n"
             "    assert torch.equal(echo.got, torch.arange(10_000))\n"
             "    print(f'cpu {time.process_time() - cpu:.2f}')")
-    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    proc = python_ranks(2, code)
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout.split()[-1]) < 1.0, proc.stdout  # over 3 s of waiting (it was 3 s)
 
@@ -294,8 +297,7 @@ def test_every_rank_gives_its_drafter_its_own_taps():
             "else:\n"
             "    tp.serve(dist, {'target': Target(dist.rank), 'drafter': drafter})\n"
             "import os; os.write(1, f'{dist.rank} {drafter.seen}\\n'.encode())  # one write: ranks' lines stay whole")
-    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    proc = python_ranks(2, code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert seen == {"0": "[[0.0], [0.0], [0.0], [0.0]]", "1": "[[1.0], [1.0], [1.0], [1.0]]"}, seen  # prefill, 3 steps
