@@ -160,7 +160,8 @@ def test_the_same_error_on_every_rank_is_one_line():
     """When every rank meets the same error (a file they all read), each printed its line: through scripts/mpirun the
     first rank's alone passes, and the job's status stays the user error's 2."""
     def ranks_say(line: str) -> subprocess.CompletedProcess:  # 3 ranks print `line` (an f-string) with say_last
-        return python_ranks(3, f"import os, sys; from beamtrt.cli_util import say_last; say_last(f{line!r}); sys.exit(2)")
+        return python_ranks(3, f"import os, sys; from beamtrt.cli_util import say_last; say_last(f{line!r}); "
+                               "sys.exit(2)")
 
     proc = ranks_say("error: rank {os.environ['OMPI_COMM_WORLD_RANK']}: the same damaged file")  # as under :raw
     lines = proc.stderr.splitlines()

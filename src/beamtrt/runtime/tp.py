@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -230,6 +231,10 @@ def _portable(arg):
     return arg.cpu() if isinstance(arg, torch.Tensor) and arg.is_cuda else arg
 
 
+def _own(taps: torch.Tensor, arg):
+    return taps if isinstance(arg, OwnTaps) else arg
+
+
 def _hold_taps(held: dict, result) -> None:
     if isinstance(taps := getattr(result, "taps", None), torch.Tensor):
         held["taps"] = taps
@@ -284,8 +289,7 @@ def serve(dist: Dist, backends: dict) -> None:
         if fail:
             raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={dist.rank})")
         if _uses_taps(args, kwargs):
-            taps = held.pop("taps")
-            args, kwargs = _each(args, kwargs, lambda a: taps if isinstance(a, OwnTaps) else a)
+            args, kwargs = _each(args, kwargs, partial(_own, held.pop("taps")))
         _hold_taps(held, getattr(backends[name], method)(*args, **kwargs))
 
 
