@@ -738,6 +738,20 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_loading(beam_mini
     assert free == [torch.device("cpu")] * 2 and not list(tmp_path.iterdir())
 
 
+def test_a_build_run_in_one_process_is_refused_if_it_does_not_fit(mini_vocab_sources, tmp_path, run, monkeypatch):
+    """run.py on a build without mpirun holds every rank's weights in one process: like --model, it refuses a model
+    larger than the free memory before loading it (a build of Beam would be killed by the out-of-memory killer)."""
+    from beamtrt.models import beam
+
+    src, out = mini_vocab_sources, tmp_path / "build"
+    assert run("build/build_engines.py", "--precision", "bf16", "--model", str(src / "target"), "--drafter",
+               str(src / "drafter"), "--tp", "2", "--out", str(out), "--quiet").returncode == 0
+    monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
+    proc = run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(proc, "cpu has 0.0 GB free: this command holds the whole model on one device (a build's "
+                                "checkpoints run it sharded over mpirun ranks)")
+
+
 def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_vocab_sources, tmp_path, run, monkeypatch):
     """bench_spec.py and eval_drafter.py on a target without tokenizer files were transformers TypeError tracebacks
     after the models loaded; draft_vocab.py took any --target (read only when a cache records its target), and a

@@ -176,7 +176,7 @@ def act_hooks(model) -> dict[str, tuple[object, str]]:
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """The reference Beam model run from a TensorRT-LLM target checkpoint: weights un-sharded and dequantized,
     activation quantization (and FP8 KV-cache quantization) emulated at every GEMM input as TensorRT-LLM runs it."""
-    from beamtrt.models.beam import BeamForCausalLM, load_state
+    from beamtrt.models.beam import BeamForCausalLM, check_fits, load_state
 
     ckpt = TrtllmCheckpoint(path)
     if ckpt.is_drafter():
@@ -184,6 +184,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     cfg = ckpt.beam_config()
     with torch.device("meta"):
         model = BeamForCausalLM(cfg)
+    check_fits(ckpt.path, model, dtype, torch.device(device))  # every rank's weights in this one process
     model = model.to_empty(device=device).to(dtype)
     tensors = ckpt.unshard()
     if cfg.tie_word_embeddings:
