@@ -738,20 +738,6 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_loading(beam_mini
     assert free == [torch.device("cpu")] * 2 and not list(tmp_path.iterdir())
 
 
-def test_a_build_run_in_one_process_is_refused_if_it_does_not_fit(mini_vocab_sources, tmp_path, run, monkeypatch):
-    """run.py on a build without mpirun holds every rank's weights in one process: like --model, it refuses a model
-    larger than the free memory before loading it (a build of Beam would be killed by the out-of-memory killer)."""
-    from beamtrt.models import beam
-
-    src, out = mini_vocab_sources, tmp_path / "build"
-    assert run("build/build_engines.py", "--precision", "bf16", "--model", str(src / "target"), "--drafter",
-               str(src / "drafter"), "--tp", "2", "--out", str(out), "--quiet").returncode == 0
-    monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
-    proc = run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi", "--max-new-tokens", "2")
-    assert_one_line_error(proc, "cpu has 0.0 GB free: this command holds the whole model on one device (a build's "
-                                "checkpoints run it sharded over mpirun ranks)")
-
-
 def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_vocab_sources, tmp_path, run, monkeypatch):
     """bench_spec.py and eval_drafter.py on a target without tokenizer files were transformers TypeError tracebacks
     after the models loaded; draft_vocab.py took any --target (read only when a cache records its target), and a
@@ -906,8 +892,12 @@ def test_a_default_drafter_that_does_not_fit_offers_only_the_commands_own_flags(
                           "does not fit this target", "--drafter DIR", "or --no-spec")
 
 
-def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_path, run):
-    """It said '<build>/config.json: missing config.json'."""
+def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_path, run, monkeypatch):
+    """It said '<build>/config.json: missing config.json'. And run on --engine-dir without mpirun (every rank's weights
+    in one process), like --model, a build larger than the free memory is refused before loading (a build of Beam
+    would be killed by the out-of-memory killer)."""
+    from beamtrt.models import beam
+
     src, out = mini_vocab_sources, tmp_path / "build"
     assert run("build/build_engines.py", "--precision", "bf16", "--model", str(src / "target"), "--drafter",
                str(src / "drafter"), "--out", str(out)).returncode == 0
@@ -919,6 +909,10 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     proc = run("scripts/bench_spec.py", "--model", str(out))  # it has no --engine-dir to offer
     assert_one_line_error(proc, f"--model {out}: a build_engines.py output, not a Hugging Face checkpoint")
     assert "--engine-dir" not in proc.stderr
+    monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
+    assert_one_line_error(run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi"),
+                          "cpu has 0.0 GB free: this command holds the whole model on one device (a build's "
+                          "checkpoints run it sharded over mpirun ranks)")
 
 
 def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
