@@ -39,13 +39,14 @@ def extension():
                                    f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
 
 
-def _launch(kernel, first: torch.Tensor, *args):
-    """kernel(*args, stream) on the device holding `first` (the kernels launch on the current device; a drafter on
-    cuda:1 would have launched on cuda:0), in that device's current torch stream."""
-    if first.device.type != "cuda":  # the extension refuses it in one line, naming the device
+def _launch(kernel, *args):
+    """kernel(*args, stream) on the device holding its first argument (the kernels launch on the current device; a
+    drafter on cuda:1 would have launched on cuda:0), in that device's current torch stream."""
+    device = args[0].device
+    if device.type != "cuda":  # the extension refuses it in one line, naming the device
         return kernel(*args, 0)
-    with torch.cuda.device(first.device):
-        return kernel(*args, torch.cuda.current_stream(first.device).cuda_stream)
+    with torch.cuda.device(device):
+        return kernel(*args, torch.cuda.current_stream(device).cuda_stream)
 
 
 def block_selector(logits: torch.Tensor,       # [N, S, V] fp32
@@ -58,8 +59,8 @@ def block_selector(logits: torch.Tensor,       # [N, S, V] fp32
                    uniforms: torch.Tensor,     # [N, S] fp32
                    top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (draft_ids [N, S] int32, cand_ids [N, S, K] int32, q [N, S, K] fp32), as plugins/block_selector."""
-    return tuple(_launch(extension().block_selector, logits, logits, projected, anchor_ids, predecessor, successor,
-                         temperature, top_p, uniforms, top_k))
+    return tuple(_launch(extension().block_selector, logits, projected, anchor_ids, predecessor, successor, temperature,
+                         top_p, uniforms, top_k))
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N, L, H(q|kv), D]
@@ -71,5 +72,5 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # [N,
     """-> out [N, L, Hq, D], as plugins/windowed_attention (an fp8 ring holds values / cache_scale). cuda_cores:
     skip the tensor-core kernel even where it applies (to compare the two)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _launch(extension().windowed_attention, q, q, k, v, context_k, context_v, start, count, ring_k, ring_v,
+    return _launch(extension().windowed_attention, q, k, v, context_k, context_v, start, count, ring_k, ring_v,
                    cache_scale, scale, cuda_cores)

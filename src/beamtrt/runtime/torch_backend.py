@@ -53,10 +53,11 @@ class TorchDrafter:
 
     def append_context(self, taps: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         device = self.drafter.device
+        rows = slots.to(device)
         full = torch.zeros(self.cache.batch, *taps.shape[1:], dtype=self.drafter.dtype, device=device)  # every slot
-        full[slots.to(device)] = taps.to(device, self.drafter.dtype)
+        full[rows] = taps.to(device, self.drafter.dtype)
         counts = torch.zeros(self.cache.batch, dtype=torch.long, device=device)
-        counts[slots.to(device)] = num_tokens.to(device)
+        counts[rows] = num_tokens.to(device)
         self.drafter.append_context(self.cache, full, counts)
 
     @torch.inference_mode()
