@@ -730,9 +730,9 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_loading(beam_mini
 
     assert 0 < beam.free_memory(torch.device("cpu")) < 2**50  # this host's MemAvailable, read for real
     free = []
-    monkeypatch.setattr(beam, "free_memory", lambda device: free.append(device) or 300_000_000)  # 0.3 GB free
+    monkeypatch.setattr(beam, "free_memory", lambda device: free.append(device) or 300_000_000)  # 300 MB free
     proc = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--max-new-tokens", "2")
-    assert_one_line_error(proc, f"{beam_mini}: its weights take 1.5 GB in float32 and cpu has 0.3 GB free")
+    assert_one_line_error(proc, f"{beam_mini}: its weights take 1.5 GB in float32 and cpu has 300.0 MB free")
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(beam_mini), "--data", str(tmp_path / "d"),
                               "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")), "1.5 GB in float32")
     assert free == [torch.device("cpu")] * 2 and not list(tmp_path.iterdir())
@@ -911,7 +911,7 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     assert "--engine-dir" not in proc.stderr
     monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
     assert_one_line_error(run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi"),
-                          "cpu has 0.0 GB free: this command holds the whole model on one device (a build's "
+                          "cpu has 0.0 MB free: this command holds the whole model on one device (a build's "
                           "checkpoints run it sharded over mpirun ranks)")
 
 

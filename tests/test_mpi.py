@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,6 +155,20 @@ def python_ranks(ranks: int, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(ROOT / "scripts/mpirun"), "-n", str(ranks), sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def test_shards_beyond_the_hosts_free_memory_are_refused_before_loading(sources, tmp_path_factory):
+    """The ranks on a host load their shards into its memory together; beyond what it has free the out-of-memory
+    killer ended ranks partway through loading, without a word. Here the host's free memory reads as 1 MB."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
+    proc = python_ranks(2, "import runpy, sys; from beamtrt.models import beam; beam.free_memory = lambda device: "
+                           f"10**6; sys.argv = ['run.py', '--engine-dir', {str(engine)!r}, '--max-new-tokens', '2']; "
+                           f"runpy.run_path({str(ROOT / 'runtime/run.py')!r}, run_name='__main__')")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert re.fullmatch(rf"error: rank [01]: {re.escape(str(engine / 'target'))}: the shards of the 2 ranks on this "
+                        r"host take \d+\.\d MB in float32 and it has 1\.0 MB free: place fewer ranks on each host, "
+                        r"or run it in bfloat16 \(--dtype bfloat16\)", lines[0]), lines[0]
 
 
 def test_the_same_error_on_every_rank_is_one_line():

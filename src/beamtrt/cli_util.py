@@ -109,6 +109,11 @@ def existing(path: str | Path) -> Path:
     return found
 
 
+def size_text(n: int) -> str:
+    """A byte count as people read it: 1.5 GB, or 300.0 MB below a gigabyte."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def free_bytes(path: str | Path) -> int:
     """Free disk space where `path` would be written (its nearest existing folder)."""
     import shutil

@@ -21,6 +21,7 @@ from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.hf import CheckpointReader, followed, replace_dir, staging, write_json
 from beamtrt.checkpoint.stream import nbytes
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
+from beamtrt.cli_util import size_text
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import has_tokenizer, read_chats
@@ -161,13 +162,9 @@ def _check_space(plan: Plan, reusable: dict) -> None:
         where = where.parent
     need, free = sum(parts.values()), shutil.disk_usage(where).free
     if need > free:
-        what = " + ".join(f"{name} {_size(size)}" for name, size in parts.items())
-        raise ConfigError(f"{bc.out}: the build writes about {_size(need)} ({what}) and {where} has {_size(free)} "
-                          "free: free some space or write the build elsewhere")
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+        what = " + ".join(f"{name} {size_text(size)}" for name, size in parts.items())
+        raise ConfigError(f"{bc.out}: the build writes about {size_text(need)} ({what}) and {where} has "
+                          f"{size_text(free)} free: free some space or write the build elsewhere")
 
 
 def _old_manifest(bc: BuildConfig) -> dict | None:

@@ -686,16 +686,30 @@ def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     return model.eval()
 
 
-def check_fits(path: str | Path, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def check_fits(path: str | Path, model: nn.Module, dtype: torch.dtype, device: torch.device, dist=None) -> None:
     """Refuses a model (still on the meta device) whose weights in `dtype` exceed the memory `device` has free: on
     the host, allocating them would succeed (Linux overcommits) and loading them get the process killed without a
-    word, by the kernel's out-of-memory killer; a CUDA device would fail partway through."""
+    word, by the kernel's out-of-memory killer; a CUDA device would fail partway through. Under mpirun (`dist`, each
+    rank's `model` its shard on the host) the shards of the ranks on one host share its memory: their sum is checked,
+    against the least any of them found free, on each of those ranks alike and before any of them loads."""
+    from beamtrt.cli_util import size_text
+
     need = sum(t.numel() for t in (*model.parameters(), *model.buffers())) * dtype.itemsize
     free = free_memory(device)
-    if free is not None and need > free:
-        raise CheckpointError(f"{path}: its weights take {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} "
-                              f"and {device} has {free / 1e9:.1f} GB free: this command holds the whole model on one "
-                              "device (a build's checkpoints run it sharded over mpirun ranks)")
+    kind = str(dtype).removeprefix("torch.")
+    if dist is None or dist.size == 1:
+        if free is not None and need > free:
+            raise CheckpointError(f"{path}: its weights take {size_text(need)} in {kind} and {device} has "
+                                  f"{size_text(free)} free: this command holds the whole model on one device (a "
+                                  "build's checkpoints run it sharded over mpirun ranks)")
+        return
+    host = dist.on_host((need, free))
+    need = sum(n for n, _ in host)
+    if any(f is None for _, f in host) or need <= (free := min(f for _, f in host)):
+        return
+    smaller = ", or run it in bfloat16 (--dtype bfloat16)" if dtype == torch.float32 else ""
+    raise CheckpointError(f"{path}: the shards of the {len(host)} ranks on this host take {size_text(need)} in "
+                          f"{kind} and it has {size_text(free)} free: place fewer ranks on each host{smaller}")
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -87,6 +87,18 @@ class Dist:
         """Every rank's obj on rank 0 (pickled), None on the others."""
         return self.comm.gather(obj, root=0)
 
+    def on_host(self, obj: Any) -> list[Any]:
+        """The obj of every rank on this rank's host (those sharing its memory), in rank order, on each of them."""
+        if self.comm is None:
+            return [obj]
+        from mpi4py import MPI
+
+        host = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return host.allgather(obj)
+        finally:
+            host.Free()
+
     # ---- collectives -----------------------------------------------------------------------------------------
     def _allgather(self, x: torch.Tensor) -> torch.Tensor:
         """[...] -> [size, ...], same bytes on every rank."""

@@ -167,7 +167,7 @@ def _check_world(ckpt: TrtllmCheckpoint, dist: Dist) -> None:
 
 def load_target_shard(path: str | Path, dist: Dist, dtype: torch.dtype = torch.float32):
     """This rank's shard of a TensorRT-LLM target checkpoint, reading only rank{r}.safetensors."""
-    from beamtrt.models.beam import BeamForCausalLM
+    from beamtrt.models.beam import BeamForCausalLM, check_fits
 
     ckpt = TrtllmCheckpoint(path)
     _check_world(ckpt, dist)
@@ -175,6 +175,7 @@ def load_target_shard(path: str | Path, dist: Dist, dtype: torch.dtype = torch.f
     shard = make_shard(cfg, ckpt.mapping, dist.rank, dist)
     with torch.device("meta"):
         model = BeamForCausalLM(target_shard_config(cfg, ckpt.mapping), shard=shard)
+    check_fits(ckpt.path, model, dtype, torch.device("cpu"), dist)  # the ranks on this host together
     model = model.to_empty(device="cpu").to(dtype)
     layers = {i: _MOE_TABLE if cfg.is_moe_layer(i) else _DENSE_TABLE for i in range(cfg.num_hidden_layers)}
     tables = _TARGET_TABLE + [(p.replace(r"(\d+)", str(i)), o.replace("{}", str(i)), h)
