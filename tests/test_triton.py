@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -217,6 +218,16 @@ def test_cancelled_stream_is_released_at_a_step_boundary(server):
     flag.set()
     assert list(polled)[-1].finish_reason == "cancelled"
     assert collect(server, {"text_input": PROMPTS[0], "max_tokens": 5})[-1].finish_reason in ("stop", "length")
+
+
+def test_the_clients_side_is_asked_at_most_every_cancel_poll(server):
+    """A Triton request's is_cancelled() is a round trip to the server's process, and every request in flight or queued
+    was asked at every step: as TensorRT-LLM's backend does, it is now asked at most every CANCEL_POLL_S."""
+    asked = []
+    deltas = list(server.stream({"text_input": PROMPTS[3], "max_tokens": 120, "stream": True},
+                                is_cancelled=lambda: asked.append(time.monotonic()) or False))
+    assert deltas[-1].metrics.steps > len(asked) >= 1
+    assert all(b - a >= serving.CANCEL_POLL_S * 0.99 for a, b in zip(asked, asked[1:])), asked
 
 
 class _Stop(BaseException):

@@ -16,6 +16,7 @@ import queue
 import re
 import sys
 import threading
+import time
 import typing
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -117,6 +118,10 @@ def resolve_device(device: str, backend: str, ranks: int) -> str:
 
 # ---- the server --------------------------------------------------------------------------------------------------
 
+CANCEL_POLL_S = 0.1  # how often the decode thread asks the clients' sides whether they cancelled (as TensorRT-LLM's
+                     # Triton backend's cancellation_check_period_ms, 100 by default)
+
+
 @dataclass(eq=False)
 class _Live:
     """A submitted request until its final delta."""
@@ -130,11 +135,14 @@ class _Live:
     cancel: threading.Event = field(default_factory=threading.Event)
     slot: int = -1
 
-    def cancelled(self) -> bool:
+    def cancelled(self, poll: bool) -> bool:
+        """cancel() was called or the receiver is gone; with `poll`, also asks the client's side (is_cancelled)."""
         if self.cancel.is_set():
             return True
+        if not poll or self.is_cancelled is None:
+            return False
         try:
-            return bool(self.is_cancelled and self.is_cancelled())
+            return bool(self.is_cancelled())
         except Exception:  # the client's side is gone
             return True
 
@@ -186,6 +194,7 @@ class Server:
         self._waiting: deque[_Live] = deque()
         self._touched: dict[int, None] = {}  # requests with new tokens or finished since the last flush (ordered)
         self._ids = itertools.count()
+        self._next_poll = 0.0  # when _cancel next asks the clients' sides (time.monotonic)
         self._closed = False
         self._lock = threading.Lock()  # submit vs close: nothing is queued behind the closing sentinel
         self._thread = threading.Thread(target=self._run, name="beamtrt-serve", daemon=True)
@@ -281,7 +290,13 @@ class Server:
             return True
 
     def _cancel(self) -> None:
-        for live in [v for v in self._live.values() if v.cancelled()]:
+        """Release the cancelled requests; the client's side is asked at most every CANCEL_POLL_S (a Triton request's
+        is_cancelled() is a round trip to the server process, and every request in flight or queued is asked)."""
+        now = time.monotonic()
+        poll = now >= self._next_poll
+        if poll:
+            self._next_poll = now + CANCEL_POLL_S
+        for live in [v for v in self._live.values() if v.cancelled(poll)]:
             live.completion.finish_reason = "cancelled"
             if live.slot >= 0:
                 self.decoder.release(live.slot, live.completion)  # -> _finished
