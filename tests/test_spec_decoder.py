@@ -302,6 +302,50 @@ def test_continuous_batching_refills_slots(target, prompts, reference, concurren
         assert finished != list(range(len(prompts)))  # shorter budgets finished (and were reported) first
 
 
+def test_each_request_samples_from_its_own_stream(target, prompts):
+    """Sampled requests draw from their own random streams (seeded by the decoder's seed and their index, or by their
+    own seed): what a request samples does not depend on the concurrency, nor on the requests decoded beside it."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from beamtrt.spec.sampling import SamplingParams
+    from test_dflash2 import make_drafter
+
+    def sample(requests, concurrency=None, seed=5):
+        dec = SpeculativeDecoder(TorchTarget(target), TorchDrafter(make_drafter(target, seed=3)), block_size=4,
+                                 params=SamplingParams(temperature=1.0), seed=seed)
+        return [c.output_ids for c in dec.generate(requests, concurrency=concurrency)]
+
+    requests = [Request(tuple(p), MAX_NEW) for p in prompts[:6]]
+    every = sample(requests)
+    assert sample(requests, concurrency=1) == sample(requests, concurrency=4) == every
+    assert sample(requests, seed=6) != every
+    own = Request(tuple(prompts[0]), MAX_NEW, seed=2**64 - 1)
+    alone = sample([own])
+    mixed, unseeded = sample([requests[1], own, requests[2]]), sample([requests[1], requests[0], requests[2]])
+    assert mixed[::2] == unseeded[::2] and mixed[1] == alone[0] != unseeded[1]
+
+
+def test_request_streams_are_splitmix64_however_they_are_drawn():
+    """A stream's draws are SplitMix64's outputs (written out here in Python integers), whatever draws they are split
+    into and whichever other streams are drawn in the same call."""
+    from beamtrt.spec.streams import RequestStreams
+
+    def splitmix64(seed: int, n: int) -> list[float]:
+        out, state, mask = [], seed, 2**64 - 1
+        for _ in range(n):
+            state = (state + 0x9E3779B97F4A7C15) & mask
+            z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+            out.append((z ^ (z >> 31)) >> 40)
+        return [k / 2**24 for k in out]
+
+    streams = RequestStreams(3)
+    for slot, seed in enumerate((0, 2**64 - 1, 12345)):
+        streams.start(slot, seed)
+    got = [streams.draw([1], 2)[0], streams.draw([2, 1], 3, 2)[1].flatten(), streams.draw([0, 1])[1:]]
+    assert torch.cat(got).tolist() == splitmix64(2**64 - 1, 9)
+    assert streams.draw([2], 0).shape == (1, 0) and streams.draw([0, 2]).dtype == torch.float32
+
+
 def assert_done(c) -> None:
     assert c.finish_reason in ("stop", "length")
 

@@ -23,6 +23,7 @@ from beamtrt.runtime.backend import DrafterBackend, DraftStep, TargetBackend
 from beamtrt.spec.metrics import SpecMetrics
 from beamtrt.spec.sampling import SamplingParams, sample, target_probs
 from beamtrt.spec.stops import completed_by
+from beamtrt.spec.streams import RequestStreams, request_seed
 from beamtrt.spec.verify import verify_greedy, verify_sampled
 
 
@@ -32,6 +33,7 @@ class Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    seed: int | None = None     # of its own random stream when sampling (None: from the decoder's seed and its index)
 
 
 @dataclass
@@ -108,7 +110,8 @@ class SpeculativeDecoder:
         self.block_size = block_size if drafter is not None else 1
         self.draft_threshold = draft_threshold if drafter is not None else 0.0
         self.params = params
-        self.generator = torch.Generator().manual_seed(seed)  # every random decision is drawn here (rank 0)
+        self.seed = seed  # every random decision is drawn on rank 0, request i's from its own stream (streams.py):
+        #                   seeded by request_seed(seed, i), or by the request's own seed
         self.detokenize = detokenize
         self.taps = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.metrics = SpecMetrics(block_size=self.block_size)
@@ -117,9 +120,6 @@ class SpeculativeDecoder:
     @property
     def headroom(self) -> int:
         return headroom(self.block_size)
-
-    def _uniforms(self, *shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=self.generator)
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[Request], on_tokens: Callable[[int, list[int]], None] | None = None,
@@ -165,6 +165,7 @@ class SpeculativeDecoder:
             self.drafter.allocate(slots)
         self.on_finish = on_finish
         self.owner = [-1] * slots  # request served by each cache slot (-1: free)
+        self.streams = RequestStreams(slots)  # each slot's request's random stream (seeded at admission)
         self.anchor = torch.zeros(slots, dtype=torch.long)  # [slots] last committed token, not yet in the target KV
         self.position = torch.zeros(slots, dtype=torch.long)  # [slots] tokens in the target KV = the anchor's position
 
@@ -178,6 +179,9 @@ class SpeculativeDecoder:
         self.target.reset(slot_ids)
         if self.drafter is not None:
             self.drafter.reset(slot_ids)
+        for s, i in admitted:
+            seed = requests[i].seed
+            self.streams.start(s, request_seed(self.seed, i) if seed is None else seed)
         prompts = [requests[i].prompt_ids for _, i in admitted]
         lengths = torch.tensor([len(p) for p in prompts])
         width = int(lengths.max())
@@ -185,7 +189,7 @@ class SpeculativeDecoder:
         out = self.target.forward(ids, slots, lengths, taps=self.taps, last_only=True)
         if self.drafter is not None:
             self.drafter.append_context(out.taps, slots, lengths)
-        uniforms = None if params.greedy else self._uniforms(len(admitted)).to(out.logits.device)
+        uniforms = None if params.greedy else self.streams.draw(slot_ids).to(out.logits.device)
         first = sample(out.logits[:, -1], params, uniforms).cpu()  # sampled where the logits are; M ids come back
         self.anchor[slots] = first
         self.position[slots] = lengths
@@ -208,7 +212,7 @@ class SpeculativeDecoder:
         drafts = torch.zeros(len(active), 0, dtype=torch.long)  # [N, gamma]
         num_drafts = torch.full((len(active),), gamma)  # [N] drafts proposed per request
         if self.drafter is not None:
-            uniforms = None if params.greedy else self._uniforms(len(active), gamma)
+            uniforms = None if params.greedy else self.streams.draw(active, gamma)
             t, c = time.perf_counter(), self._comm_s()
             proposal = self.drafter.draft(anchors, self.block_size, slots, params, uniforms)
             self.times.drafter_s += time.perf_counter() - t
@@ -230,10 +234,10 @@ class SpeculativeDecoder:
         if params.greedy:
             result = verify_greedy(drafts, out.logits, num_drafts)
         else:  # γ accept uniforms whatever the cut: the random stream does not depend on the threshold
-            u_accept = self._uniforms(len(active), gamma)[:, :drafts.shape[1]]
+            u_accept = self.streams.draw(active, gamma)[:, :drafts.shape[1]]
             cand, q = (None if x is None else x.to(device) for x in (cand, q))
             result = verify_sampled(drafts, cand, q, target_probs(out.logits, params), u_accept.to(device),
-                                    self._uniforms(len(active)).to(device), num_drafts)
+                                    self.streams.draw(active).to(device), num_drafts)
         # one transfer: [N, γ' + 1] tokens, then num_accepted and num_drafts
         host = torch.cat([result.tokens, result.num_accepted[:, None], num_drafts[:, None]], dim=1).cpu()
         tokens, num_accepted, num_drafts = host[:, :-2], host[:, -2], host[:, -1]
