@@ -36,6 +36,8 @@ def parse_args(argv=None):
                    help="nucleus sampling mass; with --temperature > 0 (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = all; with "
                    "--temperature > 0 (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="the request's random_seed, in [0, 2**64): with --temperature > 0 the same "
+                   "request and seed sample the same tokens (default: the server picks its stream)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-stream", action="store_true", help="one response at the end instead of one per step")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response "
@@ -57,6 +59,7 @@ def check(args):
            (not (0 < args.top_p <= 1 and np.float32(args.top_p) > 0),  # sent as FP32: 1e-50 would arrive as 0
             f"--top-p must be in (0, 1], got {args.top_p}"),
            (not 0 <= args.top_k <= int32, f"--top-k must be in [0, {int32}], got {args.top_k}"),
+           (args.seed is not None and not 0 <= args.seed < 2**64, f"--seed must be in [0, 2**64), got {args.seed}"),
            (args.temperature == 0 and (args.top_p != 1 or args.top_k != 0),  # the server would ignore them
             "--top-p and --top-k shape sampling: give them with a --temperature > 0 (the default, 0, is greedy)"),
            (any(not s for s in args.stop), "--stop needs a non-empty string"),
@@ -74,6 +77,8 @@ def build_inputs(args):
               ("top_p", np.array([[args.top_p]], dtype=np.float32), "FP32"),
               ("top_k", np.array([[args.top_k]], dtype=np.int32), "INT32"),
               ("stream", np.array([[not args.no_stream]], dtype=bool), "BOOL")]
+    if args.seed is not None:
+        values.append(("random_seed", np.array([[args.seed]], dtype=np.uint64), "UINT64"))
     if args.stop:
         values.append(("stop_words", np.array([[s.encode() for s in args.stop]], dtype=object), "BYTES"))
     inputs = []

@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Déjà vu in 東京 🙂", "List three primes."]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TRITON_TO_CLIENT = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
+TRITON_TO_CLIENT = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_UINT64": "UINT64", "TYPE_FP32": "FP32",
+                    "TYPE_BOOL": "BOOL"}
 
 
 # ---- a tiny build with a real tokenizer ------------------------------------------------------------------------
@@ -173,6 +174,24 @@ def test_not_streamed_is_one_response_and_mixed_sampling_keeps_greedy_exact(serv
     assert drawn[1:] != greedy[1].output_ids[:len(drawn) - 1]  # the steps sampled too (not a greedy continuation)
 
 
+def test_a_random_seed_samples_the_same_tokens_whatever_is_decoded_beside_it(server):
+    """random_seed seeds the request's own random stream, as in TensorRT-LLM's ensemble: the same request with the
+    same seed samples the same tokens alone or beside other requests; without one, each request has its own stream."""
+    seeded = {"text_input": PROMPTS[1], "max_tokens": 24, "temperature": 1.0, "stream": True,
+              "random_seed": np.array([[2**64 - 1]], dtype=np.uint64)}
+    alone = tokens(collect(server, seeded))
+    out: dict[str, list[Delta]] = {}
+    beside = [threading.Thread(target=lambda k=k: out.setdefault(k, collect(server, {
+        "text_input": PROMPTS[k], "max_tokens": 24, "temperature": 1.0, "stream": True}))) for k in (0, 2)]
+    for t in beside:
+        t.start()
+    out[1] = collect(server, seeded)
+    for t in beside:
+        t.join(60)
+    assert tokens(out[1]) == alone
+    assert tokens(collect(server, {**seeded, "random_seed": 7})) != alone
+
+
 def test_a_stop_word_that_is_a_special_token_stops_on_that_token(server):
     """Text is decoded without special tokens, so a stop word such as <|im_start|> never appeared in it and the request
     ran to max_tokens; it now stops on the token, as TensorRT-LLM's token-level stop words do."""
@@ -285,6 +304,8 @@ def test_the_decode_thread_ends_nothing_silently(builds):
     ({"text_input": "hi", "max_tokens": 4, "top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"text_input": "hi", "max_tokens": 4, "top_k": -2}, "top_k must be >= 0"),
+    ({"text_input": "hi", "max_tokens": 4, "random_seed": -1}, "random_seed must be in [0, 2**64), got -1"),
+    ({"text_input": "hi", "max_tokens": 4, "random_seed": 1.5}, "random_seed must be an integer, got 1.5"),
     ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
     ({"text_input": "hi", "max_tokens": 2.5}, "max_tokens must be an integer"),
     ({"text_input": "hi"}, "max_tokens is required"),
@@ -567,7 +588,8 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
     types_ = {t.name: (pb2.DataType.Name(t.data_type), list(t.dims), t.optional) for t in configs["ensemble"].input}
     assert types_ == {"text_input": ("TYPE_STRING", [1], False), "max_tokens": ("TYPE_INT32", [1], False),
                       "temperature": ("TYPE_FP32", [1], True), "top_p": ("TYPE_FP32", [1], True),
-                      "top_k": ("TYPE_INT32", [1], True), "stop_words": ("TYPE_STRING", [-1], True),
+                      "top_k": ("TYPE_INT32", [1], True), "random_seed": ("TYPE_UINT64", [1], True),
+                      "stop_words": ("TYPE_STRING", [-1], True),
                       "bad_words": ("TYPE_STRING", [-1], True),
                       "stream": ("TYPE_BOOL", [1], True)}
     outputs = {t.name: pb2.DataType.Name(t.data_type) for t in configs["ensemble"].output}
@@ -853,7 +875,7 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
-    sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x"]))
+    sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x", "--seed", str(2**64 - 1)]))
     for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids; the
         declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]  # bad_words of TensorRT-LLM's clients
                     for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}  # are only empty)
@@ -869,7 +891,7 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
         assert client.main(["--url", "localhost:1", *args]) == 2
         assert capsys.readouterr().err.startswith(f"error: {needle}")
     for flag, value in (("--timeout", "nan"), ("--timeout", "0"), ("--temperature", "nan"),
-                        ("--max-tokens", "99999999999")):  # refused before connecting (no server at localhost:1)
+                        ("--max-tokens", "99999999999"), ("--seed", "-1"), ("--seed", str(2**64))):  # refused before connecting (no server at localhost:1)
         assert client.main(["--url", "localhost:1", flag, value]) == 2
         assert capsys.readouterr().err.startswith(f"error: {flag} must be")
     assert client.main(["--url", "localhost:1", "--timeout", "5"]) == 2

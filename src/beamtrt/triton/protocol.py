@@ -30,13 +30,14 @@ class ServerClosed(BeamtrtError):
 @dataclass(frozen=True)
 class Tensor:
     name: str
-    dtype: str                  # Triton data type: TYPE_STRING, TYPE_INT32, TYPE_FP32 or TYPE_BOOL
+    dtype: str                  # Triton data type: TYPE_STRING, TYPE_INT32, TYPE_UINT64, TYPE_FP32 or TYPE_BOOL
     dims: tuple[int, ...]       # without the batch dimension: (1,) one value, (-1,) a list
     optional: bool
     help: str
 
 
-NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32,
+         "TYPE_BOOL": np.bool_}
 
 # beam_dflash2's inputs = the request fields (the ensemble exposes all of them but input_ids)
 FIELDS = (
@@ -49,6 +50,9 @@ FIELDS = (
     Tensor("top_k", "TYPE_INT32", (1,), True,
            "sample from the k most likely tokens; 0 = all (the default); only with temperature > 0 (greedy ignores "
            "it)"),
+    Tensor("random_seed", "TYPE_UINT64", (1,), True,
+           "seeds this request's random stream: the same request with the same seed draws the same numbers whatever "
+           "else is decoded beside it (default: a stream seeded by the server's seed and the request's arrival)"),
     Tensor("stop_words", "TYPE_STRING", (-1,), True,
            "stop when the text contains one of these; the text ends before it (an empty one is none)"),
     Tensor("bad_words", "TYPE_STRING", (-1,), True, "as TensorRT-LLM's ensemble takes it, but only empty: none"),
@@ -91,9 +95,11 @@ def _convert(t: Tensor, value: object) -> object:
                     raise RequestError(f"{t.name} is not valid UTF-8") from None
             if not isinstance(v, str):
                 raise RequestError(f"{t.name} must be a string, got {type(v).__name__}")
-        elif t.dtype == "TYPE_INT32":
+        elif t.dtype in ("TYPE_INT32", "TYPE_UINT64"):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise RequestError(f"{t.name} must be an integer, got {v!r}")
+            if t.dtype == "TYPE_UINT64" and not 0 <= v < 2**64:  # a Python caller's int; a UINT64 tensor always fits
+                raise RequestError(f"{t.name} must be in [0, 2**64), got {v}")
         elif t.dtype == "TYPE_FP32":
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise RequestError(f"{t.name} must be a number, got {v!r}")
@@ -118,6 +124,7 @@ class RequestParams:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     stream: bool = False
+    seed: int | None = None                     # random_seed (None: from the server's seed)
 
 
 def parse_request(values: Mapping[str, object]) -> RequestParams:
@@ -158,7 +165,7 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
                            f"{len(stop)} of up to {max(map(len, stop))}")
     sampling = SamplingParams(temperature, top_p, top_k) if temperature else SamplingParams()  # greedy ignores top-p/k:
     return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),  # one decoder group for all
-                         sampling, stop, got.get("stream", False))
+                         sampling, stop, got.get("stream", False), got.get("random_seed"))
 
 
 # ---- text ---------------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ class ServeSettings:
     device: str = "auto"    # torch device; auto = cuda where available, else cpu (resolve_device)
     max_slots: int = 8      # requests decoded at once (cache slots); more wait in the queue
     max_seq_len: int = 4096  # prompt + max_tokens + block_size - 2 per request (decoder.headroom)
-    seed: int = 0           # of the decode thread's random generator
+    seed: int = 0           # a request without random_seed samples from a stream seeded by it and its arrival
     chat_template: bool = True  # text_input is a user message sent through the chat template (else raw text)
     draft_threshold: float = 0.0  # verify only the drafts above it (SpeculativeDecoder); 0 = whole blocks
 
@@ -220,8 +220,9 @@ class Server:
             stop_ids, stops = special_stops(self.tokenizer, params.stop, "stop_words")
         except ValueError as e:
             raise RequestError(str(e)) from None
-        live = _Live(next(self._ids), Request(ids, params.max_tokens, self.stop_ids | stop_ids, stops), params,
-                     on_delta, is_cancelled, TextStream(self.decode, stops, params.stream))
+        request = Request(ids, params.max_tokens, self.stop_ids | stop_ids, stops, params.seed)
+        live = _Live(next(self._ids), request, params, on_delta, is_cancelled,
+                     TextStream(self.decode, stops, params.stream))
         with self._lock:
             if self._closed:
                 raise ServerClosed("the server takes no more requests (shutting down, or its decode thread stopped)")
