@@ -192,6 +192,19 @@ def test_a_random_seed_samples_the_same_tokens_whatever_is_decoded_beside_it(ser
     assert tokens(collect(server, {**seeded, "random_seed": 7})) != alone
 
 
+def test_end_id_ends_the_output_instead_of_the_models_eos_and_pad_id_changes_nothing(server):
+    """end_id and pad_id, which TensorRT-LLM's ensemble takes and its clients may send, were refused as undeclared
+    inputs: end_id now ends the output in place of the model's end-of-sequence tokens; pad_id pads nothing here."""
+    plain = tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40}))
+    at = next(k for k in range(5, len(plain)) if plain[k] not in plain[:k])  # its first time, past the start
+    deltas = collect(server, {"input_ids": [294, 35], "max_tokens": 40, "end_id": np.array([[plain[at]]], np.int32),
+                              "pad_id": 0})
+    assert tokens(deltas) == plain[:at + 1] and deltas[-1].finish_reason == "stop"
+    assert tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40, "pad_id": 7})) == plain
+    with pytest.raises(RequestError, match=r"^end_id 100000 is outside the vocabulary \[0, "):
+        server.submit({"input_ids": [294, 35], "max_tokens": 4, "end_id": 100000}, lambda d: None)
+
+
 def test_a_stop_word_that_is_a_special_token_stops_on_that_token(server):
     """Text is decoded without special tokens, so a stop word such as <|im_start|> never appeared in it and the request
     ran to max_tokens; it now stops on the token, as TensorRT-LLM's token-level stop words do."""
@@ -589,6 +602,7 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
     assert types_ == {"text_input": ("TYPE_STRING", [1], False), "max_tokens": ("TYPE_INT32", [1], False),
                       "temperature": ("TYPE_FP32", [1], True), "top_p": ("TYPE_FP32", [1], True),
                       "top_k": ("TYPE_INT32", [1], True), "random_seed": ("TYPE_UINT64", [1], True),
+                      "end_id": ("TYPE_INT32", [1], True), "pad_id": ("TYPE_INT32", [1], True),
                       "stop_words": ("TYPE_STRING", [-1], True),
                       "bad_words": ("TYPE_STRING", [-1], True),
                       "stream": ("TYPE_BOOL", [1], True)}
@@ -878,9 +892,10 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x", "--seed", str(2**64 - 1)]))
     for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids; the
         declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]  # bad_words of TensorRT-LLM's clients
-                    for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}  # are only empty)
+                    for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}  # are only empty;
+        #                                                         end_id and pad_id are theirs, this client needs none)
         assert {t.name(): t.datatype() for t in sent} == {k: v for k, v in declared.items()
-                                                          if k not in ("input_ids", "bad_words")}
+                                                          if k not in ("input_ids", "bad_words", "end_id", "pad_id")}
     assert client.parse_args([]).model == "beam_dflash2"  # the model that sees a cancellation (docs/TRITON.md)
     assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
     assert client.main(["--top-p", "0"]) == 2

@@ -53,6 +53,10 @@ FIELDS = (
     Tensor("random_seed", "TYPE_UINT64", (1,), True,
            "seeds this request's random stream: the same request with the same seed draws the same numbers whatever "
            "else is decoded beside it (default: a stream seeded by the server's seed and the request's arrival)"),
+    Tensor("end_id", "TYPE_INT32", (1,), True,
+           "the token that ends the output, instead of the model's end-of-sequence tokens (default: those)"),
+    Tensor("pad_id", "TYPE_INT32", (1,), True,
+           "as TensorRT-LLM's ensemble takes it; nothing is padded here (each response holds just its new tokens)"),
     Tensor("stop_words", "TYPE_STRING", (-1,), True,
            "stop when the text contains one of these; the text ends before it (an empty one is none)"),
     Tensor("bad_words", "TYPE_STRING", (-1,), True, "as TensorRT-LLM's ensemble takes it, but only empty: none"),
@@ -125,6 +129,7 @@ class RequestParams:
     stop: tuple[str, ...] = ()
     stream: bool = False
     seed: int | None = None                     # random_seed (None: from the server's seed)
+    end_id: int | None = None                   # ends the output instead of the model's EOS tokens (None: those)
 
 
 def parse_request(values: Mapping[str, object]) -> RequestParams:
@@ -165,7 +170,7 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
                            f"{len(stop)} of up to {max(map(len, stop))}")
     sampling = SamplingParams(temperature, top_p, top_k) if temperature else SamplingParams()  # greedy ignores top-p/k:
     return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),  # one decoder group for all
-                         sampling, stop, got.get("stream", False), got.get("random_seed"))
+                         sampling, stop, got.get("stream", False), got.get("random_seed"), got.get("end_id"))
 
 
 # ---- text ---------------------------------------------------------------------------------------------------------

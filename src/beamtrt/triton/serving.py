@@ -209,6 +209,8 @@ class Server:
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if params.end_id is not None and not 0 <= params.end_id < self.vocab_size:
+            raise RequestError(f"end_id {params.end_id} is outside the vocabulary [0, {self.vocab_size})")
         room = self.context - self.decoder.headroom
         if len(ids) + params.max_tokens > room:
             drafts = (f", less {self.decoder.headroom} positions for a last verify block's drafts"
@@ -220,7 +222,8 @@ class Server:
             stop_ids, stops = special_stops(self.tokenizer, params.stop, "stop_words")
         except ValueError as e:
             raise RequestError(str(e)) from None
-        request = Request(ids, params.max_tokens, self.stop_ids | stop_ids, stops, params.seed)
+        ends = self.stop_ids if params.end_id is None else frozenset({params.end_id})
+        request = Request(ids, params.max_tokens, ends | stop_ids, stops, params.seed)
         live = _Live(next(self._ids), request, params, on_delta, is_cancelled,
                      TextStream(self.decode, stops, params.stream))
         with self._lock:
