@@ -36,8 +36,8 @@ def parse_args(argv=None):
                    help="nucleus sampling mass; with --temperature > 0 (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = all; with "
                    "--temperature > 0 (default: %(default)s)")
-    p.add_argument("--seed", type=int, help="the request's random_seed, in [0, 2**64): with --temperature > 0 the same "
-                   "request and seed sample the same tokens (default: the server picks its stream)")
+    p.add_argument("--seed", type=int, help="the request's random_seed, in [0, 2**64), with --temperature > 0: the "
+                   "same request and seed draw the same random numbers (default: the server picks its stream)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-stream", action="store_true", help="one response at the end instead of one per step")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response "
@@ -62,6 +62,8 @@ def check(args):
            (args.seed is not None and not 0 <= args.seed < 2**64, f"--seed must be in [0, 2**64), got {args.seed}"),
            (args.temperature == 0 and (args.top_p != 1 or args.top_k != 0),  # the server would ignore them
             "--top-p and --top-k shape sampling: give them with a --temperature > 0 (the default, 0, is greedy)"),
+           (args.temperature == 0 and args.seed is not None,  # greedy draws no random number
+            "--seed seeds sampling: give it with a --temperature > 0 (the default, 0, is greedy)"),
            (any(not s for s in args.stop), "--stop needs a non-empty string"),
            (not 0 < args.timeout < math.inf, f"--timeout must be a finite number of seconds > 0, got {args.timeout}")]
     return next((why for failed, why in bad if failed), None)

@@ -167,7 +167,7 @@ def test_shards_beyond_the_hosts_free_memory_are_refused_before_loading(sources,
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert re.fullmatch(rf"error: rank [01]: {re.escape(str(engine / 'target'))}: the shards of the 2 ranks on this "
-                        r"host take \d+\.\d MB in float32 and it has 1\.0 MB free: place fewer ranks on each host, "
+                        r"host take \d+\.\d MB in float32 and it has 1\.0 MB free: spread the ranks over more hosts, "
                         r"or run it in bfloat16 \(--dtype bfloat16\)", lines[0]), lines[0]
 
 

@@ -258,7 +258,7 @@ def test_the_clients_side_is_asked_at_most_every_cancel_poll(server):
     asked = []
     deltas = list(server.stream({"text_input": PROMPTS[3], "max_tokens": 120, "stream": True},
                                 is_cancelled=lambda: asked.append(time.monotonic()) or False))
-    assert deltas[-1].metrics.steps > len(asked) >= 1
+    assert len(asked) >= 1
     assert all(b - a >= serving.CANCEL_POLL_S * 0.99 for a, b in zip(asked, asked[1:])), asked
 
 
@@ -889,7 +889,8 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
-    sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x", "--seed", str(2**64 - 1)]))
+    sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x", "--seed", str(2**64 - 1),
+                                                  "--temperature", "1"]))
     for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids; the
         declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]  # bad_words of TensorRT-LLM's clients
                     for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}  # are only empty;
@@ -902,7 +903,8 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     assert capsys.readouterr().err == "error: --top-p must be in (0, 1], got 0.0\n"
     for args, needle in ((["--temperature", "1e-7"], "--temperature must be 0 (greedy) or a finite number >= 1e-05"),
                          (["--temperature", "1", "--top-p", "1e-50"], "--top-p must be in (0, 1]"),  # 0 in FP32
-                         (["--top-k", "50"], "--top-p and --top-k shape sampling")):  # the server would be greedy
+                         (["--top-k", "50"], "--top-p and --top-k shape sampling"),  # the server would be greedy
+                         (["--seed", "3"], "--seed seeds sampling: give it with a --temperature > 0")):
         assert client.main(["--url", "localhost:1", *args]) == 2
         assert capsys.readouterr().err.startswith(f"error: {needle}")
     for flag, value in (("--timeout", "nan"), ("--timeout", "0"), ("--temperature", "nan"),

@@ -709,7 +709,7 @@ def check_fits(path: str | Path, model: nn.Module, dtype: torch.dtype, device: t
         return
     smaller = ", or run it in bfloat16 (--dtype bfloat16)" if dtype == torch.float32 else ""
     raise CheckpointError(f"{path}: the shards of the {len(host)} ranks on this host take {size_text(need)} in "
-                          f"{kind} and it has {size_text(free)} free: place fewer ranks on each host{smaller}")
+                          f"{kind} and it has {size_text(free)} free: spread the ranks over more hosts{smaller}")
 
 
 def free_memory(device: torch.device) -> int | None:

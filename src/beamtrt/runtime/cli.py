@@ -69,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "docs/BENCHMARKS.md); lossless either way; 0 verifies the whole block (default: %(default)s)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
     p.add_argument("--seed", type=int, default=0,
-                   help="seed of every random decision, in [0, 2**63): each prompt samples from its own stream, "
-                        "seeded by it and the prompt's index, whatever the --concurrency (default: %(default)s)")
+                   help="seed of every random decision, in [0, 2**63): each prompt draws from its own stream, "
+                        "seeded by it and the prompt's index, the same numbers whatever the --concurrency "
+                        "(default: %(default)s)")
     p.add_argument("--json", help="write per-request outputs and the acceptance summary to this file")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="runtime backend: trt runs the build's TensorRT engines (TensorRT-LLM 1.2 and a GPU), torch "

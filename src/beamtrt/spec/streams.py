@@ -15,7 +15,7 @@ _U64 = {k: np.uint64(k) for k in (GAMMA, MIX1, MIX2, 1, 27, 30, 31, 40)}
 
 def request_seed(seed: int, index: int) -> int:
     """The seed of request `index`'s stream under a decoder's `seed` (SplitMix64 of both), in [0, 2**64)."""
-    z = (seed * GAMMA + index + 1) & MASK64
+    z = (int(seed) * GAMMA + int(index) + 1) & MASK64  # Python integers (a NumPy scalar would overflow)
     for shift, mul in ((30, MIX1), (27, MIX2)):
         z = ((z ^ (z >> shift)) * mul) & MASK64
     return z ^ (z >> 31)
@@ -40,7 +40,7 @@ class RequestStreams:
         self.drawn = np.zeros(slots, dtype=np.uint64)  # [slots] uniforms drawn from it so far
 
     def start(self, slot: int, seed: int) -> None:
-        self.seed[slot], self.drawn[slot] = seed & MASK64, 0
+        self.seed[slot], self.drawn[slot] = int(seed) & MASK64, 0
 
     def draw(self, slots: list[int], *shape: int) -> torch.Tensor:
         """[len(slots), *shape] uniforms, each row the next ones of its slot's stream."""
