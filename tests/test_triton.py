@@ -258,7 +258,7 @@ def test_the_clients_side_is_asked_at_most_every_cancel_poll(server):
     asked = []
     deltas = list(server.stream({"text_input": PROMPTS[3], "max_tokens": 120, "stream": True},
                                 is_cancelled=lambda: asked.append(time.monotonic()) or False))
-    assert len(asked) >= 1
+    assert deltas[-1].finish_reason in ("stop", "length") and len(asked) >= 1
     assert all(b - a >= serving.CANCEL_POLL_S * 0.99 for a, b in zip(asked, asked[1:])), asked
 
 
