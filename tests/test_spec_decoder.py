@@ -324,6 +324,28 @@ def test_each_request_samples_from_its_own_stream(target, prompts):
     assert mixed[::2] == unseeded[::2] and mixed[1] == alone[0] != unseeded[1]
 
 
+def test_min_new_tokens_holds_the_stop_tokens_back_in_plain_and_speculative_decoding(target, prompts, reference):
+    """A request short of its min_new_tokens cannot end: its stop tokens are masked out of the target's logits before
+    it, so its output continues with the next most likely token, the same in plain and speculative decoding, and
+    the stop token still ends it once the minimum is reached."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from test_dflash2 import make_drafter
+
+    p, ref = next((p, r) for p, r in zip(prompts, reference) if len(set(r[3:12])) > 1)
+    stop = ref[3]  # greedy makes it at index 3 first (or earlier)
+    first = ref.index(stop)
+    request = Request(tuple(p), MAX_NEW, stop_token_ids=frozenset({stop}), min_new_tokens=first + 4)
+    outputs = []
+    for drafter, block in ((None, 1), (TorchDrafter(make_drafter(target, seed=3)), 4)):
+        done = SpeculativeDecoder(TorchTarget(target), drafter, block_size=block).generate([request])[0]
+        outputs.append(done.output_ids)
+        assert stop not in done.output_ids[:first + 3] and done.output_ids[:first] == ref[:first]
+        assert done.finish_reason == "length" or (done.output_ids[-1] == stop and len(done.output_ids) > first + 3)
+    assert outputs[0] == outputs[1]
+    unheld = SpeculativeDecoder(TorchTarget(target)).generate([Request(tuple(p), MAX_NEW, frozenset({stop}))])[0]
+    assert unheld.output_ids == ref[:first + 1] and unheld.finish_reason == "stop"
+
+
 def test_request_streams_are_splitmix64_however_they_are_drawn():
     """A stream's draws are SplitMix64's outputs (written out here in Python integers), whatever draws they are split
     into and whichever other streams are drawn in the same call."""

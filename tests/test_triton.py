@@ -192,9 +192,10 @@ def test_a_random_seed_samples_the_same_tokens_whatever_is_decoded_beside_it(ser
     assert tokens(collect(server, {**seeded, "random_seed": 7})) != alone
 
 
-def test_end_id_ends_the_output_instead_of_the_models_eos_and_pad_id_changes_nothing(server):
-    """end_id and pad_id, which TensorRT-LLM's ensemble takes and its clients may send, were refused as undeclared
-    inputs: end_id now ends the output in place of the model's end-of-sequence tokens; pad_id pads nothing here."""
+def test_end_id_pad_id_and_min_length_as_tensorrt_llm_takes_them(server):
+    """end_id, pad_id and min_length, which TensorRT-LLM's ensemble takes and its clients send (genai-perf sends
+    min_length for fixed output lengths), were refused as undeclared inputs: end_id now ends the output in place of the
+    model's end-of-sequence tokens, pad_id pads nothing here, and min_length holds the end tokens back until it."""
     plain = tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40}))
     at = next(k for k in range(5, len(plain)) if plain[k] not in plain[:k])  # its first time, past the start
     deltas = collect(server, {"input_ids": [294, 35], "max_tokens": 40, "end_id": np.array([[plain[at]]], np.int32),
@@ -203,6 +204,9 @@ def test_end_id_ends_the_output_instead_of_the_models_eos_and_pad_id_changes_not
     assert tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40, "pad_id": 7})) == plain
     with pytest.raises(RequestError, match=r"^end_id 100000 is outside the vocabulary \[0, "):
         server.submit({"input_ids": [294, 35], "max_tokens": 4, "end_id": 100000}, lambda d: None)
+    held = collect(server, {"input_ids": [294, 35], "max_tokens": 40, "end_id": plain[at], "min_length": at + 3})
+    assert tokens(held)[:at] == plain[:at] and plain[at] not in tokens(held)[:at + 2]  # genai-perf's fixed lengths
+    assert held[-1].finish_reason == "length" or tokens(held)[-1] == plain[at]
 
 
 def test_a_stop_word_that_is_a_special_token_stops_on_that_token(server):
@@ -318,6 +322,8 @@ def test_the_decode_thread_ends_nothing_silently(builds):
     ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"text_input": "hi", "max_tokens": 4, "top_k": -2}, "top_k must be >= 0"),
     ({"text_input": "hi", "max_tokens": 4, "random_seed": -1}, "random_seed must be in [0, 2**64), got -1"),
+    ({"text_input": "hi", "max_tokens": 4, "min_length": 5}, "min_length must be in [0, max_tokens 4], got 5"),
+    ({"text_input": "hi", "max_tokens": 4, "min_length": -1}, "min_length must be in [0, max_tokens 4], got -1"),
     ({"text_input": "hi", "max_tokens": 4, "random_seed": 1.5}, "random_seed must be an integer, got 1.5"),
     ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
     ({"text_input": "hi", "max_tokens": 2.5}, "max_tokens must be an integer"),
@@ -600,6 +606,7 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
     assert not list(out.rglob("*.safetensors"))  # referenced, not copied
     types_ = {t.name: (pb2.DataType.Name(t.data_type), list(t.dims), t.optional) for t in configs["ensemble"].input}
     assert types_ == {"text_input": ("TYPE_STRING", [1], False), "max_tokens": ("TYPE_INT32", [1], False),
+                      "min_length": ("TYPE_INT32", [1], True),
                       "temperature": ("TYPE_FP32", [1], True), "top_p": ("TYPE_FP32", [1], True),
                       "top_k": ("TYPE_INT32", [1], True), "random_seed": ("TYPE_UINT64", [1], True),
                       "end_id": ("TYPE_INT32", [1], True), "pad_id": ("TYPE_INT32", [1], True),
@@ -894,9 +901,10 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids; the
         declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]  # bad_words of TensorRT-LLM's clients
                     for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}  # are only empty;
-        #                                                         end_id and pad_id are theirs, this client needs none)
+        #                                           end_id, pad_id and min_length are theirs, this client needs none)
         assert {t.name(): t.datatype() for t in sent} == {k: v for k, v in declared.items()
-                                                          if k not in ("input_ids", "bad_words", "end_id", "pad_id")}
+                                                          if k not in ("input_ids", "bad_words", "end_id", "pad_id",
+                                                                       "min_length")}
     assert client.parse_args([]).model == "beam_dflash2"  # the model that sees a cancellation (docs/TRITON.md)
     assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
     assert client.main(["--top-p", "0"]) == 2

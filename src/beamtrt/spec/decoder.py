@@ -34,6 +34,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None     # of its own random stream when sampling (None: from the decoder's seed and its index)
+    min_new_tokens: int = 0     # its stop tokens are not generated before it has this many new tokens
 
 
 @dataclass
@@ -187,6 +188,7 @@ class SpeculativeDecoder:
         width = int(lengths.max())
         ids = torch.tensor([p + (0,) * (width - len(p)) for p in prompts])  # [M, width] right-padded
         out = self.target.forward(ids, slots, lengths, taps=self.taps, last_only=True)
+        self._hold_stops(out.logits[:, -1:], [i for _, i in admitted], requests, done)
         if self.drafter is not None:
             self.drafter.append_context(out.taps, slots, lengths)
         uniforms = None if params.greedy else self.streams.draw(slot_ids).to(out.logits.device)
@@ -227,6 +229,7 @@ class SpeculativeDecoder:
         out = self.target.forward(block, slots, num_drafts.cpu() + 1, taps=self.taps)
         self.times.target_s += time.perf_counter() - t
         self.times.target_comm_s += self._comm_s() - c
+        self._hold_stops(out.logits, [self.owner[s] for s in active], requests, done)
         # Verify where the target left its logits (a GPU's: only the emitted ids come back to the host, never the
         # [N, 1 + drafts, V] logits); the drafter's outputs and the host's uniforms are small and move there.
         device = out.logits.device
@@ -265,6 +268,17 @@ class SpeculativeDecoder:
         self.times.total_s += time.perf_counter() - start
         self.times.comm_s += self._comm_s() - comm0
         self.times.steps += 1
+
+    @staticmethod
+    def _hold_stops(logits: torch.Tensor, owners: list[int], requests: Sequence[Request],
+                    done: Sequence[Completion]) -> None:
+        """logits: [N, positions, V], row n for request owners[n], position j making its next token + j. A request
+        short of its min_new_tokens cannot end there: its stop tokens are masked out of the positions before it (in
+        place; plain and speculative decoding then sample the same distribution, and verification stays exact)."""
+        for row, i in enumerate(owners):
+            need = requests[i].min_new_tokens - len(done[i].output_ids)
+            if need > 0 and requests[i].stop_token_ids:
+                logits[row, :need, sorted(requests[i].stop_token_ids)] = float("-inf")
 
     def _comm_s(self) -> float:
         """Seconds the backends have spent in collectives so far (tensor-parallel rank 0; 0 in one process)."""

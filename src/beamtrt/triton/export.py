@@ -56,8 +56,8 @@ MODELS = (
     Model(MODEL, protocol.FIELDS, protocol.OUTPUTS, decoupled=True),
     Model("postprocessing", protocol.POST_INPUTS, protocol.POST_OUTPUTS),
 )
-_OWN = ("max_tokens", "temperature", "top_p", "top_k", "random_seed", "end_id", "pad_id", "stop_words", "bad_words",
-        "stream", "finish_reason", "acceptance_length", "accepted_draft_tokens", "draft_tokens")
+_OWN = ("max_tokens", "min_length", "temperature", "top_p", "top_k", "random_seed", "end_id", "pad_id", "stop_words",
+        "bad_words", "stream", "finish_reason", "acceptance_length", "accepted_draft_tokens", "draft_tokens")
 # (model, {its input: ensemble tensor}, {its output: ensemble tensor}); "_" marks tensors internal to the ensemble,
 # the others are the ensemble's own inputs (consumed, never produced) and outputs
 STEPS = (

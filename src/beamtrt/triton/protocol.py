@@ -44,6 +44,9 @@ FIELDS = (
     Tensor("text_input", "TYPE_STRING", (1,), True, "the prompt: a user message, sent through the chat template"),
     Tensor("input_ids", "TYPE_INT32", (-1,), True, "the prompt as token ids, used as given (instead of text_input)"),
     Tensor("max_tokens", "TYPE_INT32", (1,), False, "tokens to generate, >= 1"),
+    Tensor("min_length", "TYPE_INT32", (1,), True,
+           "the fewest tokens to generate, <= max_tokens: no end token is generated before (a stop word's text still "
+           "ends the output); default 0"),
     Tensor("temperature", "TYPE_FP32", (1,), True, "0 = greedy (the default); > 0 samples"),
     Tensor("top_p", "TYPE_FP32", (1,), True,
            "nucleus sampling mass in (0, 1] (default 1); only with temperature > 0 (greedy ignores it)"),
@@ -130,6 +133,7 @@ class RequestParams:
     stream: bool = False
     seed: int | None = None                     # random_seed (None: from the server's seed)
     end_id: int | None = None                   # ends the output instead of the model's EOS tokens (None: those)
+    min_length: int = 0                         # no end token before this many new tokens
 
 
 def parse_request(values: Mapping[str, object]) -> RequestParams:
@@ -152,6 +156,8 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
         raise RequestError("input_ids is empty")
     if got["max_tokens"] < 1:
         raise RequestError(f"max_tokens must be >= 1, got {got['max_tokens']}")
+    if not 0 <= got.get("min_length", 0) <= got["max_tokens"]:
+        raise RequestError(f"min_length must be in [0, max_tokens {got['max_tokens']}], got {got['min_length']}")
     temperature, top_p, top_k = got.get("temperature", 0.0), got.get("top_p", 1.0), got.get("top_k", 0)
     if float(np.float32(MIN_TEMPERATURE)) <= temperature < MIN_TEMPERATURE:  # the minimum, as an FP32 tensor holds it
         temperature = MIN_TEMPERATURE
@@ -170,7 +176,8 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
                            f"{len(stop)} of up to {max(map(len, stop))}")
     sampling = SamplingParams(temperature, top_p, top_k) if temperature else SamplingParams()  # greedy ignores top-p/k:
     return RequestParams(got["max_tokens"], got.get("text_input"), got.get("input_ids"),  # one decoder group for all
-                         sampling, stop, got.get("stream", False), got.get("random_seed"), got.get("end_id"))
+                         sampling, stop, got.get("stream", False), got.get("random_seed"), got.get("end_id"),
+                         got.get("min_length", 0))
 
 
 # ---- text ---------------------------------------------------------------------------------------------------------

@@ -223,7 +223,7 @@ class Server:
         except ValueError as e:
             raise RequestError(str(e)) from None
         ends = self.stop_ids if params.end_id is None else frozenset({params.end_id})
-        request = Request(ids, params.max_tokens, ends | stop_ids, stops, params.seed)
+        request = Request(ids, params.max_tokens, ends | stop_ids, stops, params.seed, params.min_length)
         live = _Live(next(self._ids), request, params, on_delta, is_cancelled,
                      TextStream(self.decode, stops, params.stream))
         with self._lock:
