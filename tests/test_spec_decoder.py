@@ -324,6 +324,31 @@ def test_each_request_samples_from_its_own_stream(target, prompts):
     assert mixed[::2] == unseeded[::2] and mixed[1] == alone[0] != unseeded[1]
 
 
+def test_a_requests_proposal_is_the_same_bits_alone_or_batched_on_cpu(target, prompts):
+    """On CPU the drafter's head products are row-invariant, as the target's are: a request's draft confidences and q
+    rows do not depend on the requests drafted beside it (its LM-head rows took PyTorch's GEMM past 16 rows, the
+    host kernel's below, and differed in their last bits, which moved the draft threshold's cut and sampled draws)."""
+    from beamtrt.runtime.torch_backend import TorchDrafter
+    from beamtrt.spec.sampling import SamplingParams
+    from test_dflash2 import make_drafter
+
+    def first_proposal(batch: int):
+        seen = []
+
+        class Spy(TorchDrafter):
+            def draft(self, *args):
+                seen.append(out := super().draft(*args))
+                return out
+
+        dec = SpeculativeDecoder(TorchTarget(target), Spy(make_drafter(target, seed=3)), block_size=8,
+                                 params=SamplingParams(temperature=1.0))
+        dec.generate([Request(tuple(p), 2) for p in prompts[:batch]])
+        return seen[0].confidence[0], seen[0].q[0]
+
+    alone, batched = first_proposal(1), first_proposal(6)  # 7 drafted rows against 42
+    assert torch.equal(alone[0], batched[0]) and torch.equal(alone[1], batched[1])
+
+
 def test_min_new_tokens_holds_the_stop_tokens_back_in_plain_and_speculative_decoding(target, prompts, reference):
     """A request short of its min_new_tokens cannot end: its stop tokens are masked out of the target's logits before
     it, so its output continues with the next most likely token, the same in plain and speculative decoding, and

@@ -171,6 +171,12 @@ class DraftLayer(nn.Module):
         return h + self.mlp(x)
 
 
+def _row_invariant(x: torch.Tensor) -> bool:
+    """Whether a draft's head products take row-invariant GEMMs (on CPU, the host kernel's at any row count): a
+    request's proposals are then the same bits whatever other requests share its draft; elsewhere PyTorch's."""
+    return x.device.type == "cpu"
+
+
 # ---- candidate selector (dflash.md §4.3) ---------------------------------------------------------------------
 
 class CandidateSelector(nn.Module):
@@ -197,7 +203,7 @@ class CandidateSelector(nn.Module):
         if vocab_ids is not None:
             cand = vocab_ids[cand]
         pred = torch.cat((anchor_ids.view(N, 1, 1).expand(N, 1, top_k), cand[:, :-1]), dim=1)  # [N, S, K]
-        g = linear(hidden, self.hidden_projection.weight).float()  # [N, S, r]
+        g = linear(hidden, self.hidden_projection.weight, invariant=_row_invariant(hidden)).float()  # [N, S, r]
         lookup = (lambda table, ids: table[ids]) if self.shard is None else self.shard.lookup  # vocab-parallel
         a = lookup(self.predecessor_codebook, pred).float()  # [N, S, K, r]
         b = lookup(self.successor_codebook, cand).float()
@@ -404,7 +410,7 @@ class DFlash2Drafter(nn.Module):
         target = self.target
         vocab = None if self.draft_vocab is None else self.draft_vocab.to(z.device)
         if vocab is None:
-            unary = logits = target.lm_logits(z.to(target.dtype))  # fp32 [N, B-1, V]
+            unary = logits = target.lm_logits(z.to(target.dtype), invariant=_row_invariant(z))  # fp32 [N, B-1, V]
         else:
             unary = self._vocab_logits(z)  # fp32 [N, B-1, V'] the draft vocabulary's columns
             logits = unary.new_full((*unary.shape[:-1], self.vocab_size), float("-inf"))
@@ -425,7 +431,8 @@ class DFlash2Drafter(nn.Module):
         key = (weight.data_ptr(), weight.dtype, weight.device)
         if self._vocab_head is None or self._vocab_head[0] != key:
             self._vocab_head = (key, weight.detach()[self.draft_vocab.to(weight.device)].contiguous())
-        return target.logit_transform(linear(z.to(weight.dtype), self._vocab_head[1], torch.float32))
+        return target.logit_transform(linear(z.to(weight.dtype), self._vocab_head[1], torch.float32,
+                                             invariant=_row_invariant(z)))
 
 
 # ---- checkpoint name table -----------------------------------------------------------------------------------
