@@ -359,16 +359,22 @@ def test_min_new_tokens_holds_the_stop_tokens_back_in_plain_and_speculative_deco
     p, ref = next((p, r) for p, r in zip(prompts, reference) if len(set(r[3:12])) > 1)
     stop = ref[3]  # greedy makes it at index 3 first (or earlier)
     first = ref.index(stop)
-    request = Request(tuple(p), MAX_NEW, stop_token_ids=frozenset({stop}), min_new_tokens=first + 4)
-    outputs = []
-    for drafter, block in ((None, 1), (TorchDrafter(make_drafter(target, seed=3)), 4)):
-        done = SpeculativeDecoder(TorchTarget(target), drafter, block_size=block).generate([request])[0]
-        outputs.append(done.output_ids)
-        assert stop not in done.output_ids[:first + 3] and done.output_ids[:first] == ref[:first]
-        assert done.finish_reason == "length" or (done.output_ids[-1] == stop and len(done.output_ids) > first + 3)
-    assert outputs[0] == outputs[1]
+    for least in (first + 1, first + 4):  # just past its first time (a position too few fails), and further
+        request = Request(tuple(p), MAX_NEW, stop_token_ids=frozenset({stop}), min_new_tokens=least)
+        outputs = []
+        for drafter, block in ((None, 1), (TorchDrafter(make_drafter(target, seed=3)), 4)):
+            done = SpeculativeDecoder(TorchTarget(target), drafter, block_size=block).generate([request])[0]
+            outputs.append(done.output_ids)
+            assert stop not in done.output_ids[:least] and done.output_ids[:first] == ref[:first]
+            assert done.finish_reason == "length" or (done.output_ids[-1] == stop and len(done.output_ids) > least)
+        assert outputs[0] == outputs[1]
     unheld = SpeculativeDecoder(TorchTarget(target)).generate([Request(tuple(p), MAX_NEW, frozenset({stop}))])[0]
     assert unheld.output_ids == ref[:first + 1] and unheld.finish_reason == "stop"
+    first_token = Request(tuple(p), MAX_NEW, stop_token_ids=frozenset({ref[0], 10**6}), min_new_tokens=1)
+    held = SpeculativeDecoder(TorchTarget(target)).generate([first_token])[0]  # held back at the prefill's draw
+    assert held.output_ids[0] != ref[0]  # (a stop id beyond the vocabulary never comes, and is not indexed)
+    with pytest.raises(ValueError, match=r"request 0: min_new_tokens must be in \[0, max_new_tokens 4\], got 5"):
+        SpeculativeDecoder(TorchTarget(target)).generate([Request(tuple(p), 4, min_new_tokens=5)])
 
 
 def test_request_streams_are_splitmix64_however_they_are_drawn():

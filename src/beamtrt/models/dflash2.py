@@ -171,12 +171,6 @@ class DraftLayer(nn.Module):
         return h + self.mlp(x)
 
 
-def _row_invariant(x: torch.Tensor) -> bool:
-    """Whether a draft's head products take row-invariant GEMMs (on CPU, the host kernel's at any row count): a
-    request's proposals are then the same bits whatever other requests share its draft; elsewhere PyTorch's."""
-    return x.device.type == "cpu"
-
-
 # ---- candidate selector (dflash.md §4.3) ---------------------------------------------------------------------
 
 class CandidateSelector(nn.Module):
@@ -191,10 +185,11 @@ class CandidateSelector(nn.Module):
         nn.init.zeros_(self.hidden_projection.weight)
         self.shard = None  # tensor parallel: the codebooks hold this rank's vocabulary rows
 
-    def edge_scores(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
-                    top_k: int, vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def edge_scores(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor, top_k: int,
+                    vocab_ids: torch.Tensor | None = None, invariant: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [N, S, V] fp32 unary scores (vocab_ids [V]: the token id of each column when they cover a slice of
-        the vocabulary); hidden: [N, S, H] final-normed; anchor_ids: [N] ->
+        the vocabulary); hidden: [N, S, H] final-normed; anchor_ids: [N]; invariant: row-invariant products ->
         (cand_ids [N, S, K] long, top-K of each slot in descending logit order;
          scores [N, S, K, K] fp32, scores[n, t, i, j] = S_t(pred_i, cand_j)),
         with pred_i = candidate i of slot t-1 for t >= 1 and the anchor for t = 0 (all K rows of slot 0 equal)."""
@@ -203,7 +198,7 @@ class CandidateSelector(nn.Module):
         if vocab_ids is not None:
             cand = vocab_ids[cand]
         pred = torch.cat((anchor_ids.view(N, 1, 1).expand(N, 1, top_k), cand[:, :-1]), dim=1)  # [N, S, K]
-        g = linear(hidden, self.hidden_projection.weight, invariant=_row_invariant(hidden)).float()  # [N, S, r]
+        g = linear(hidden, self.hidden_projection.weight, invariant=invariant).float()  # [N, S, r]
         lookup = (lambda table, ids: table[ids]) if self.shard is None else self.shard.lookup  # vocab-parallel
         a = lookup(self.predecessor_codebook, pred).float()  # [N, S, K, r]
         b = lookup(self.successor_codebook, cand).float()
@@ -387,7 +382,7 @@ class DFlash2Drafter(nn.Module):
             cos, sin = self.rotary(positions, torch.float32)
             rings = torch.arange(N) if slots is None else slots
             z = native.draft_block(self, cache, ids, rings, start, cos, sin).to(self.dtype)
-            return self._head(z, anchor_ids, lattice)
+            return self._head(z, anchor_ids, lattice, invariant=True)
         h = target.embed_ids(ids).to(self.dtype)
         rope = self.rotary(positions, self.dtype)
         used = min(cache.window, int(start.max()))  # ring slots ever written: attend over those only
@@ -405,23 +400,27 @@ class DFlash2Drafter(nn.Module):
             h = layer(h, rope, k, v, mask, B, self.use_conv)
         return self._head(self.norm(h[:, 1:]), anchor_ids, lattice)
 
-    def _head(self, z: torch.Tensor, anchor_ids: torch.Tensor, lattice: bool) -> DraftOutput:
-        """z: [N, B-1, H] final-normed block hidden -> the drafts' logits and, with `lattice`, the selector's."""
+    def _head(self, z: torch.Tensor, anchor_ids: torch.Tensor, lattice: bool, invariant: bool = False) -> DraftOutput:
+        """z: [N, B-1, H] final-normed block hidden -> the drafts' logits and, with `lattice`, the selector's.
+        invariant: each row's products the same bits whatever the other rows (the fused host block's are, so a
+        request's proposal then does not depend on the requests drafted beside it); else PyTorch's GEMMs past a few
+        rows."""
         target = self.target
         vocab = None if self.draft_vocab is None else self.draft_vocab.to(z.device)
         if vocab is None:
-            unary = logits = target.lm_logits(z.to(target.dtype), invariant=_row_invariant(z))  # fp32 [N, B-1, V]
+            unary = logits = target.lm_logits(z.to(target.dtype), invariant=invariant)  # fp32 [N, B-1, V]
         else:
-            unary = self._vocab_logits(z)  # fp32 [N, B-1, V'] the draft vocabulary's columns
+            unary = self._vocab_logits(z, invariant)  # fp32 [N, B-1, V'] the draft vocabulary's columns
             logits = unary.new_full((*unary.shape[:-1], self.vocab_size), float("-inf"))
             logits[..., vocab] = unary
         if not lattice:  # the caller selects with the plugin kernel, from the logits and z
             return DraftOutput(logits=logits, hidden=z, cand_ids=None, scores=None)
         top_k = min(self.cfg.selector_top_k, unary.shape[-1])
-        cand, scores = self.candidate_selector.edge_scores(unary, z, anchor_ids, top_k, vocab_ids=vocab)
+        cand, scores = self.candidate_selector.edge_scores(unary, z, anchor_ids, top_k, vocab_ids=vocab,
+                                                            invariant=invariant)
         return DraftOutput(logits=logits, hidden=z, cand_ids=cand, scores=scores)
 
-    def _vocab_logits(self, z: torch.Tensor) -> torch.Tensor:
+    def _vocab_logits(self, z: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """z: [N, S, H] -> fp32 [N, S, V'] logits of the draft vocabulary: only its LM-head rows are read (a copy
         made once), except under a vocabulary-parallel head, whose gathered rows are sliced."""
         target = self.target
@@ -432,7 +431,7 @@ class DFlash2Drafter(nn.Module):
         if self._vocab_head is None or self._vocab_head[0] != key:
             self._vocab_head = (key, weight.detach()[self.draft_vocab.to(weight.device)].contiguous())
         return target.logit_transform(linear(z.to(weight.dtype), self._vocab_head[1], torch.float32,
-                                             invariant=_row_invariant(z)))
+                                             invariant=invariant), invariant)
 
 
 # ---- checkpoint name table -----------------------------------------------------------------------------------

@@ -138,6 +138,9 @@ class SpeculativeDecoder:
         for i, r in enumerate(requests):
             if not r.prompt_ids or r.max_new_tokens < 1:
                 raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
+            if not 0 <= r.min_new_tokens <= r.max_new_tokens:
+                raise ValueError(f"request {i}: min_new_tokens must be in [0, max_new_tokens {r.max_new_tokens}], "
+                                 f"got {r.min_new_tokens}")
             if why := self.too_long(r):
                 raise ValueError(f"request {i}: {why}")
         if concurrency is not None and concurrency < 1:
@@ -277,8 +280,9 @@ class SpeculativeDecoder:
         place; plain and speculative decoding then sample the same distribution, and verification stays exact)."""
         for row, i in enumerate(owners):
             need = requests[i].min_new_tokens - len(done[i].output_ids)
-            if need > 0 and requests[i].stop_token_ids:
-                logits[row, :need, sorted(requests[i].stop_token_ids)] = float("-inf")
+            stops = [t for t in sorted(requests[i].stop_token_ids) if t < logits.shape[-1]]  # others never come
+            if need > 0 and stops:
+                logits[row, :need, stops] = float("-inf")
 
     def _comm_s(self) -> float:
         """Seconds the backends have spent in collectives so far (tensor-parallel rank 0; 0 in one process)."""
