@@ -192,16 +192,22 @@ def test_a_random_seed_samples_the_same_tokens_whatever_is_decoded_beside_it(ser
     assert tokens(collect(server, {**seeded, "random_seed": 7})) != alone
 
 
-def test_end_id_pad_id_and_min_length_as_tensorrt_llm_takes_them(server):
-    """end_id, pad_id and min_length, which TensorRT-LLM's ensemble takes and its clients send (genai-perf sends
-    min_length for fixed output lengths), were refused as undeclared inputs: end_id now ends the output in place of the
-    model's end-of-sequence tokens, pad_id pads nothing here, and min_length holds the end tokens back until it."""
+def test_tensorrt_llm_clients_fields(server):
+    """end_id, pad_id, min_length, beam_width, num_return_sequences and exclude_input_in_output, which TensorRT-LLM's
+    ensemble takes and its clients send (genai-perf min_length for fixed output lengths; its end_to_end_grpc_client
+    beam_width and exclude_input_in_output always), were refused as undeclared inputs: end_id now ends the output in
+    place of the model's end-of-sequence tokens, pad_id pads nothing here, min_length holds the end tokens back until
+    it, and the others are taken at the values that ask for nothing this server does not do."""
     plain = tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40}))
     at = next(k for k in range(5, len(plain)) if plain[k] not in plain[:k])  # its first time, past the start
     deltas = collect(server, {"input_ids": [294, 35], "max_tokens": 40, "end_id": np.array([[plain[at]]], np.int32),
                               "pad_id": 0})
     assert tokens(deltas) == plain[:at + 1] and deltas[-1].finish_reason == "stop"
     assert tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40, "pad_id": 7})) == plain
+    compat = {"beam_width": 1, "num_return_sequences": np.array([[1]], np.int32), "exclude_input_in_output": True}
+    assert tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40, **compat})) == plain  # what they send
+    streamed = {**compat, "exclude_input_in_output": False, "stream": True}  # TensorRT-LLM's end_to_end client, -S
+    assert tokens(collect(server, {"input_ids": [294, 35], "max_tokens": 40, **streamed})) == plain
     with pytest.raises(RequestError, match=r"^end_id 100000 is outside the vocabulary \[0, "):
         server.submit({"input_ids": [294, 35], "max_tokens": 4, "end_id": 100000}, lambda d: None)
     held = collect(server, {"input_ids": [294, 35], "max_tokens": 40, "end_id": plain[at], "min_length": at + 3})
@@ -332,7 +338,11 @@ def test_the_decode_thread_ends_nothing_silently(builds):
     ({"text_input": "  ", "max_tokens": 4}, "text_input is empty"),
     ({"max_tokens": 4}, "text_input or as input_ids"),
     ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, "text_input or as input_ids"),
-    ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "unknown field 'beam_width'"),
+    ({"text_input": "hi", "max_tokens": 4, "presence_penalty": 0.5}, "unknown field 'presence_penalty'"),
+    ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "beam_width 2 is not served: send 1, or leave it out"),
+    ({"text_input": "hi", "max_tokens": 4, "num_return_sequences": 3}, "num_return_sequences 3 is not served: send 1"),
+    ({"text_input": "hi", "max_tokens": 4, "exclude_input_in_output": False},
+     "exclude_input_in_output false (the prompt repeated before the output) is served only with stream true"),
     ({"text_input": "hi", "max_tokens": 4, "stream": "yes"}, "stream must be true or false"),
     ({"text_input": "hi", "max_tokens": 4, "bad_words": ["", "x"]}, "bad_words are not supported"),
     ({"text_input": "hi", "max_tokens": 4, "stop_words": ["x" * 2000]}, "at most 1024 characters each"),
@@ -611,7 +621,9 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
                       "top_k": ("TYPE_INT32", [1], True), "random_seed": ("TYPE_UINT64", [1], True),
                       "end_id": ("TYPE_INT32", [1], True), "pad_id": ("TYPE_INT32", [1], True),
                       "stop_words": ("TYPE_STRING", [-1], True),
-                      "bad_words": ("TYPE_STRING", [-1], True),
+                      "bad_words": ("TYPE_STRING", [-1], True), "beam_width": ("TYPE_INT32", [1], True),
+                      "num_return_sequences": ("TYPE_INT32", [1], True),
+                      "exclude_input_in_output": ("TYPE_BOOL", [1], True),
                       "stream": ("TYPE_BOOL", [1], True)}
     outputs = {t.name: pb2.DataType.Name(t.data_type) for t in configs["ensemble"].output}
     assert outputs == {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "acceptance_length": "TYPE_FP32",
@@ -901,10 +913,12 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     for model in ("ensemble", "beam_dflash2"):  # the same tensors to either (beam_dflash2 also takes input_ids; the
         declared = {t.name: TRITON_TO_CLIENT[pb2.DataType.Name(t.data_type)]  # bad_words of TensorRT-LLM's clients
                     for t in export.parse_config(tmp_path / "repo" / model / "config.pbtxt").input}  # are only empty;
-        #                                           end_id, pad_id and min_length are theirs, this client needs none)
+        #                                 end_id, pad_id, min_length and the rest are theirs, this client needs none)
         assert {t.name(): t.datatype() for t in sent} == {k: v for k, v in declared.items()
                                                           if k not in ("input_ids", "bad_words", "end_id", "pad_id",
-                                                                       "min_length")}
+                                                                       "min_length", "beam_width",
+                                                                       "num_return_sequences",
+                                                                       "exclude_input_in_output")}
     assert client.parse_args([]).model == "beam_dflash2"  # the model that sees a cancellation (docs/TRITON.md)
     assert all(t.shape()[0] == 1 for t in sent)  # the batch dimension
     assert client.main(["--top-p", "0"]) == 2

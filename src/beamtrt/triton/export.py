@@ -57,7 +57,8 @@ MODELS = (
     Model("postprocessing", protocol.POST_INPUTS, protocol.POST_OUTPUTS),
 )
 _OWN = ("max_tokens", "min_length", "temperature", "top_p", "top_k", "random_seed", "end_id", "pad_id", "stop_words",
-        "bad_words", "stream", "finish_reason", "acceptance_length", "accepted_draft_tokens", "draft_tokens")
+        "bad_words", "stream", "beam_width", "num_return_sequences", "exclude_input_in_output", "finish_reason",
+        "acceptance_length", "accepted_draft_tokens", "draft_tokens")
 # (model, {its input: ensemble tensor}, {its output: ensemble tensor}); "_" marks tensors internal to the ensemble,
 # the others are the ensemble's own inputs (consumed, never produced) and outputs
 STEPS = (

@@ -65,6 +65,11 @@ FIELDS = (
     Tensor("bad_words", "TYPE_STRING", (-1,), True, "as TensorRT-LLM's ensemble takes it, but only empty: none"),
     Tensor("stream", "TYPE_BOOL", (1,), True, "true: a response per step with the new text; false (the default): "
            "one response at the end"),
+    Tensor("beam_width", "TYPE_INT32", (1,), True, "as TensorRT-LLM's ensemble takes it, but only 1 (no beam search)"),
+    Tensor("num_return_sequences", "TYPE_INT32", (1,), True, "as TensorRT-LLM's ensemble takes it, but only 1"),
+    Tensor("exclude_input_in_output", "TYPE_BOOL", (1,), True,
+           "as TensorRT-LLM's ensemble takes it: a response never repeats the prompt, so false only with stream "
+           "true (where TensorRT-LLM's does not either)"),
 )
 OUTPUTS = (  # beam_dflash2's outputs, one set per response
     Tensor("output_ids", "TYPE_INT32", (-1,), False, "the token ids committed since the previous response"),
@@ -170,6 +175,12 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
         raise RequestError(f"top_k must be >= 0, got {top_k}")
     if any(got.get("bad_words", ())):  # TensorRT-LLM's clients send "" for none
         raise RequestError("bad_words are not supported (send none, or only empty ones)")
+    for name, served in (("beam_width", 1), ("num_return_sequences", 1)):
+        if got.get(name, served) != served:  # TensorRT-LLM's clients send these whatever they ask for
+            raise RequestError(f"{name} {got[name]} is not served: send {served}, or leave it out")
+    if not got.get("exclude_input_in_output", True) and not got.get("stream", False):  # streamed: no repeat there
+        raise RequestError("exclude_input_in_output false (the prompt repeated before the output) is served only "
+                           "with stream true: send true, or leave it out")
     stop = tuple(s for s in got.get("stop_words", ()) if s)  # "" is none, as in TensorRT-LLM's preprocessing
     if len(stop) > MAX_STOP_WORDS or any(len(s) > MAX_STOP_CHARS for s in stop):  # each is matched at every step
         raise RequestError(f"stop_words: at most {MAX_STOP_WORDS} of at most {MAX_STOP_CHARS} characters each, got "
