@@ -277,12 +277,21 @@ class SpeculativeDecoder:
                     done: Sequence[Completion]) -> None:
         """logits: [N, positions, V], row n for request owners[n], position j making its next token + j. A request
         short of its min_new_tokens cannot end there: its stop tokens are masked out of the positions before it (in
-        place; plain and speculative decoding then sample the same distribution, and verification stays exact)."""
-        for row, i in enumerate(owners):
-            need = requests[i].min_new_tokens - len(done[i].output_ids)
-            stops = [t for t in sorted(requests[i].stop_token_ids) if t < logits.shape[-1]]  # others never come
-            if need > 0 and stops:
-                logits[row, :need, stops] = float("-inf")
+        place; plain and speculative decoding then sample the same distribution, and verification stays exact).
+        One gather and one scatter over the union of the held requests' stop tokens, however many requests."""
+        V = logits.shape[-1]
+        held = {row: [t for t in requests[i].stop_token_ids if t < V]  # a stop beyond the vocabulary never comes
+                for row, i in enumerate(owners) if requests[i].min_new_tokens > len(done[i].output_ids)}
+        held = {row: stops for row, stops in held.items() if stops}
+        if not held:
+            return
+        union = sorted(set().union(*held.values()))
+        need = torch.tensor([requests[i].min_new_tokens - len(done[i].output_ids) if row in held else 0
+                             for row, i in enumerate(owners)])  # [N] positions still short of the minimum
+        member = torch.tensor([[t in held.get(row, ()) for t in union] for row in range(len(owners))])  # [N, U]
+        hold = (torch.arange(logits.shape[1]) < need[:, None])[:, :, None] & member[:, None, :]  # [N, positions, U]
+        ids = torch.tensor(union, device=logits.device)
+        logits[:, :, ids] = logits[:, :, ids].masked_fill(hold.to(logits.device), float("-inf"))
 
     def _comm_s(self) -> float:
         """Seconds the backends have spent in collectives so far (tensor-parallel rank 0; 0 in one process)."""
