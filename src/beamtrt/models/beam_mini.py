@@ -172,7 +172,7 @@ def drafter_layout(target_cfg, layers: int = 2, selector_rank: int = 32, block_s
     from beamtrt.config import DrafterConfig
 
     n = target_cfg.num_hidden_layers
-    taps = tuple(sorted({min(n - 1, round(1 + i * (n - 4) / 4)) for i in range(5)})) if n >= 5 else tuple(range(n))
+    taps = tuple(sorted({round(1 + i * (n - 4) / 4) for i in range(5)})) if n >= 5 else tuple(range(n))  # 1 .. n-3
     return DrafterConfig.for_target(target_cfg, num_hidden_layers=layers, target_layer_ids=taps, mask_token_id=0,
                                     selector_rank=min(selector_rank, target_cfg.hidden_size), block_size=block_size)
 
