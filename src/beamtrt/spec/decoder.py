@@ -280,16 +280,17 @@ class SpeculativeDecoder:
         place; plain and speculative decoding then sample the same distribution, and verification stays exact).
         One gather and one scatter over the union of the held requests' stop tokens, however many requests."""
         V = logits.shape[-1]
-        held = {row: [t for t in requests[i].stop_token_ids if t < V]  # a stop beyond the vocabulary never comes
-                for row, i in enumerate(owners) if requests[i].min_new_tokens > len(done[i].output_ids)}
-        held = {row: stops for row, stops in held.items() if stops}
+        short, held = [0] * len(owners), {}  # [N] positions still short of each minimum; row -> its stop tokens
+        for row, i in enumerate(owners):
+            need = requests[i].min_new_tokens - len(done[i].output_ids)
+            stops = [t for t in requests[i].stop_token_ids if t < V] if need > 0 else []  # beyond V: never come
+            if stops:
+                short[row], held[row] = need, stops
         if not held:
             return
         union = sorted(set().union(*held.values()))
-        need = torch.tensor([requests[i].min_new_tokens - len(done[i].output_ids) if row in held else 0
-                             for row, i in enumerate(owners)])  # [N] positions still short of the minimum
         member = torch.tensor([[t in held.get(row, ()) for t in union] for row in range(len(owners))])  # [N, U]
-        hold = (torch.arange(logits.shape[1]) < need[:, None])[:, :, None] & member[:, None, :]  # [N, positions, U]
+        hold = (torch.arange(logits.shape[1]) < torch.tensor(short)[:, None])[:, :, None] & member[:, None, :]
         ids = torch.tensor(union, device=logits.device)
         logits[:, :, ids] = logits[:, :, ids].masked_fill(hold.to(logits.device), float("-inf"))
 
