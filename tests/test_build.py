@@ -394,6 +394,26 @@ def test_a_build_that_does_not_fit_its_disk_stops_before_calibrating(sources, tm
         assert abs(written / 1e6 - float(mb)) <= 0.05 + 0.01 * written / 1e6, (part, written, mb)
 
 
+def test_a_killed_builds_leftover_is_removed_before_the_space_check(sources, tmp_path, monkeypatch):
+    """A build killed outright leaves its hidden staging folder, which the next run removes: the space check came
+    first and counted that folder as used, so the rerun refused for lack of the space its removal frees."""
+    import shutil
+
+    from beamtrt.build import pipeline
+    from beamtrt.config import BuildConfig
+
+    bc = BuildConfig(model=sources / "target", drafter=sources / "drafter", out=tmp_path / "out", precision="bf16",
+                     tp=1)
+    left = tmp_path / ".out.tmp-killed"
+    left.mkdir()
+    (left / "rank0.safetensors").write_bytes(b"x" * 1000)
+    disk_usage = shutil.disk_usage  # no room while the leftover is there
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=0 if left.exists() else
+                                                                                      disk_usage(path).free))
+    pipeline.build(bc, progress=False)
+    assert not left.exists() and read_manifest(bc.out)["precision"] == "bf16"
+
+
 def test_tokenizer_files_are_inputs_and_outputs_take_the_umask(sources, tmp_path):
     """A changed chat template changes the target stage (it is copied into the output and tokenizes calibration);
     outputs get a plain mkdir's and open()'s modes, readable by a tritonserver running as another user."""

@@ -140,16 +140,20 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
         raise ConfigError(f"{bc.out} already exists and " + (
             f"files of its stage {needed[0]} were changed or removed since it was built" if damaged else
             f"was built from other inputs or settings (stage {needed[0]} differs)") + "; pass --force to replace it")
-    _check_space(plan, reusable)
-    with staging(bc.out) as tmp:
+    where = followed(bc.out).absolute().parent  # the output's file system: its deepest folder there before the build
+    while not where.exists():
+        where = where.parent
+    with staging(bc.out) as tmp:  # after it removed a killed build's leftovers: their space is free again
+        _check_space(plan, reusable, where)
         summary = _run(plan, tmp, reusable, progress)
         replace_dir(tmp, bc.out)
     return [line.replace(str(tmp), str(bc.out)) for line in summary]
 
 
-def _check_space(plan: Plan, reusable: dict) -> None:
-    """Before calibration (hours, on a large model): the output's file system must hold the rank files and tokenizer
-    the build writes, and as much again for engines, which hold the same weights. Reused stages are hard links."""
+def _check_space(plan: Plan, reusable: dict, where: Path) -> None:
+    """Before calibration (hours, on a large model): the output's file system (`where`, a folder in it) must hold
+    the rank files and tokenizer the build writes, and as much again for engines, which hold the same weights. Reused
+    stages are hard links."""
     bc = plan.bc
     sizes = {name: bc.tp * sum(map(nbytes, specs.values()))
              for name, specs in (("target", plan.target_specs), ("drafter", plan.drafter_specs))}
@@ -157,9 +161,6 @@ def _check_space(plan: Plan, reusable: dict) -> None:
     parts = {name: size for name, size in sizes.items() if name not in reusable}
     if plan.engines_why is None and "engines" not in reusable:
         parts["engines"] = sum(sizes.values())
-    where = followed(bc.out).absolute().parent
-    while not where.exists():
-        where = where.parent
     need, free = sum(parts.values()), shutil.disk_usage(where).free
     if need > free:
         what = " + ".join(f"{name} {size_text(size)}" for name, size in parts.items())
