@@ -32,7 +32,8 @@ _FAMILY_DEFAULTS = {
     "qwen3_moe": {"use_qk_norm": True, "qkv_bias": False},
     "qwen2_moe": {"use_qk_norm": False, "qkv_bias": True},
 }
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = {"default": (), "linear": ("factor",),  # rope_scaling's type -> its fields, each a positive number
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 # Far above any real model; a damaged count beyond them would fill memory with per-layer / per-expert name tables
 # (a config.json of 10^12 layers was an out-of-memory kill) before the weights could say that it is wrong.
 MAX_LAYERS, MAX_EXPERTS_IN_ALL = 10_000, 1_000_000
@@ -80,10 +81,19 @@ class _HFConfig:
             _fail(f"head_dim={self.head_dim} must be even for RoPE")
 
     def _check_rope_scaling(self) -> None:
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if rope_type not in _ROPE_TYPES:
-                _fail(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        rope_type = rs.get("rope_type", rs.get("type"))
+        if rope_type not in _ROPE_TYPES:
+            _fail(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+        for name in _ROPE_TYPES[rope_type]:
+            value = rs.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                _fail(f"rope_scaling type {rope_type!r} needs {name}, a positive number; got {value!r}")
+        if rope_type == "llama3" and rs["high_freq_factor"] <= rs["low_freq_factor"]:
+            _fail(f"rope_scaling: high_freq_factor {rs['high_freq_factor']} must be above low_freq_factor "
+                  f"{rs['low_freq_factor']}")
 
     def _derive_head_dim(self) -> None:
         """head_dim 0 means hidden_size // num_attention_heads, which must then divide evenly."""
