@@ -501,6 +501,24 @@ def test_a_broken_chat_template_fails_the_build_in_one_line(mini_vocab_sources, 
     assert not out.exists()
 
 
+def test_a_calibration_prompt_of_no_tokens_is_one_line(mini_vocab_sources, tmp_path):
+    """A tokenizer with no chat template and no BOS token makes an empty prompt no tokens at all: calibration ended
+    in an IndexError traceback on it."""
+    import json
+
+    src, out, prompts = tmp_path / "src", tmp_path / "out", tmp_path / "prompts.jsonl"
+    shutil.copytree(mini_vocab_sources / "target", src)
+    (src / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    prompts.write_text('{"prompt": "Hello there."}\n\n{"prompt": ""}\n')
+    one_line_error(build(mini_vocab_sources, out, "--model", str(src), "--precision", "fp8", "--calib-samples", "2",
+                         "--calib-prompts", str(prompts)),
+                   f"{prompts}:3: this calibration prompt is no tokens at all with {src}'s tokenizer")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("part, edit, needle", [
     ("drafter", lambda c: [d.__setitem__("block_size", 4) for d in (c["drafter_config"],
                                                                      c["drafter_config"]["dflash_config"])],

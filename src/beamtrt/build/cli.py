@@ -35,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "high precision (default: %(default)s)")
     p.add_argument("--calib-prompts", type=Path,
                    help='calibration prompts, JSONL with one {"prompt": "..."} or {"messages": [...]} per line, '
-                        "chat-formatted through the model's template (default: the packaged general-purpose set, "
-                        "not taken from any benchmark)")
+                        "chat-formatted through the model's template, each cut to its first 256 tokens (default: the "
+                        "packaged general-purpose set, not taken from any benchmark)")
     p.add_argument("--calib-samples", type=int, default=32,
                    help="calibration sequences, at most 4096 (prompts are cycled if fewer) (default: %(default)s)")
     p.add_argument("--out", type=Path, help="output directory (default: engines/<precision>-tp<N>, which "

@@ -24,7 +24,7 @@ from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.cli_util import size_text
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
 from beamtrt.errors import CheckpointError, ConfigError
-from beamtrt.prompts import has_tokenizer, read_chats
+from beamtrt.prompts import has_tokenizer, read_chat_lines
 
 
 def log(message: str) -> None:
@@ -75,13 +75,17 @@ class Plan:
         prompts = bc.calib_prompts or _default_prompts()
         tokenizer = has_tokenizer(bc.model)
         if bc.needs_calibration or bc.calib_prompts or tokenizer:  # a bad prompt file fails here, before any output
-            chats = read_chats(prompts)                            # exists (even one not needed)
+            numbered = read_chat_lines(prompts)                    # exists (even one not needed)
         self.calib_ids = None  # the calibration prompts' token ids; None: random ids (a checkpoint with no tokenizer)
         if tokenizer:  # copied into the build for decoding and Triton: one that cannot encode a chat fails the build
             from beamtrt.quant.calibrate import tokenize  # now (a bf16 one built, then they failed)
 
-            self.calib_ids = tokenize(bc.model, chats, bc.calib_samples if bc.needs_calibration else 1,
-                                      self.target_cfg.vocab_size)
+            self.calib_ids = tokenize(bc.model, [chat for _, chat in numbered],
+                                      bc.calib_samples if bc.needs_calibration else 1, self.target_cfg.vocab_size)
+            empty = next((i for i, ids in enumerate(self.calib_ids) if not ids.numel()), None)
+            if empty is not None:  # (a tokenizer with no chat template and no BOS token, and an empty prompt)
+                raise ConfigError(f"{prompts}:{numbered[empty % len(numbered)][0]}: this calibration prompt is no "
+                                  f"tokens at all with {bc.model}'s tokenizer; give it some text")
         target_files = mf.model_files(bc.model) + _tokenizer_files(bc.model)  # calibration tokenizes its prompts
         drafter_files = mf.model_files(bc.drafter)
         drafter_fp8 = bc.drafter_precision == "fp8"
