@@ -1267,6 +1267,27 @@ def test_a_failed_copy_of_many_files_is_one_line():
     assert error_line(shutil.Error("src and dst are the same file")) == "src and dst are the same file"
 
 
+def test_a_full_disk_while_copying_names_the_copy_not_its_source(tmp_path, monkeypatch):
+    """shutil.copyfile's error names its source first and its destination second: a build that filled its disk
+    copying the drafter's draft_vocab.json said that the source checkpoint had no space left."""
+    import errno
+    import os
+
+    from beamtrt.cli_util import error_line
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    (tmp_path / "src").write_bytes(b"x" * 100)
+    monkeypatch.setattr(os, "sendfile", full)
+    monkeypatch.setattr(shutil, "_USE_CP_SENDFILE", True)  # Linux's copyfile path (3.14's copy_file_range: off)
+    monkeypatch.setattr(shutil, "_USE_CP_COPY_FILE_RANGE", False, raising=False)
+    with pytest.raises(OSError) as info:
+        shutil.copyfile(tmp_path / "src", tmp_path / "dst")
+    assert error_line(info.value) == f"{tmp_path / 'dst'}: No space left on device"
+    missing = OSError(errno.ENOENT, os.strerror(errno.ENOENT), str(tmp_path / "gone"), None, str(tmp_path / "dst"))
+    assert error_line(missing) == f"{tmp_path / 'gone'}: No such file or directory"  # the source's fault: its name
+
+
 @pytest.mark.parametrize("sig, ending", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
 def test_an_interrupted_benchmark_waits_for_its_child_to_clean_up(tmp_path, sig, ending):
     """bench_tp.py and bench_convert.py run builds as child commands: a signal to the benchmark alone left its build

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import os
 import re
 import signal
@@ -234,10 +235,15 @@ def work_dir(path: str | Path, flag: str, owner: str) -> Path:
     return p
 
 
+_DESTINATION_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 def error_line(e: BaseException) -> str:
-    """One line for a user error; an OSError names its path (a folder that is a file, no space, no permission)."""
+    """One line for a user error; an OSError names its path (a folder that is a file, no space, no permission): of a
+    copy's two, the destination where its file system is at fault (full, over quota, read-only)."""
     if isinstance(e, OSError) and e.strerror:
-        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+        path = e.filename2 if e.filename2 and e.errno in _DESTINATION_ERRORS else e.filename
+        return f"{path}: {e.strerror}" if path else e.strerror
     if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:  # copytree's (src, dst,
         src, _, why = e.args[0][0]                                                             # why) per failed file
         more = f" (and {len(e.args[0]) - 1} more files)" if len(e.args[0]) > 1 else ""
