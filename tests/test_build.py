@@ -501,6 +501,19 @@ def test_a_broken_chat_template_fails_the_build_in_one_line(mini_vocab_sources, 
     assert not out.exists()
 
 
+def test_an_unquantized_build_says_what_dtype_it_kept(sources, tmp_path):
+    """--precision bf16 keeps the checkpoint's dtype: of an fp32 one, the summary read 'bf16 target'."""
+    import torch
+
+    from beamtrt.models.random_beam import write_random_beam
+
+    write_random_beam(tmp_path / "fp32", CFG, dtype=torch.float32)
+    proc = build(sources, tmp_path / "out", "--model", str(tmp_path / "fp32"))
+    assert proc.returncode == 0, proc.stderr
+    assert "bf16 target (float32 weights), bf16 drafter" in proc.stdout
+    assert read_manifest(tmp_path / "out")["target"]["dtype"] == "float32"
+
+
 def test_a_calibration_prompt_of_no_tokens_is_one_line(mini_vocab_sources, tmp_path):
     """A tokenizer with no chat template and no BOS token makes an empty prompt no tokens at all: calibration ended
     in an IndexError traceback on it."""

@@ -101,7 +101,9 @@ def validate(root: str | Path) -> list[str]:
     if unlisted:
         raise CheckpointError(f"{root / unlisted[0]}: not listed in {mf.MANIFEST}")
     m = manifest["mapping"]
-    lines = [f"{root}: {manifest['precision']} target, {manifest['drafter_precision']} drafter, KV cache "
+    dtype = manifest["target"].get("dtype", "bfloat16")  # of what is not quantized: the checkpoint's
+    kept = "" if dtype == "bfloat16" else f" ({dtype} weights)"
+    lines = [f"{root}: {manifest['precision']} target{kept}, {manifest['drafter_precision']} drafter, KV cache "
              f"{manifest['kv_cache']}, tp {m['tp_size']} "
              f"(moe_tp {m['moe_tp_size']} × moe_ep {m['moe_ep_size']})"]
     agree(root, manifest, files=False)  # check_files above hashed them
