@@ -59,3 +59,19 @@ def test_packaged_prompts_parse():
 
     chats = read_chats(cal.default_prompts_path())
     assert len(chats) >= 32 and all(c[0]["role"] == "user" and c[0]["content"] for c in chats)
+
+
+def test_an_activation_range_that_met_a_nan_stays_nan():
+    """max(0.0, nan) is 0.0: a NaN activation was reported as 'amax 0.0' (a range of zeros), not as the NaN it was."""
+    import math
+
+    from beamtrt.quant.calibrate import _Observer
+
+    obs = _Observer()
+    for x in ([1.0, -3.0], [], [float("nan"), 2.0], [5.0]):
+        obs(torch.tensor(x))
+    assert math.isnan(obs.amax)
+    obs = _Observer()
+    for x in ([1.0, -3.0], [2.0]):
+        obs(torch.tensor(x))
+    assert obs.amax == 3.0

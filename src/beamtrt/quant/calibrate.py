@@ -9,6 +9,7 @@ MoE GEMM.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -66,7 +67,9 @@ class _Observer:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel():
-            self.amax = max(self.amax, float(x.detach().abs().amax()))
+            amax = float(x.detach().abs().amax())
+            if not math.isnan(self.amax) and not amax <= self.amax:  # a NaN, once seen, stays (max() dropped it)
+                self.amax = amax
         return x
 
 
