@@ -8,6 +8,7 @@ subprocess tests below run real scripts end to end.
 import importlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -736,6 +737,25 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_loading(beam_mini
     assert_one_line_error(run("scripts/train_drafter.py", "--target", str(beam_mini), "--data", str(tmp_path / "d"),
                               "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")), "1.5 GB in float32")
     assert free == [torch.device("cpu")] * 2 and not list(tmp_path.iterdir())
+
+
+def test_caches_larger_than_the_free_memory_are_refused_before_allocating(mini_vocab_sources, tmp_path, run,
+                                                                          monkeypatch):
+    """The KV cache holds every request served at once (run.py's default: the whole prompts file) at its longest:
+    beyond the host's memory, allocating it succeeded and filling it got the process killed without a word."""
+    from beamtrt.models import beam
+
+    src, prompts = mini_vocab_sources, tmp_path / "p.jsonl"
+    monkeypatch.setattr(beam, "free_memory", lambda device: 50_000_000)  # the weights fit, ~26 MB
+    prompts.write_text('{"prompt": "hi"}\n' * 20)
+    flags = ["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--prompts", str(prompts)]
+    proc = run("runtime/run.py", *flags, "--max-new-tokens", "8000")
+    assert_one_line_error(proc, "the KV cache of 20 requests x ")
+    assert re.search(r"positions takes 12\d\.\d MB and cpu has 50\.0 MB free: decode fewer requests at once, or "
+                     "shorter ones$", proc.stderr.strip()), proc.stderr
+    prompts.write_text('{"prompt": "hi"}\n' * 100)  # a short KV cache, but the drafter's ring holds a window each
+    assert_one_line_error(run("runtime/run.py", *flags, "--max-new-tokens", "4"),
+                          "the drafter's context cache of 100 requests x 4096 positions takes")
 
 
 def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_vocab_sources, tmp_path, run, monkeypatch):

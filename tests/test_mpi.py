@@ -171,6 +171,23 @@ def test_shards_beyond_the_hosts_free_memory_are_refused_before_loading(sources,
                         r"or run it in bfloat16 \(--dtype bfloat16\)", lines[0]), lines[0]
 
 
+def test_kv_caches_beyond_the_hosts_free_memory_together_are_refused(sources, tmp_path_factory, tmp_path):
+    """Each rank's KV cache shard fits the host's free memory (100 MB here) but the two together do not: the ranks
+    check their sum, before any of them allocates."""
+    engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n' * 20)
+    proc = python_ranks(2, "import runpy, sys; from beamtrt.models import beam; beam.free_memory = lambda device: "
+                           f"10**8; sys.argv = ['run.py', '--engine-dir', {str(engine)!r}, '--prompts', "
+                           f"{str(prompts)!r}, '--max-new-tokens', '8000']; "
+                           f"runpy.run_path({str(ROOT / 'runtime/run.py')!r}, run_name='__main__')")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert re.fullmatch(r"error: rank [01]: the KV cache of 20 requests x \d+ positions takes 12\d\.\d MB, on the 2 "
+                        r"ranks of this host together, and cpu has 100\.0 MB free: decode fewer requests at once, or "
+                        r"shorter ones", lines[0]), lines[0]
+
+
 def test_the_same_error_on_every_rank_is_one_line():
     """When every rank meets the same error (a file they all read), each printed its line: through scripts/mpirun the
     first rank's alone passes, and the job's status stays the user error's 2."""

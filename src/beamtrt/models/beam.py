@@ -12,7 +12,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from torch import nn
 
 from beamtrt import native
 from beamtrt.config import BeamConfig
-from beamtrt.errors import CheckpointError
+from beamtrt.errors import CheckpointError, ConfigError
 
 
 def right_padded(prompts: Sequence[Sequence[int]], device: torch.device | str = "cpu"
@@ -52,8 +52,12 @@ class SlotCache:
 class KVCache(SlotCache):
     """K/V of every layer for B sequence slots; each slot has its own length and can be cropped (rolled back)."""
 
+    @staticmethod
+    def shape(cfg: BeamConfig, batch: int, max_len: int) -> tuple[int, ...]:
+        return cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim
+
     def __init__(self, cfg: BeamConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        shape = self.shape(cfg, batch, max_len)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, KV, max_len, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per slot
@@ -237,6 +241,7 @@ class Shard:
     num_local_experts: int
     allreduce: Callable[[torch.Tensor], torch.Tensor]   # sum over ranks (identical result on every rank)
     allgather: Callable[[torch.Tensor], torch.Tensor]   # concatenate every rank's last dim
+    on_host: Callable[[Any], list] | None = None         # the objects of the ranks sharing this rank's host (Dist's)
 
     def lookup(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows of a vocab-parallel table for global ids: each rank contributes the rows it holds."""
@@ -704,12 +709,33 @@ def check_fits(path: str | Path, model: nn.Module, dtype: torch.dtype, device: t
                                   "build's checkpoints run it sharded over mpirun ranks)")
         return
     host = dist.on_host((need, free))
-    need = sum(n for n, _ in host)
-    if any(f is None for _, f in host) or need <= (free := min(f for _, f in host)):
+    need, free = _host_total(host)
+    if free is None or need <= free:
         return
     smaller = ", or run it in bfloat16 (--dtype bfloat16)" if dtype == torch.float32 else ""
     raise CheckpointError(f"{path}: the shards of the {len(host)} ranks on this host take {size_text(need)} in "
                           f"{kind} and it has {size_text(free)} free: spread the ranks over more hosts{smaller}")
+
+
+def check_cache_fits(what: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                     shard: Shard | None = None) -> None:
+    """Refuses a cache of K and V tensors of `shape` each (`what`: what it holds) beyond the memory `device` has free,
+    for check_fits' reason, before it is allocated; on the host the ranks sharing it (`shard`'s on_host) together."""
+    from beamtrt.cli_util import size_text
+
+    need, free, ranks = 2 * math.prod(shape) * dtype.itemsize, free_memory(device), 1
+    if shard is not None and shard.on_host is not None and device.type == "cpu":
+        host = shard.on_host((need, free))
+        (need, free), ranks = _host_total(host), len(host)
+    if free is not None and need > free:
+        whose = f", on the {ranks} ranks of this host together," if ranks > 1 else ""
+        raise ConfigError(f"the {what} takes {size_text(need)}{whose} and {device} has {size_text(free)} free: "
+                          "decode fewer requests at once, or shorter ones")
+
+
+def _host_total(host: list[tuple[int, int | None]]) -> tuple[int, int | None]:
+    """(bytes, free bytes) of each rank on a host -> their sum and the least free (None: a rank could not tell)."""
+    return sum(n for n, _ in host), None if any(f is None for _, f in host) else min(f for _, f in host)
 
 
 def free_memory(device: torch.device) -> int | None:

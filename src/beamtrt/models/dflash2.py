@@ -231,9 +231,13 @@ class DraftCache(SlotCache):
     block's own K/V is never written, so the cache only grows (no crop); `reset` empties finished slots.
     """
 
+    @staticmethod
+    def shape(cfg: DrafterConfig, batch: int) -> tuple[int, ...]:
+        return cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.sliding_window, cfg.head_dim
+
     def __init__(self, cfg: DrafterConfig, batch: int, dtype: torch.dtype, device: torch.device | str):
         self.window = cfg.sliding_window
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, self.window, cfg.head_dim)
+        shape = self.shape(cfg, batch)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, KV, W, D], keys already rotated
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [N]

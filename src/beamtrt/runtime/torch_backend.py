@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from beamtrt.models.beam import BeamForCausalLM, KVCache
+from beamtrt.models.beam import BeamForCausalLM, KVCache, check_cache_fits
+from beamtrt.models.dflash2 import DraftCache
 from beamtrt.native.kernels import kernels_for
 from beamtrt.runtime.backend import DraftStep, TargetStep
 from beamtrt.spec.sampling import SamplingParams
@@ -20,6 +21,9 @@ class TorchTarget:
         self.cache: KVCache | None = None
 
     def allocate(self, slots: int, max_len: int) -> None:
+        self.cache = None  # the old cache's memory is free for the new one
+        check_cache_fits(f"KV cache of {slots} requests x {max_len} positions", KVCache.shape(self.model.cfg, slots,
+                         max_len), self.model.dtype, self.model.device, self.model.shard)
         self.cache = self.model.new_cache(slots, max_len)
 
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor | None = None,
@@ -49,6 +53,10 @@ class TorchDrafter:
             drafter.kernels = kernels_for(drafter.device)
 
     def allocate(self, slots: int) -> None:
+        self.cache = None
+        cfg = self.drafter.cfg
+        check_cache_fits(f"drafter's context cache of {slots} requests x {cfg.sliding_window} positions",
+                         DraftCache.shape(cfg, slots), self.drafter.dtype, self.drafter.device, self.drafter.target.shard)
         self.cache = self.drafter.new_cache(slots)
 
     def append_context(self, taps: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:

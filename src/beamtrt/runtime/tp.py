@@ -59,7 +59,7 @@ def make_shard(cfg: BeamConfig, mapping: trtllm.Mapping, rank: int, dist: Dist):
     e_local = cfg.num_experts // mapping.moe_ep_size
     return Shard(vocab_start=rank * local_v, vocab_size=cfg.vocab_size,
                  expert_start=mapping.moe_ranks(rank)[1] * e_local, num_local_experts=e_local,
-                 allreduce=dist.allreduce, allgather=dist.allgather_last)
+                 allreduce=dist.allreduce, allgather=dist.allgather_last, on_host=dist.on_host)
 
 
 # ---- one rank's tensors -> the shard's parameters (name tables) ---------------------------------------------
