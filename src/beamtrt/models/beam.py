@@ -740,8 +740,9 @@ def _host_total(host: list[tuple[int, int | None]]) -> tuple[int, int | None]:
 
 def free_memory(device: torch.device) -> int | None:
     """Bytes `device` can still allocate (the host's MemAvailable, a CUDA device's free memory); None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # with the blocks torch's caching allocator holds unused (a dropped cache's)
+        spare = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + spare
     if device.type != "cpu":
         return None
     try:
