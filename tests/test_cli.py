@@ -859,8 +859,28 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
                               "3"), "--tp 3: TP 3 does not divide the target's 16 attention heads")
     assert not (tmp_path / "w").exists()  # before its sources are generated
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--tp", "0"), "--tp")
+    assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--max-new-tokens", "1"),
+                          "--max-new-tokens must be >= 2")  # its speedup was the prefill's tokens/s
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
+
+
+def test_bench_tp_passes_its_commands_the_paths_the_user_gave(tmp_path, run, monkeypatch):
+    """bench_tp.py's builds and runs start in the repository: a relative --model, --drafter or --work was read from
+    there (a build went into <repo>/<work>, outside the folder the user named)."""
+    from beamtrt.bench import tp
+    from beamtrt.errors import BeamtrtError
+
+    built = []
+
+    def build(precision, ranks, work, model, drafter):
+        built.append((work, model, drafter))
+        raise BeamtrtError("stop here")
+    monkeypatch.setattr(tp, "build", build)
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(run("scripts/bench_tp.py", "--model", "m", "--drafter", "d", "--work", "w", "--tp", "1"),
+                          "stop here")
+    assert built == [(tmp_path / "w", str(tmp_path / "m"), str(tmp_path / "d"))]
 
 
 def test_bench_work_folders_of_other_files_are_refused(tmp_path, run):

@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="rank counts (default: %(default)s)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32],
                    help="concurrent requests (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="tokens per request, at least 2 (decode speed is measured after the first) "
+                        "(default: %(default)s)")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "tp",
                    help="folder for this benchmark's builds, one per --tp (<precision>-tp<N>), and its prompt "
                         "files; a build already there from other inputs or settings is replaced, so a folder holding "
@@ -70,8 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam_mini import DEFAULT_DIR, RANDOM_DRAFTER, TRAINED_DRAFTER
         from beamtrt.quant.calibrate import default_prompts_path
 
-        if min(args.tp) < 1 or min(args.concurrency) < 1 or args.max_new_tokens < 1:
-            raise BeamtrtError("--tp, --concurrency and --max-new-tokens must be >= 1")
+        if min(args.tp) < 1 or min(args.concurrency) < 1:
+            raise BeamtrtError("--tp and --concurrency must be >= 1")
+        if args.max_new_tokens < 2:
+            raise BeamtrtError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill; decode speed "
+                               f"is measured on the rest), got {args.max_new_tokens}")
+        # the commands it runs start in the repository: paths as the user gave them would be read from there
+        args.work = args.work.absolute()
+        args.model, args.drafter = (str(Path(x).absolute()) if x else x for x in (args.model, args.drafter))
         if args.json:
             output_path(args.json, "--json")
             drafters = [args.drafter] if args.drafter else [TRAINED_DRAFTER, RANDOM_DRAFTER]  # build_engines' default
