@@ -241,6 +241,12 @@ def test_backend_comparison_report(tmp_path):
     assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'bad.json'}"]) == 2
     assert main([f"a={tmp_path / 'missing.json'}"]) == 2
     assert main(["no-equals-sign"]) == 2
+    for damaged in ({**same, "requests": [{"output_ids": [1]}, {}]}, {**same, "requests": []},
+                    {**same, "summary": {"acceptance_length": 2.0, "tokens_per_s": None}},
+                    {**same, "summary": {"acceptance_length": "2", "tokens_per_s": 1.0}}, []):
+        (tmp_path / "bad.json").write_text(json.dumps(damaged))  # each was a traceback (KeyError, TypeError)
+        assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'bad.json'}"]) == 2
+    assert main([f"a={tmp_path / 'a.json'}", "--json", str(tmp_path)]) == 2  # a folder: before the table
 
 
 def test_target_step_packing():

@@ -14,18 +14,25 @@ import json
 import sys
 from pathlib import Path
 
-from beamtrt.cli_util import ArgumentParser, description, run_cli
+from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli
 from beamtrt.errors import BeamtrtError
 
 
 def load_run(path: Path) -> dict:
+    """A run.py --json report, with what compare() and table() read checked: every request's output_ids (a list),
+    the summary's tokens_per_s (a number) and acceptance_length (a number, or None: no verification step)."""
     try:
         run = json.loads(Path(path).read_text())
-        run["requests"][0]["output_ids"], run["summary"]["acceptance_length"], run["summary"]["tokens_per_s"]
+        number = (int, float)
+        ok = (all(isinstance(r["output_ids"], list) for r in run["requests"]) and run["requests"]
+              and isinstance(run["summary"]["tokens_per_s"], number)
+              and isinstance(run["summary"]["acceptance_length"], (*number, type(None))))
     except FileNotFoundError:
         raise BeamtrtError(f"{path}: no such run report (runtime/run.py --json writes one)") from None
     except (ValueError, KeyError, IndexError, TypeError):
-        raise BeamtrtError(f"{path}: not a runtime/run.py --json report") from None
+        ok = False
+    if not ok:
+        raise BeamtrtError(f"{path}: not a runtime/run.py --json report")
     return run
 
 
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def go() -> None:
+        if args.json:
+            output_path(Path(args.json), "--json")  # before the table is printed
         runs = {}
         for item in args.runs:
             name, sep, path = item.partition("=")
