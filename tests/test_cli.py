@@ -1112,6 +1112,9 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
                           f"--skip-answered-in names --data {data} itself")
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--skip-answered-in",
                               str(tmp_path / "gone")), "--skip-answered-in", "gone", "no such directory")
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--data", str(tmp_path / "data5"),
+                              "--skip-answered-in", str(data), "--work", str(data)),  # its state went into the cache
+                          f"--work {data}: overlaps --skip-answered-in {data}")
     skipping = ["--data", str(tmp_path / "data4"), "--skip-answered-in", str(data), "--data-only"]
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, *skipping),
                           "every one of the 6 prompts was answered")

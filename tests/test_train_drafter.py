@@ -482,20 +482,32 @@ def test_training_prompts_are_the_same_in_every_process():
 
 
 def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
-    """A cache made before mixes had names is the v1 mix: it resumes under v1 and is refused under v2."""
+    """A cache made before mixes had names is the v1 mix: it resumes under v1 and is refused under v2; other
+    settings are named by their flags, each once (the prompt count was named twice, once without its flag). A
+    meta.json alone, of a run stopped before its first shard, holds nothing to keep: a run of other settings starts
+    it again (it was refused, and only the settings of the run that made nothing would do)."""
     import json
 
     from beamtrt.train.features import DataRecipe, build_features
 
-    old = {"recipe": {k: v for k, v in dataclasses.asdict(DataRecipe(mix="v1")).items() if k != "mix"},
-           "taps": list(TAPS), "prompts": 0, "hidden_size": target.cfg.hidden_size}
-    (tmp_path / "meta.json").write_text(json.dumps(old))
-    no_prompts = SimpleNamespace(eos_token_id=None)  # no prompt is encoded: only the cache's settings are checked
-    build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(mix="v1"), quiet=True)
+    chars = _char_tokenizer(target)
+    recipe = DataRecipe(mix="v1", prompts=1, max_new_tokens=2, batch=1, shard_size=1)
+    stopped = {"recipe": dataclasses.asdict(DataRecipe(prompts=4, max_new_tokens=8)), "taps": list(TAPS),
+               "prompts": 4, "hidden_size": target.cfg.hidden_size}  # a run stopped before its first shard
+    (tmp_path / "meta.json").write_text(json.dumps(stopped))
+    build_features(target, chars, TAPS, ["hi"], tmp_path, recipe, quiet=True)  # started again, with its settings
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["recipe"] == dataclasses.asdict(recipe) and len(list(tmp_path.glob("features-*"))) == 1
+    del meta["recipe"]["mix"]
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    build_features(target, chars, TAPS, ["hi"], tmp_path, recipe, quiet=True)
     with pytest.raises(BeamtrtError, match=r"other settings \(--prompt-mix v1 \(now v2\)\): resume it with those"):
-        build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(), quiet=True)
-    with pytest.raises(BeamtrtError, match=r"\(--gen-batch 64 \(now 3\)\)"):  # named, not 'remove it'
-        build_features(target, no_prompts, TAPS, [], tmp_path, DataRecipe(mix="v1", batch=3), quiet=True)
+        build_features(target, chars, TAPS, ["hi"], tmp_path, dataclasses.replace(recipe, mix="v2"), quiet=True)
+    with pytest.raises(BeamtrtError, match=r"\(--gen-batch 1 \(now 3\)\)"):  # named, not 'remove it'
+        build_features(target, chars, TAPS, ["hi"], tmp_path, dataclasses.replace(recipe, batch=3), quiet=True)
+    with pytest.raises(BeamtrtError, match=r"\(--prompts 1 \(now 2\)\): resume"):
+        build_features(target, chars, TAPS, ["hi", "yo"], tmp_path, dataclasses.replace(recipe, prompts=2),
+                       quiet=True)
 
 
 def _char_tokenizer(target):

@@ -274,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                                "trained on)")
         init = Path(args.init) if args.init else None
         extra = [("--extra-data", Path(d)) for d in args.extra_data]
-        check_folders(list(outputs[:2]), [("--target", target_dir)] + ([("--init", init)] if init else []) + extra)
+        if any(resolved(d) == resolved(data_dir) for d in args.skip_answered_in or []):
+            raise BeamtrtError(f"--skip-answered-in names --data {data_dir} itself (its own prompts would be left out)")
+        skipped = [("--skip-answered-in", Path(d)) for d in args.skip_answered_in or []]
+        check_folders(list(outputs[:2]), [("--target", target_dir)] + ([("--init", init)] if init else []) + extra
+                      + skipped)
         target_cfg = BeamConfig.from_file(target_dir / "config.json")
         if args.selector_rank > target_cfg.hidden_size:
             raise ValueError(f"--selector-rank {args.selector_rank} is above the target's hidden size "
@@ -293,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.data_only:
             held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds "
                                              "the folder's lock): wait for it to end, or choose another --work"))
-        if any(resolved(d) == resolved(data_dir) for d in args.skip_answered_in or []):
-            raise BeamtrtError(f"--skip-answered-in names --data {data_dir} itself (its own prompts would be left out)")
         inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + extra
         if not args.data_only:
             check_out(out, args.force, inputs, init)

@@ -292,8 +292,9 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
         if left_out and not encoded:
             raise BeamtrtError(f"{out}: every one of the {len(left_out)} prompts was answered in the "
                                "--skip-answered-in caches already: choose another --data-seed or raise --prompts")
-    old = read_meta(out)
-    if not old and any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].safetensors")):
+    made = any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].safetensors"))
+    old = read_meta(out) if made else None  # a meta.json alone (stopped before its first shard): nothing to resume
+    if not old and made:
         raise BeamtrtError(f"{out}: holds feature shards but no meta.json, so what made them is unknown: remove them "
                            "or choose another --data")
     if old:
@@ -302,8 +303,10 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
         if {k: old.get(k) for k in meta} != meta:
             was = {**{f"recipe.{k}": v for k, v in old.get("recipe", {}).items()}, **old}
             now = {**{f"recipe.{k}": v for k, v in meta["recipe"].items()}, **meta}
-            diff = [f"{FLAGS.get(k, k)} {was.get(k)} (now {v})" for k, v in now.items()
-                    if k != "recipe" and was.get(k) != v]
+            changed = [k for k, v in now.items() if k != "recipe" and was.get(k) != v]
+            if "recipe.prompts" in changed and "prompts" in changed:  # the count made follows --prompts: said once
+                changed.remove("prompts")
+            diff = [f"{FLAGS.get(k, k)} {was.get(k)} (now {now[k]})" for k in changed]
             raise BeamtrtError(f"{out} holds features made with other settings ({', '.join(diff)}): resume it with "
                                "those, or choose another --data")
         check_target(out, old, digest)
