@@ -275,3 +275,7 @@ def test_a_warm_up_comes_first_and_links_are_written_through(mini_vocab_sources,
     assert json.loads((tmp_path / "real/x.json").read_text())["warmup"] == {"requests": 1, "max_new_tokens": 4}
     for ext in (".json", ".md", ".png"):
         assert (tmp_path / f"b{ext}").is_symlink() and (tmp_path / "real" / f"x{ext}").stat().st_size > 0
+    assert benchmark.main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
+                           "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "1", "--concurrency", "1",
+                           "--max-new-tokens", "2", "--no-block16", "--out", str(tmp_path / "short")]) == 0
+    assert json.loads((tmp_path / "short.json").read_text())["warmup"] == {"requests": 1, "max_new_tokens": 2}  # not 4

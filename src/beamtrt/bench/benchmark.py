@@ -316,7 +316,7 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
             for r in next(iter(family_requests.values()))[:max(cs)]]
     for warm_drafter in (None, drafter):  # untimed: one-time costs (a GPU's first kernels, caches) are paid here
         decode(target, warm_drafter, args.block_size, warm, max(cs), greedy, args.draft_threshold)
-    result["warmup"] = {"requests": len(warm), "max_new_tokens": WARMUP_TOKENS}
+    result["warmup"] = {"requests": len(warm), "max_new_tokens": max(r.max_new_tokens for r in warm)}
     for f, (fam, requests) in enumerate(family_requests.items()):
         row = {"family": fam, "prompts": len(requests), "concurrency": {}}
         spec_runs = {}
