@@ -113,6 +113,8 @@ def test_out_names_three_files_whatever_its_suffix():
     (["--families", "nosuch"], "unknown benchmark family 'nosuch'"),
     (["--families", "nosuch"], "or give --prompts nosuch=FILE.jsonl"),
     (["--prompts", "gsm8k"], "expected FAMILY=FILE.jsonl"),
+    (["--prompts", "x=a.jsonl", "--prompts", "x=b.jsonl"], "--prompts names family 'x' twice (a.jsonl and b.jsonl)"),
+    (["--prompts", "a|b=a.jsonl"], "a family name cannot hold '|'"),
     (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
     (["--concurrency", "0"], "must be >= 1"),
     (["--block-size", "1"], "--block-size must be in [2, 32]"),

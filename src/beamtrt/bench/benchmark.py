@@ -207,7 +207,12 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
         fam, sep, path = item.partition("=")
         if not sep or not fam or not path:
             raise ValueError(f"--prompts {item!r}: expected FAMILY=FILE.jsonl")
-        files[utf8_text(fam, "--prompts FAMILY")] = path  # it names a row of the table and the chart
+        fam = utf8_text(fam, "--prompts FAMILY")  # it names a row of the table and the chart
+        if fam in files:
+            raise ValueError(f"--prompts names family {fam!r} twice ({files[fam]} and {path}): give one file each")
+        if "|" in fam:
+            raise ValueError(f"--prompts {item!r}: a family name cannot hold '|' (it names a markdown table row)")
+        files[fam] = path
     families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
     if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1:
         raise ValueError("--concurrency, --num-prompts and --c1-prompts must be >= 1")
