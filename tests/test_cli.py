@@ -834,6 +834,18 @@ def test_an_output_inside_what_the_command_reads_is_refused(mini_vocab_sources, 
                               str(drafter / "config.json")), f"is inside the drafter {drafter}")
 
 
+def test_bench_spec_refuses_requests_beyond_the_context_before_loading(mini_vocab_sources, run, monkeypatch):
+    """bench_spec.py loaded the models (half a minute on beam-mini) before the decoder refused the first request."""
+    from beamtrt.runtime import loader
+
+    monkeypatch.setattr(loader, "load_hf", lambda *a, **k: pytest.fail("loaded"))
+    src = mini_vocab_sources
+    assert_one_line_error(run("scripts/bench_spec.py", "--model", str(src / "target"), "--drafter",
+                              str(src / "drafter"), "--max-new-tokens", "100000"),
+                          "benchmark prompt 1: its prompt (", "and --max-new-tokens 100000 need", "more than the "
+                          "target's context of 32768 tokens")
+
+
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from beamtrt.checkpoint.hf import write_json
 from beamtrt.cli_util import (ArgumentParser, description, output_path, outside_inputs, progress, run_cli, say,
                               set_threads)
-from beamtrt.config import check_block_size, check_draft_threshold
+from beamtrt.config import BeamConfig, check_block_size, check_draft_threshold
 from beamtrt.runtime.cli import DEFAULT_PROMPTS, DTYPES
 
 BENCH_PROMPTS = DEFAULT_PROMPTS[::-1] + (  # the longest answer first: batch 1 runs it
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         from beamtrt.prompts import load_tokenizer, render_chats
         from beamtrt.runtime.loader import hf_sources, load_hf
-        from beamtrt.spec.decoder import Request, SpeculativeDecoder
+        from beamtrt.spec.decoder import Request, SpeculativeDecoder, too_long
 
         if min(args.batches) < 1 or max(args.batches) > len(BENCH_PROMPTS):
             raise ValueError(f"--batches must each be in [1, {len(BENCH_PROMPTS)}] (one request per benchmark "
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         asked = BENCH_PROMPTS[:max(args.batches)]
         prompt_ids = render_chats(load_tokenizer(model_dir), [[{"role": "user", "content": q}] for q in asked],
                                   [f"benchmark prompt {i + 1}" for i in range(len(asked))])  # before the load
+        context = BeamConfig.from_file(Path(model_dir) / "config.json").max_position_embeddings
+        for i, ids in enumerate(prompt_ids):  # before the load, as the decoder would refuse them after it
+            if why := too_long(len(ids), args.max_new_tokens, args.block_size, context, "--max-new-tokens"):
+                raise ValueError(f"benchmark prompt {i + 1}: {why}")
         loaded = load_hf(model_dir, drafter_dir, dtype=DTYPES[args.dtype])
         target, drafter = loaded.target, loaded.drafter
         eos = frozenset(target.eos_token_ids)
