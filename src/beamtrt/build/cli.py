@@ -18,8 +18,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "--model / --drafter it uses beam-mini and its drafter, created on first use.")
     p.add_argument("--precision", choices=("nvfp4", "fp8", "bf16"), required=True,
                    help="target weight/activation precision: nvfp4 (E2M1 + E4M3 block scales), fp8 (E4M3 per-tensor) "
-                        "or bf16 (no quantization: weights keep the checkpoint's dtype, bf16 for beam-mini and Beam; an fp32 "
-                        "or fp16 checkpoint stays fp32 or fp16, as the quantized builds' unquantized parts do)")
+                        "or bf16 (no quantization: weights keep the checkpoint's dtype, bf16 for beam-mini and "
+                        "Beam; an fp32 or fp16 checkpoint stays fp32 or fp16, as the quantized builds' unquantized "
+                        "parts do)")
     p.add_argument("--model", type=Path, help="Hugging Face target checkpoint directory (default: checkpoints/beam-mini)")
     p.add_argument("--drafter", type=Path,
                    help="DFlash2 drafter checkpoint directory (default: beam-mini's drafter, the trained one if "
@@ -31,9 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache", choices=("auto", "fp8"), default="auto",
                    help="KV-cache precision: auto = the model dtype, fp8 = calibrated E4M3 (default: %(default)s)")
     p.add_argument("--drafter-precision", choices=("bf16", "fp8"), default="bf16",
-                   help="drafter precision: bf16 keeps its checkpoint's dtype; fp8 quantizes its decoder layers' GEMMs (calibrated on the target's "
-                        "features for the calibration prompts); its fusion fc, norms, convs and selector stay "
-                        "high precision (default: %(default)s)")
+                   help="drafter precision: bf16 keeps its checkpoint's dtype; fp8 quantizes its decoder layers' "
+                        "GEMMs (calibrated on the target's features for the calibration prompts); its fusion fc, "
+                        "norms, convs and selector stay high precision (default: %(default)s)")
     p.add_argument("--calib-prompts", type=Path,
                    help='calibration prompts, JSONL with one {"prompt": "..."} or {"messages": [...]} per line, '
                         "chat-formatted through the model's template, each cut to its first 256 tokens (default: the "

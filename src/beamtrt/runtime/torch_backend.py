@@ -56,7 +56,8 @@ class TorchDrafter:
         self.cache = None
         cfg = self.drafter.cfg
         check_cache_fits(f"drafter's context cache of {slots} requests x {cfg.sliding_window} positions",
-                         DraftCache.shape(cfg, slots), self.drafter.dtype, self.drafter.device, self.drafter.target.shard)
+                         DraftCache.shape(cfg, slots), self.drafter.dtype, self.drafter.device,
+                         self.drafter.target.shard)
         self.cache = self.drafter.new_cache(slots)
 
     def append_context(self, taps: torch.Tensor, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
