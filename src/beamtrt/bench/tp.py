@@ -14,8 +14,6 @@ from beamtrt.cli_util import (ArgumentParser, child_error, output_path, outside_
 from beamtrt.errors import BeamtrtError
 
 ROOT = Path(__file__).resolve().parents[3]
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
 
 
 def build(precision: str, tp: int, work: Path, model: str | None, drafter: str | None) -> Path:
@@ -35,9 +33,9 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         cmd = [sys.executable, str(ROOT / "runtime" / "run.py"), "--engine-dir", str(engine), "--prompts",
                str(prompts), "--concurrency", str(concurrency), "--max-new-tokens", str(tokens), "--quiet",
                "--json", str(report)] + ([] if spec else ["--no-spec"])
-        if tp > 1:
-            cmd = [str(Path(sys.executable).parent / "mpirun"), "-n", str(tp)] + cmd
-        env = {**os.environ, **MPI_ENV} if tp > 1 else {**os.environ, "OMP_NUM_THREADS": "2"}
+        if tp > 1:  # .venv's mpirun, else the host's (a TensorRT-LLM host's .venv has none), as root and on few cores
+            cmd = [str(ROOT / "scripts" / "mpirun"), "-n", str(tp)] + cmd
+        env = {**os.environ, "OMP_NUM_THREADS": "1" if tp > 1 else "2"}  # the host's 2 cores either way
         proc = run_child(cmd, cwd=ROOT, env=env)
         if proc.returncode != 0:
             raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {child_error(proc.stderr, proc.returncode)}")
