@@ -858,6 +858,17 @@ def test_the_smallest_context_a_server_takes_serves_the_smallest_request(builds)
         srv.close()
 
 
+def test_a_server_whose_caches_exceed_the_free_memory_refuses_to_start(builds):
+    """export_triton.py --max-slots 100000000 was taken, and the server's start failed in PyTorch's allocator (or, a
+    little smaller, was killed by the out-of-memory killer filling the cache)."""
+    from beamtrt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^the KV cache of 100000000 requests x 200 positions takes .* and cpu has "
+                                          r".* free: decode fewer requests at once, or shorter ones$"):
+        serving.open_server(ServeSettings(builds[1], 1, dtype="float32", device="cpu", max_slots=10**8,
+                                          max_seq_len=200))
+
+
 @pytest.mark.parametrize("edit, needle", [
     (("ensemble", "max_batch_size: 1", "max_batch_size: ${triton_max_batch_size}"), "unfilled ${...} placeholder"),
     (("postprocessing", "TYPE_STRING", "TYPE_STRINGS"), "does not parse as a Triton ModelConfig"),
