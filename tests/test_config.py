@@ -199,6 +199,7 @@ def test_int_accepted_for_float_fields() -> None:
     (with_(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["rope_scaling", "yarn"]),
     (with_(rope_scaling={"type": "dynamic", "factor": 4.0}), ["rope_scaling", "dynamic"]),
     (with_(rope_scaling={"type": "linear"}), ["rope_scaling", "'linear'", "needs factor", "None"]),
+    (with_(rope_scaling={"rope_type": ["llama3"]}), ["rope_scaling type ['llama3'] is not supported"]),
     (with_(rope_scaling={"rope_type": "linear", "factor": "x"}), ["needs factor", "'x'"]),
     (with_(rope_scaling={"rope_type": "linear", "factor": 0}), ["needs factor", "got 0"]),
     (with_(rope_scaling={"rope_type": "llama3", "factor": 8}), ["'llama3'", "needs low_freq_factor"]),

@@ -85,7 +85,7 @@ class _HFConfig:
         if rs is None:
             return
         rope_type = rs.get("rope_type", rs.get("type"))
-        if rope_type not in _ROPE_TYPES:
+        if not isinstance(rope_type, str) or rope_type not in _ROPE_TYPES:
             _fail(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
         for name in _ROPE_TYPES[rope_type]:
             value = rs.get(name)
