@@ -133,13 +133,8 @@ def test_run_with_backend_trt_on_a_build_without_engines_is_one_line(sources, tm
     (dict(max_batch_size=0), "--max-batch-size must be at least 1"),
     (dict(block_size=1), "--block-size must be in [2, 32]"),
     (dict(max_batch_size=64, block_size=8, max_num_tokens=100), "cannot hold one verify step"),
-    (dict(max_seq_len=7, block_size=8), "--max-seq-len 7 cannot serve any request at --block-size 8"),
-    (dict(max_seq_len=8, block_size=8), None),  # a one-token prompt and one new token: 8 positions
 ])
 def test_engine_settings_are_checked(settings, needle):
-    if needle is None:
-        EngineSettings(**settings)
-        return
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
         EngineSettings(**settings)
 

@@ -525,9 +525,6 @@ class EngineSettings:
         if self.max_num_tokens < self.max_batch_size * self.block_size:
             _fail(f"--max-num-tokens {self.max_num_tokens} cannot hold one verify step of --max-batch-size "
                   f"{self.max_batch_size} x --block-size {self.block_size} tokens")
-        if self.max_seq_len < self.block_size:  # a one-token prompt, one new token and a verify block's headroom
-            _fail(f"--max-seq-len {self.max_seq_len} cannot serve any request at --block-size {self.block_size}: a "
-                  f"one-token prompt and one new token take {self.block_size} positions there")
 
     def to_json(self) -> dict:
         return {"max_batch_size": self.max_batch_size, "max_seq_len": self.max_seq_len,
