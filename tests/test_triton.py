@@ -863,8 +863,8 @@ def test_a_server_whose_caches_exceed_the_free_memory_refuses_to_start(builds):
     little smaller, was killed by the out-of-memory killer filling the cache)."""
     from beamtrt.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^the KV cache of 100000000 requests x 200 positions takes .* and cpu has "
-                                          r".* free: decode fewer requests at once, or shorter ones$"):
+    with pytest.raises(ConfigError, match=r"^the drafter's context cache of 100000000 requests x \d+ positions takes "
+                                          r".* and cpu has .* free: decode fewer requests at once, or shorter ones$"):
         serving.open_server(ServeSettings(builds[1], 1, dtype="float32", device="cpu", max_slots=10**8,
                                           max_seq_len=200))
 

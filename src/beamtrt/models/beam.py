@@ -723,9 +723,12 @@ def check_cache_fits(what: str, shape: tuple[int, ...], dtype: torch.dtype, devi
     for check_fits' reason, before it is allocated; on the host the ranks sharing it (`shard`'s on_host) together."""
     from beamtrt.cli_util import size_text
 
+    on_host = shard.on_host if shard is not None and device.type == "cpu" else None
+    if on_host is not None:  # a barrier: every rank has dropped its old cache (rank 0 runs the call first)
+        on_host(None)
     need, free, ranks = 2 * math.prod(shape) * dtype.itemsize, free_memory(device), 1
-    if shard is not None and shard.on_host is not None and device.type == "cpu":
-        host = shard.on_host((need, free))
+    if on_host is not None:
+        host = on_host((need, free))
         (need, free), ranks = _host_total(host), len(host)
     if free is not None and need > free:
         whose = f", on the {ranks} ranks of this host together," if ranks > 1 else ""

@@ -164,9 +164,9 @@ class SpeculativeDecoder:
     def start(self, slots: int, max_len: int, on_finish: Callable[[int, Completion], None] | None = None) -> None:
         """(Re)allocate `slots` empty cache slots of up to `max_len` tokens: the state `admit`, `step` and `release`
         work on (`generate` calls it; a server calls it once, then admits and steps requests as they come)."""
-        self.target.allocate(slots, max_len)
-        if self.drafter is not None:
+        if self.drafter is not None:  # first: the old rings go before the target's KV cache is checked
             self.drafter.allocate(slots)
+        self.target.allocate(slots, max_len)
         self.on_finish = on_finish
         self.owner = [-1] * slots  # request served by each cache slot (-1: free)
         self.streams = RequestStreams(slots)  # each slot's request's random stream (seeded at admission)
