@@ -236,6 +236,8 @@ def test_backend_comparison_report(tmp_path):
     assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'bad.json'}"]) == 2
     assert main([f"a={tmp_path / 'missing.json'}"]) == 2
     assert main(["no-equals-sign"]) == 2
+    assert main([f"a={tmp_path / 'a.json'}", f"a={tmp_path / 'a.json'}"]) == 2  # the second replaced the first
+    assert main([f"a|b={tmp_path / 'a.json'}"]) == 2
     for damaged in ({**same, "requests": [{"output_ids": [1]}, {}]}, {**same, "requests": []},
                     {**same, "summary": {"acceptance_length": 2.0, "tokens_per_s": None}},
                     {**same, "summary": {"acceptance_length": "2", "tokens_per_s": 1.0}}, []):

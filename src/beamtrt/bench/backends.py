@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise BeamtrtError(f"{item!r}: give each run as NAME=PATH")
+            if name in runs or "|" in name:  # a second one replaced the first; a '|' splits the table's row
+                raise BeamtrtError(f"{item!r}: give each run a name of its own, without '|'")
             runs[name] = load_run(Path(path))
         result = compare(runs)
         print(table(result, args.title))
