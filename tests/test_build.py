@@ -502,16 +502,24 @@ def test_a_broken_chat_template_fails_the_build_in_one_line(mini_vocab_sources, 
 
 
 def test_an_unquantized_build_says_what_dtype_it_kept(sources, tmp_path):
-    """--precision bf16 keeps the checkpoint's dtype: of an fp32 one, the summary read 'bf16 target'."""
+    """--precision bf16 keeps the checkpoint's dtype: of an fp32 one, the summary read 'bf16 target'; so does
+    --drafter-precision bf16 (an fp16 drafter)."""
     import torch
 
+    from beamtrt.models.beam import load_beam
+    from beamtrt.models.dflash2 import load_drafter, save_drafter
     from beamtrt.models.random_beam import write_random_beam
 
     write_random_beam(tmp_path / "fp32", CFG, dtype=torch.float32)
     proc = build(sources, tmp_path / "out", "--model", str(tmp_path / "fp32"))
     assert proc.returncode == 0, proc.stderr
-    assert "bf16 target (float32 weights), bf16 drafter" in proc.stdout
+    assert "bf16 target (float32 weights), bf16 drafter (float32 weights), KV cache" in proc.stdout  # random: fp32
     assert read_manifest(tmp_path / "out")["target"]["dtype"] == "float32"
+    save_drafter(load_drafter(sources / "drafter", load_beam(sources / "target"), dtype=torch.float16),
+                 tmp_path / "fp16")
+    proc = build(sources, tmp_path / "out2", "--drafter", str(tmp_path / "fp16"))
+    assert proc.returncode == 0, proc.stderr
+    assert "bf16 target, bf16 drafter (float16 weights), KV cache" in proc.stdout
 
 
 def test_a_calibration_prompt_of_no_tokens_is_one_line(mini_vocab_sources, tmp_path):

@@ -45,7 +45,7 @@ def check_checkpoint(path: Path) -> dict:
             total += t.numel() * t.element_size()
             quantized += t.dtype in (torch.uint8, torch.float8_e4m3fn) and name.endswith(".weight")
     return {"ranks": tp, "tensors_per_rank": len(specs), "bytes": total, "quantized_weights": quantized // tp,
-            "architecture": ckpt.config.get("architecture")}
+            "architecture": ckpt.config.get("architecture"), "dtype": ckpt.config.get("dtype")}
 
 
 AGREE = {  # part -> {what its config.json says: the manifest field it must equal}
@@ -101,14 +101,14 @@ def validate(root: str | Path) -> list[str]:
     if unlisted:
         raise CheckpointError(f"{root / unlisted[0]}: not listed in {mf.MANIFEST}")
     m = manifest["mapping"]
-    dtype = manifest["target"].get("dtype", "bfloat16")  # of what is not quantized: the checkpoint's
-    kept = "" if dtype == "bfloat16" else f" ({dtype} weights)"
-    lines = [f"{root}: {manifest['precision']} target{kept}, {manifest['drafter_precision']} drafter, KV cache "
-             f"{manifest['kv_cache']}, tp {m['tp_size']} "
-             f"(moe_tp {m['moe_tp_size']} × moe_ep {m['moe_ep_size']})"]
     agree(root, manifest, files=False)  # check_files above hashed them
-    for part in ("target", "drafter"):
-        s = check_checkpoint(root / manifest[part]["dir"])
+    parts = {part: check_checkpoint(root / manifest[part]["dir"]) for part in ("target", "drafter")}
+    kept = {part: "" if s["dtype"] in (None, "bfloat16") else f" ({s['dtype']} weights)"  # what is not quantized
+            for part, s in parts.items()}                                                  # keeps the source's dtype
+    lines = [f"{root}: {manifest['precision']} target{kept['target']}, {manifest['drafter_precision']} drafter"
+             f"{kept['drafter']}, KV cache {manifest['kv_cache']}, tp {m['tp_size']} "
+             f"(moe_tp {m['moe_tp_size']} × moe_ep {m['moe_ep_size']})"]
+    for part, s in parts.items():
         lines.append(f"  {part:8s} {s['architecture']}: {s['ranks']} rank file(s) × {s['tensors_per_rank']} tensors, "
                      f"{s['bytes'] / 1e6:.1f} MB, {s['quantized_weights']} quantized weight tensors per rank: OK")
     for name, stage in manifest.get("stages", {}).items():  # what the build that made it did, not this command
