@@ -157,18 +157,24 @@ def python_ranks(ranks: int, code: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
 
 
+def refusal_with_free_memory(free: int, *args: str) -> str:
+    """run.py `args` on 2 ranks whose host reads as having `free` bytes free: the one error line the job ends with."""
+    proc = python_ranks(2, "import runpy, sys; from beamtrt.models import beam; beam.free_memory = lambda device: "
+                           f"{free}; sys.argv = ['run.py', *{list(args)!r}]; "
+                           f"runpy.run_path({str(ROOT / 'runtime/run.py')!r}, run_name='__main__')")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    return lines[0]
+
+
 def test_shards_beyond_the_hosts_free_memory_are_refused_before_loading(sources, tmp_path_factory):
     """The ranks on a host load their shards into its memory together; beyond what it has free the out-of-memory
     killer ended ranks partway through loading, without a word. Here the host's free memory reads as 1 MB."""
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
-    proc = python_ranks(2, "import runpy, sys; from beamtrt.models import beam; beam.free_memory = lambda device: "
-                           f"10**6; sys.argv = ['run.py', '--engine-dir', {str(engine)!r}, '--max-new-tokens', '2']; "
-                           f"runpy.run_path({str(ROOT / 'runtime/run.py')!r}, run_name='__main__')")
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    line = refusal_with_free_memory(10**6, "--engine-dir", str(engine), "--max-new-tokens", "2")
     assert re.fullmatch(rf"error: rank [01]: {re.escape(str(engine / 'target'))}: the shards of the 2 ranks on this "
                         r"host take \d+\.\d MB in float32 and it has 1\.0 MB free: spread the ranks over more hosts, "
-                        r"or run it in bfloat16 \(--dtype bfloat16\)", lines[0]), lines[0]
+                        r"or run it in bfloat16 \(--dtype bfloat16\)", line), line
 
 
 def test_kv_caches_beyond_the_hosts_free_memory_together_are_refused(sources, tmp_path_factory, tmp_path):
@@ -177,15 +183,11 @@ def test_kv_caches_beyond_the_hosts_free_memory_together_are_refused(sources, tm
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n' * 20)
-    proc = python_ranks(2, "import runpy, sys; from beamtrt.models import beam; beam.free_memory = lambda device: "
-                           f"10**8; sys.argv = ['run.py', '--engine-dir', {str(engine)!r}, '--prompts', "
-                           f"{str(prompts)!r}, '--max-new-tokens', '8000']; "
-                           f"runpy.run_path({str(ROOT / 'runtime/run.py')!r}, run_name='__main__')")
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    line = refusal_with_free_memory(10**8, "--engine-dir", str(engine), "--prompts", str(prompts),
+                                    "--max-new-tokens", "8000")
     assert re.fullmatch(r"error: rank [01]: the KV cache of 20 requests x \d+ positions takes 12\d\.\d MB, on the 2 "
                         r"ranks of this host together, and cpu has 100\.0 MB free: decode fewer requests at once, or "
-                        r"shorter ones", lines[0]), lines[0]
+                        r"shorter ones", line), line
 
 
 def test_the_same_error_on_every_rank_is_one_line():
