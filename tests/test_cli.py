@@ -958,6 +958,9 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
         assert_one_line_error(run(command, "--model", str(out), *extra), f"--model {out}: a build_engines.py output, "
                                                                          f"not a Hugging Face checkpoint: pass "
                                                                          f"--engine-dir {out}")
+    assert_one_line_error(run("runtime/run.py", "--model", str(out / "target")),  # was an unknown-fields error
+                          f"--model {out / 'target'}: a folder of the build_engines.py output {out}, not a Hugging "
+                          f"Face checkpoint: pass --engine-dir {out}")
     proc = run("scripts/bench_spec.py", "--model", str(out))  # it has no --engine-dir to offer
     assert_one_line_error(proc, f"--model {out}: a build_engines.py output, not a Hugging Face checkpoint")
     assert "--engine-dir" not in proc.stderr

@@ -195,9 +195,13 @@ def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spe
     from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
     from beamtrt.models.dflash2 import drafter_config_for
 
-    if model_dir and (Path(model_dir) / mf.MANIFEST).is_file() and not (Path(model_dir) / "config.json").exists():
-        raise CheckpointError(f"--model {model_dir}: a build_engines.py output, not a Hugging Face checkpoint"
-                              + (f": pass --engine-dir {model_dir}" if engine_dir_flag else ""))
+    given = Path(model_dir) if model_dir else None
+    if given and ((given / mf.MANIFEST).is_file() and not (given / "config.json").exists()
+                  or (given.parent / mf.MANIFEST).is_file()):  # the build, or its target/ (a TensorRT-LLM checkpoint)
+        build = given if (given / mf.MANIFEST).is_file() else given.parent
+        what = "a build_engines.py output" if build == given else f"a folder of the build_engines.py output {build}"
+        raise CheckpointError(f"--model {model_dir}: {what}, not a Hugging Face checkpoint"
+                              + (f": pass --engine-dir {build}" if engine_dir_flag else ""))
     if spec and drafter_dir:
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
