@@ -580,6 +580,43 @@ def test_run_refuses_a_small_file_changed_since_the_build(mini_vocab_sources, tm
     one_line_error(proc, f"{out / rel}: sha256 differs from manifest.json", "rebuild")
 
 
+def test_a_rank_file_of_another_rank_or_build_is_named_before_anything_loads(mini_vocab_sources, tmp_path):
+    """Each rank file's header names the build stage and rank that wrote it, checked at every start: a rank file
+    copied over another rank's, or from another build, or from a build before the stamps, is one line (each ran,
+    giving other tokens, one process and mpirun ranks different ones). The weights are not hashed at a start."""
+    from safetensors.torch import load_file, save_file
+
+    from beamtrt.checkpoint.validate import agree
+
+    out = tmp_path / "out"
+    assert build(mini_vocab_sources, out).returncode == 0
+    run = [sys.executable, str(ROOT / "runtime/run.py"), "--prompt", "hi", "--max-new-tokens", "2", "--engine-dir"]
+    assert subprocess.run([*run, str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
+
+    def restamp(file: Path, **stamp: str) -> None:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        save_file(load_file(file), str(file), metadata={k: v for k, v in header["__metadata__"].items()
+                                                         if k.startswith("format")} | stamp)
+
+    for damage, rel, needle in [
+        (lambda d: shutil.copy2(d / "target/rank0.safetensors", d / "target/rank1.safetensors"),
+         "target/rank1.safetensors", "holds rank 0's weights, not rank 1's (renamed or copied since the build"),
+        (lambda d: restamp(d / "drafter/rank0.safetensors", **{"beamtrt.stage_key": "0" * 64, "beamtrt.rank": "0"}),
+         "drafter/rank0.safetensors", "written by another build than manifest.json's (copied from one?)"),
+        (lambda d: restamp(d / "drafter/rank1.safetensors"),  # as a build before the stamps wrote it
+         "drafter/rank1.safetensors", "written by another build than manifest.json's"),
+    ]:
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(out, bad)
+        damage(bad)
+        with pytest.raises(CheckpointError, match=re.escape(f"{bad / rel}: {needle}")):
+            agree(bad, read_manifest(bad))
+    one_line_error(subprocess.run([*run, str(bad)], capture_output=True, text=True, timeout=300, cwd=ROOT),
+                   f"{bad / rel}: written by another build", "rebuild")
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda m: m.__setitem__("precision", "fp8"), "precision bf16 differs from the manifest's precision fp8"),
     (lambda m: m.__setitem__("kv_cache", "fp8"), "kv_cache auto differs from the manifest's kv_cache fp8"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -867,6 +868,30 @@ def test_a_server_whose_caches_exceed_the_free_memory_refuses_to_start(builds):
                                           r".* and cpu has .* free: decode fewer requests at once, or shorter ones$"):
         serving.open_server(ServeSettings(builds[1], 1, dtype="float32", device="cpu", max_slots=10**8,
                                           max_seq_len=200))
+
+
+def _edit_json(file: Path, edit) -> None:
+    config = json.loads(file.read_text())
+    edit(config)
+    file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: _edit_json(d / "target/config.json", lambda c: c["beam_config"].__setitem__("rope_theta", 1.0)),
+     "target/config.json: sha256 differs from manifest.json"),
+    (lambda d: shutil.copy2(d / "target/rank0.safetensors", d / "target/rank1.safetensors"),
+     "target/rank1.safetensors: holds rank 0's weights, not rank 1's"),
+])
+def test_a_server_refuses_a_build_changed_since_it_was_built(builds, tmp_path, damage, needle):
+    """The Triton model checks a build at its start as run.py does (its configs and small files hashed, its rank
+    files' stamps): it served an edited target config, or one rank's weights copied over another's, with no error."""
+    from beamtrt.errors import CheckpointError
+
+    changed = tmp_path / "changed"
+    shutil.copytree(builds[2], changed)
+    damage(changed)
+    with pytest.raises(CheckpointError, match=re.escape(f"{changed}/{needle}")):
+        serving.open_server(settings(changed, 2))
 
 
 @pytest.mark.parametrize("edit, needle", [

@@ -289,7 +289,7 @@ def _write_target(plan: Plan, out: Path, amax: dict[str, float], progress: bool)
     if bc.kv_cache == "fp8":
         kv = list(trtllm.kv_cache_scales(cfg.num_hidden_layers, amax))
         items = _chain(items, ((r, n, t, None) for n, t in kv for r in range(bc.tp)))
-    files = write_checkpoint(out, config, plan.target_specs, bc.tp, items)
+    files = write_checkpoint(out, config, plan.target_specs, bc.tp, items, plan.keys["target"])
     return files + _copy_tokenizer(bc.model, out.parent / "tokenizer")
 
 
@@ -328,7 +328,7 @@ def _write_drafter(plan: Plan, out: Path, amax: dict[str, float], progress: bool
     config = trtllm.drafter_config(plan.drafter_cfg, plan.mapping, plan.drafter_dtype, precision)
     items = trtllm.produce(_progress(plan.drafter_units, f"drafter {precision}", progress), plan.drafter_reader.get,
                            plan.mapping, precision, plan.drafter_dtype, amax, _warn(progress))
-    files = write_checkpoint(out, config, plan.drafter_specs, plan.bc.tp, items)
+    files = write_checkpoint(out, config, plan.drafter_specs, plan.bc.tp, items, plan.keys["drafter"])
     from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE
 
     vocab = plan.bc.drafter / DRAFT_VOCAB_FILE

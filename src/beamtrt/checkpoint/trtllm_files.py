@@ -34,12 +34,21 @@ def rank_file(path: Path, rank: int) -> Path:
     return Path(path) / f"rank{rank}.safetensors"
 
 
+# What a rank file's safetensors metadata says of the build that wrote it: its stage key and its rank. Checked at every
+# start against the manifest (validate.agree), which hashes every file but the weights: a rank file copied from
+# another build or from another rank is named before it loads (it ran, giving other tokens).
+STAMP_KEY, STAMP_RANK = "beamtrt.stage_key", "beamtrt.rank"
+
+
 def write_checkpoint(path: str | Path, config: dict, specs: dict[str, trtllm.Spec], tp: int,
-                     items: Iterable[tuple[int, str, torch.Tensor, int | None]]) -> list[Path]:
+                     items: Iterable[tuple[int, str, torch.Tensor, int | None]],
+                     stage_key: str | None = None) -> list[Path]:
     """Write config.json and rank{r}.safetensors from (rank, name, tensor, slot) items into the existing directory
-    `path`, one piece in memory at a time. Every declared byte must be written."""
+    `path`, one piece in memory at a time (a build's stamped with its stage key and rank). Every declared byte must be
+    written."""
     path = Path(path)
-    files = [StreamingSafetensors(rank_file(path, r), specs) for r in range(tp)]
+    files = [StreamingSafetensors(rank_file(path, r), specs, stage_key and {STAMP_KEY: stage_key, STAMP_RANK: str(r)})
+             for r in range(tp)]
     try:
         for rank, name, tensor, slot in items:
             files[rank].write(name, tensor, slot)

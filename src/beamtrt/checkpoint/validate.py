@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint import manifest as mf
-from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint, rank_file
+from beamtrt.checkpoint.trtllm_files import STAMP_KEY, STAMP_RANK, TrtllmCheckpoint, rank_file
 from beamtrt.cli_util import ArgumentParser, run_cli
 from beamtrt.errors import CheckpointError
 
@@ -57,12 +57,17 @@ AGREE = {  # part -> {what its config.json says: the manifest field it must equa
 
 
 def agree(root: Path, manifest: dict, files: bool = True) -> None:
-    """The build's two config.json files say what its manifest says, and every file but the weights (configs, draft
-    vocabulary, tokenizer, calibration: small) has the sha256 it was built with. No weight is read: run.py checks
-    this at every start, the validator also hashes the weights (files=False: it has hashed every file already). One
-    line naming the file that differs."""
+    """The build's two config.json files say what its manifest says, every rank file's header names the build stage
+    and rank that wrote it, and every file but the weights (configs, draft vocabulary, tokenizer, calibration: small)
+    has the sha256 it was built with. No weight is read: run.py and the Triton model check this at every start, the
+    validator also hashes the weights (files=False: it has hashed every file already). One line naming the file
+    that differs."""
+    stamps = {}
     for part, fields in AGREE.items():
         ckpt = TrtllmCheckpoint(root / manifest[part]["dir"])
+        key = mf.field(manifest, f"stages.{part}.key", None)
+        stamps.update({(rank_file(ckpt.path, r), str(r), key): ckpt.open(r).metadata
+                       for r in range(ckpt.mapping.tp_size)})
         said = {"architecture": ckpt.config.get("architecture"), "precision": ckpt.precision,
                 "kv_cache": ckpt.kv_cache, "mapping": ckpt.mapping.to_json()}
         if "block_size" in fields:
@@ -72,6 +77,14 @@ def agree(root: Path, manifest: dict, files: bool = True) -> None:
             if want is not None and said[name] != want:  # None: an older manifest without the field
                 raise CheckpointError(f"{ckpt.path / 'config.json'}: {name} {said[name]} differs from the manifest's "
                                       f"{dotted} {want} (changed since the build: rebuild with build/build_engines.py)")
+    if any(STAMP_KEY in meta for meta in stamps.values()):  # none: a build from before the stamps
+        for (file, rank, key), meta in stamps.items():
+            if meta.get(STAMP_KEY) != key:
+                raise CheckpointError(f"{file}: written by another build than {mf.MANIFEST}'s (copied from one?): "
+                                      "rebuild with build/build_engines.py")
+            if meta.get(STAMP_RANK) != rank:
+                raise CheckpointError(f"{file}: holds rank {meta.get(STAMP_RANK)}'s weights, not rank {rank}'s "
+                                      "(renamed or copied since the build: rebuild with build/build_engines.py)")
     if files:
         check_files(root, manifest, weights=False)
 

@@ -407,6 +407,7 @@ class Follower:
 def open_server(settings: ServeSettings) -> Server | Follower:
     """Load this rank's share of the build: rank 0 gets a Server; under mpirun the other ranks get a Follower."""
     from beamtrt.checkpoint.manifest import read_manifest
+    from beamtrt.checkpoint.validate import agree
     from beamtrt.runtime import tp
     from beamtrt.runtime.dist import Dist
     from beamtrt.runtime.loader import load_build, pick_backend
@@ -417,6 +418,7 @@ def open_server(settings: ServeSettings) -> Server | Follower:
     if settings.world_size != tp_size or dist.size not in (1, tp_size):
         raise ConfigError(f"{settings.engine_dir} was built for tp {tp_size}; the model says world_size "
                           f"{settings.world_size} and {dist.size} rank(s) run: launch with --world-size {tp_size}")
+    agree(settings.engine_dir, manifest)  # its configs, small files and rank-file stamps, as run.py checks them
     backend, _ = pick_backend(settings.backend, manifest, dist.size)
     loaded = load_build(settings.engine_dir, manifest, dist, backend=backend, dtype=DTYPES[settings.dtype],
                         device=resolve_device(settings.device, backend, dist.size))
