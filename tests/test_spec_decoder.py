@@ -174,6 +174,19 @@ def test_a_request_longer_than_the_context_is_refused_before_any_work(target, pr
     assert asked.value.args == (context,)
 
 
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_a_prompt_token_outside_the_vocabulary_is_refused_before_any_work(target, prompts, bad):
+    """A tokenizer of another model (ids past the target's vocabulary) ended run.py, benchmark.py and bench_spec.py in
+    an IndexError traceback from the embedding (on CUDA a device-side assert)."""
+    backend = TorchTarget(target)
+    bad = target.cfg.vocab_size if bad == "vocab" else bad
+    with pytest.raises(ValueError, match=f"^request 1: its prompt holds token id {bad}, outside the target's "
+                                         f"vocabulary \\[0, {target.cfg.vocab_size}\\)"):
+        SpeculativeDecoder(backend, None).generate([Request(tuple(prompts[0]), 4),
+                                                    Request((*prompts[1], bad, 0), 4)])
+    assert backend.cache is None  # nothing was allocated
+
+
 @pytest.mark.parametrize("block", [1, 2, 8])
 def test_a_request_that_fills_the_context_decodes(block):
     """prompt + max_new_tokens + block - 2 = the context: when every draft is rejected, the last step's block ends on

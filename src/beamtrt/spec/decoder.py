@@ -143,6 +143,10 @@ class SpeculativeDecoder:
                                  f"got {r.min_new_tokens}")
             if why := self.too_long(r):
                 raise ValueError(f"request {i}: {why}")
+            if not 0 <= min(r.prompt_ids) <= max(r.prompt_ids) < self.target.vocab_size:
+                bad = next(t for t in r.prompt_ids if not 0 <= t < self.target.vocab_size)
+                raise ValueError(f"request {i}: its prompt holds token id {bad}, outside the target's vocabulary "
+                                 f"[0, {self.target.vocab_size}) (a tokenizer of another model?)")
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
         slots = min(concurrency or getattr(self.target, "max_batch_size", n), n)
