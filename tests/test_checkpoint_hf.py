@@ -1,6 +1,7 @@
 """Tests for beamtrt.checkpoint.hf: sharded safetensors reading/writing and JSON helpers."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -495,6 +496,24 @@ def test_a_leftovers_size_counts_only_what_removing_it_frees(tmp_path, capsys):
         pass
     assert not left.exists() and (out / "reused").is_file()
     assert f"note: removed {left} (1.0 MB), the unfinished output of an earlier run" in capsys.readouterr().err
+
+
+def test_staging_an_output_the_caller_found_absent_refuses_one_written_since(tmp_path):
+    """A writer that checked its output was absent (or an empty folder) and may not replace one: another process's
+    output that appeared before its staging lock was held is one line, and is left as it is."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with hf.staging(out, "pass --force") as tmp:  # an empty folder is no output
+        (tmp / "mine").write_text("x")
+        hf.replace_dir(tmp, out)
+    assert (out / "mine").is_file()
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(out))}: written by another process while this one "
+                                              "ran; pass --force$"), hf.staging(out, "pass --force"):
+        pass
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "mine").is_file()
+    with hf.staging(out) as tmp:  # a writer that may replace it
+        hf.replace_dir(tmp, out)
+    assert not (out / "mine").exists()
 
 
 def test_staging_removes_the_folders_it_made_when_no_output_came(tmp_path):

@@ -655,6 +655,21 @@ def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, c
     assert params["engine_dir"] == export.COPIED_ENGINE
 
 
+def test_an_export_finished_by_another_process_meanwhile_is_not_replaced(builds, tmp_path, capsys, monkeypatch):
+    """--out was checked only at the start: another export that finished into it while this one validated the build
+    (10 s on beam-mini) was replaced without --force and without a word."""
+    out, check_build = tmp_path / "repo", export.check_build
+
+    def another_export_finishes(*args):
+        (out / "beam_dflash2").mkdir(parents=True)
+        return check_build(*args)
+    monkeypatch.setattr(export, "check_build", another_export_finishes)
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out))
+    assert (rc, stderr) == (2, f"error: {out}: written by another process while this one ran; pass --force to "
+                               "replace it\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"] and [p.name for p in out.iterdir()] == ["beam_dflash2"]
+
+
 def _break_manifest(build: Path, change) -> None:
     path = build / "manifest.json"
     manifest = json.loads(path.read_text())

@@ -147,7 +147,9 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     where = followed(bc.out).absolute().parent  # the output's file system: its deepest folder there before the build
     while not where.exists():
         where = where.parent
-    with staging(bc.out) as tmp:  # after it removed a killed build's leftovers: their space is free again
+    # staging removes a killed build's leftovers (their space is free again), and refuses an output that another
+    # build made since the checks above
+    with staging(bc.out, None if bc.force else "pass --force to replace it") as tmp:
         _check_space(plan, reusable, where)
         summary = _run(plan, tmp, reusable, progress)
         replace_dir(tmp, bc.out)

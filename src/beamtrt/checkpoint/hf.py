@@ -33,7 +33,7 @@ os.umask(_UMASK)  # read once, at import: os.umask can only be read by setting i
 
 
 @contextmanager
-def staging(final: Path) -> Iterator[Path]:
+def staging(final: Path, absent: str | None = None) -> Iterator[Path]:
     """A hidden temporary directory beside `final` to write an output into, then rename into place (`replace_dir`);
     whatever is left of it when the block ends is removed. It has the mode a plain mkdir gives (mkdtemp's 0700
     would hide the output from other users, such as a tritonserver's), and this process holds a lock on it while
@@ -41,7 +41,8 @@ def staging(final: Path) -> Iterator[Path]:
     them) are told apart from a running writer's: they are removed, while a running writer of the same output is
     one line (two writers would each replace the other's output, or fail on it). A symbolic link is written
     through: its target is staged beside and replaced, and the link stays. Folders made to hold it are removed
-    again when no output came of the block."""
+    again when no output came of the block. `absent`: the caller found no output (or an empty folder) there and
+    may not replace one: if another process wrote one since, that is one line ending with this remedy."""
     final = followed(Path(final))
     made = [p for p in (final.parent, *final.parent.parents) if not p.exists()]  # the deepest first
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,9 @@ def staging(final: Path) -> Iterator[Path]:
         tmp.chmod(0o777 & ~_UMASK)
         # after its own is in place: of two writers starting at once, one sees the other (or each the other: both stop)
         _remove_leftovers(final, tmp)
+        if absent is not None and (final.is_symlink() or final.exists()) and not (
+                final.is_dir() and not any(final.iterdir())):  # once this lock is held, no writer of it runs
+            raise CheckpointError(f"{final}: written by another process while this one ran; {absent}")
         yield tmp
     except (BeamtrtError, OSError) as e:  # a file that cannot be written is named where the user will look for it
         _rename_in_error(e, tmp, final)

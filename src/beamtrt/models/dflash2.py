@@ -633,7 +633,7 @@ def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = Fals
     out = Path(path)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists: choose another output directory or pass overwrite=True")
-    with staging(out) as tmp:
+    with staging(out, None if overwrite else "choose another output directory or pass overwrite=True") as tmp:
         save_state_dict(tmp, state_tensors(model), overwrite=True)
         model.cfg.save(tmp / "config.json")
         if model.draft_vocab is not None:

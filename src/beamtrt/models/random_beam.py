@@ -30,7 +30,7 @@ def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: to
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another output directory or delete it")
-    with staging(out) as tmp:
+    with staging(out, "choose another output directory or delete it") as tmp:
         tensors = random_tensors(cfg, seed, dtype)
         if progress:
             from tqdm import tqdm

@@ -264,7 +264,7 @@ def export(cfg: ExportConfig) -> list[str]:
     trained = manifest["drafter"].get("train_block_size")
     if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
         raise ExportError(why)
-    with staging(out) as tmp:
+    with staging(out, None if cfg.force else "pass --force to replace it") as tmp:
         if cfg.copy_engines:
             shutil.copytree(root, tmp / COPIED_ENGINE)
         tokenizer = str(engine / manifest["target"]["tokenizer"])
