@@ -15,7 +15,8 @@ N must be the world size the repository was exported with (the build's TP).
   --world-size N      ranks = Triton processes (required)
   --model-repo REPO   the model repository (required)
   --tritonserver PATH the tritonserver binary (default: tritonserver on PATH, else /opt/tritonserver/bin/tritonserver)
-  --mpirun PATH       the mpirun binary (default: mpirun on PATH)
+  --mpirun PATH       the mpirun binary (default: the project's .venv/bin/mpirun, as make setup installs it, else
+                      mpirun on PATH; scripts/mpirun picks it the same way)
   --http-port P       rank 0's HTTP port (default 8000); rank r > 0 uses P + 10 r
   --grpc-port P       rank 0's gRPC port, the one clients use (default 8001); rank r > 0 uses P + 10 r
   --metrics-port P    rank 0's metrics port (default 8002); rank r > 0 uses P + 10 r
@@ -79,7 +80,10 @@ exported="$(grep -A 2 'key: "world_size"' "$config" | sed -n 's/.*string_value: 
 if [ -z "$tritonserver" ]; then
   tritonserver="$(command -v tritonserver || echo /opt/tritonserver/bin/tritonserver)"
 fi
-[ -z "$mpirun" ] && mpirun="$(command -v mpirun || true)"
+if [ -z "$mpirun" ]; then
+  mpirun="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/mpirun"
+  [ -x "$mpirun" ] || mpirun="$(command -v mpirun || true)"
+fi
 if [ "$dry" = 0 ]; then
   [ -x "$tritonserver" ] || fail "tritonserver not found at $tritonserver (pass --tritonserver PATH)"
   [ -n "$mpirun" ] && [ -x "$mpirun" ] || fail "mpirun not found (install Open MPI, or pass --mpirun PATH)"

@@ -1021,6 +1021,8 @@ def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
     dry = subprocess.run([script, "--world-size", "2", "--model-repo", str(repo), "--dry-run"], capture_output=True,
                          text=True, env=env, timeout=30)
     assert dry.returncode == 0 and shlex.split(dry.stdout).count("-n") == 2
+    venv_mpirun = ROOT / ".venv" / "bin" / "mpirun"  # make setup's Open MPI, as scripts/mpirun picks it (not on PATH)
+    assert shlex.split(dry.stdout)[0] == (str(venv_mpirun) if venv_mpirun.is_file() else "mpirun")
     for args, needle in ((["--world-size", "4", "--model-repo", str(repo)], "exported for world size 2"),
                          (["--model-repo", str(repo)], "--world-size is required"),
                          (["--world-size", "2", "--model-repo", str(tmp_path)], "not an exported model repository"),
