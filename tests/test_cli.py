@@ -606,6 +606,33 @@ def test_run_prints_the_text_as_generated(beam_mini, tmp_path):
 
 
 @pytest.mark.slow
+def test_generation_config_end_of_sequence_ids_stop_decoding_too(mini_vocab_sources, tmp_path):
+    """A chat model may name the token its turns end with only in generation_config.json (Qwen3 adds <|endoftext|>
+    there), as Hugging Face's generate reads it: it was ignored, and decoding ran past the answer's end."""
+    from beamtrt.errors import CheckpointError
+    from beamtrt.runtime.loader import load_hf
+    from beamtrt.spec.decoder import Request, SpeculativeDecoder
+
+    model = tmp_path / "target"
+    shutil.copytree(mini_vocab_sources / "target", model)
+    assert not (model / "generation_config.json").exists()
+
+    def decode() -> list[int]:
+        target = load_hf(model, None).target
+        request = Request((1, 5, 9), 8, frozenset(target.eos_token_ids))
+        return SpeculativeDecoder(target, None).generate([request])[0].output_ids
+    plain = decode()
+    k = next(k for k in range(1, len(plain)) if plain[k] not in plain[:k])  # the first token past the first, new
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain[k], 2]}))
+    assert len(plain) == 8 and decode() == plain[:k + 1]
+    for eos, needle in [("7", "must be a token id or a list of them, got '7'"), ([True], "got [True]"),
+                        (10**6, "eos_token_id 1000000 is outside the vocabulary [0, 49152)")]:
+        (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        with pytest.raises(CheckpointError, match=re.escape(f"{model / 'generation_config.json'}: ") + ".*"
+                           + re.escape(needle)):
+            decode()
+
+
 def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
     """A prompt too long for the context was 'request 1' (its index among non-blank lines, from 0), after the 54 KB
     prompt was echoed; it is now FILE:LINE, before any answer. An answer is labelled with what its chat asks (the

@@ -91,6 +91,14 @@ def test_save_and_from_file_round_trip(tmp_path: Path, cfg: BeamConfig) -> None:
     assert list(tmp_path.glob("*.tmp")) == []  # atomic write left no temp files
 
 
+def test_a_config_json_that_is_a_folder_is_named_as_one(tmp_path: Path) -> None:
+    """It read '.../config.json/config.json: missing config.json'."""
+    (tmp_path / "config.json").mkdir()
+    for path in (tmp_path, tmp_path / "config.json"):
+        with pytest.raises(CheckpointError, match=f"^{tmp_path / 'config.json'}: a directory, not config.json$"):
+            BeamConfig.from_file(path)
+
+
 def test_frozen() -> None:
     cfg = BeamConfig.from_dict(BASE)
     with pytest.raises(dataclasses.FrozenInstanceError):

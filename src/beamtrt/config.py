@@ -51,7 +51,7 @@ class _HFConfig:
         from beamtrt.checkpoint.hf import read_json
 
         path = Path(path)
-        if path.is_dir():
+        if path.is_dir() and path.name != "config.json":  # a checkpoint folder (a folder named config.json: named)
             path = path / "config.json"
         return cls.from_dict(read_json(path, "config.json"), source=str(path))
 

@@ -144,6 +144,35 @@ def check_device(device: str, backend: str, ranks: int, flag: str = "--device") 
                           f"mpirun) on {device}")
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_eos(folder: Path, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids a checkpoint's generation_config.json names (a build keeps it in tokenizer/): Hugging
+    Face's generate stops on them too, and a chat model may name only there the token its turns end with (Qwen3 adds
+    <|endoftext|> to config.json's <|im_end|>). () without the file or the field."""
+    file = Path(folder) / GENERATION_CONFIG
+    if not file.exists():
+        return ()
+    from beamtrt.checkpoint.hf import read_json
+
+    eos = read_json(file, GENERATION_CONFIG).get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else eos or []
+    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    if bad := [i for i in ids if not 0 <= i < vocab_size]:
+        raise CheckpointError(f"{file}: eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return tuple(ids)
+
+
+def _stop_on_generation_eos(loaded: Loaded) -> Loaded:
+    """The target's end-of-sequence ids: its config.json's, then its generation_config.json's."""
+    target = loaded.target
+    extra = generation_eos(loaded.tokenizer_dir, target.vocab_size)
+    target.eos_token_ids = tuple(dict.fromkeys((*target.eos_token_ids, *extra)))
+    return loaded
+
+
 def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtype: torch.dtype = torch.float32,
                device: str = "cpu", spec: bool = True) -> Loaded:
     """This rank's backends for a build_engines.py output (`backend` already picked by `pick_backend`)."""
@@ -154,7 +183,8 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
         from beamtrt.runtime.trt_backend import load_engines
 
         target, drafter = load_engines(root, manifest, dist, spec=spec)
-        return Loaded(target, drafter, tokenizer_dir, "trt", what, drafter_dir if spec else None)
+        loaded = Loaded(target, drafter, tokenizer_dir, "trt", what, drafter_dir if spec else None)
+        return _stop_on_generation_eos(loaded)
     from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 
     if dist.size == 1:  # one process: every rank file, un-sharded
@@ -169,7 +199,8 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
         drafter = TorchDrafter(tp.load_drafter_shard(drafter_dir, model, dist)) if spec else None
     target = TorchTarget(model)
     target.max_seq_len = build_context(root, manifest, "torch")
-    return Loaded(target, drafter, tokenizer_dir, "torch", what, drafter_dir if spec else None)
+    return _stop_on_generation_eos(Loaded(target, drafter, tokenizer_dir, "torch", what,
+                                          drafter_dir if spec else None))
 
 
 def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = torch.float32,
@@ -183,7 +214,7 @@ def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = t
     model = load_beam(model_dir, dtype=dtype, device=device)
     drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if drafter_dir else None
     what = f"{model_dir}, " + (f"drafter {drafter_dir}" if drafter_dir else "no drafter")
-    return Loaded(TorchTarget(model), drafter, model_dir, "torch", what, drafter_dir)
+    return _stop_on_generation_eos(Loaded(TorchTarget(model), drafter, model_dir, "torch", what, drafter_dir))
 
 
 def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spec: bool,
