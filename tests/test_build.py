@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from beamtrt.checkpoint.manifest import read_manifest
 from beamtrt.config import BeamConfig, DrafterConfig
@@ -190,7 +191,10 @@ def _rewrite(path: Path, name: str, fn) -> None:
                         lambda t, n: t[n].view(-1).__setitem__(5, float("nan"))),
      ["experts.1.up_proj.weight", "NaN"]),
     (lambda d: (d / "target" / "config.json").write_text("{not json"), ["config.json", "not valid JSON"]),
-], ids=["missing", "mis-shaped", "nan", "corrupt-json"])
+    (lambda d: _rewrite(d / "target", "model.layers.1.self_attn.q_proj.weight",  # FP8 without its scales: a traceback
+                        lambda t, n: t.__setitem__(n, t[n].to(torch.float8_e4m3fn))),
+     ["q_proj.weight", "float8_e4m3fn, expected a 16- or 32-bit floating-point dtype (an FP8 checkpoint"]),
+], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8"])
 def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needles):
     src = _corrupt_copy(sources, tmp_path, edit)
     out = tmp_path / "out"

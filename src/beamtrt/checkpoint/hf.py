@@ -438,7 +438,8 @@ class CheckpointReader:
         allow_missing: Iterable[str] = (),
         allow_unexpected: Iterable[str] = (),
     ) -> None:
-        """Check names, shapes and dtypes against `expected` from headers only (dtype None = any float).
+        """Check names, shapes and dtypes against `expected` from headers only (dtype None = any float wider than 8
+        bits: an 8-bit float carries scales this reader does not know, and would be read as unscaled values).
 
         `allow_missing` / `allow_unexpected` hold names or fnmatch patterns.
         """
@@ -459,8 +460,9 @@ class CheckpointReader:
         file, got_shape, got_dtype = self._locate(name), self.shape(name), self.dtype(name)
         if got_shape != tuple(shape):
             return f"{file}: tensor '{name}' has shape {got_shape}, expected {tuple(shape)}"
-        if dtype is None and not got_dtype.is_floating_point:
-            return f"{file}: tensor '{name}' has dtype {got_dtype}, expected a floating-point dtype"
+        if dtype is None and not (got_dtype.is_floating_point and got_dtype.itemsize > 1):
+            return (f"{file}: tensor '{name}' has dtype {got_dtype}, expected a 16- or 32-bit floating-point dtype"
+                    + (" (an FP8 checkpoint: pass its bf16 original)" if got_dtype.itemsize == 1 else ""))
         if dtype is not None and got_dtype != dtype:
             return f"{file}: tensor '{name}' has dtype {got_dtype}, expected {dtype}"
         return None
