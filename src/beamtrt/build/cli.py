@@ -83,6 +83,10 @@ def _run(args: argparse.Namespace) -> None:
     if model is None:
         from beamtrt.models.beam_mini import ensure_beam_mini
         model = ensure_beam_mini()
+    else:
+        from beamtrt.runtime.loader import not_a_build
+
+        not_a_build(model, "the Hugging Face checkpoint it was built from (its manifest.json's target.source)")
     drafter = args.drafter
     if drafter is None:  # beam-mini's, said at once where it does not fit --model (the target's config is read here)
         from beamtrt.config import BeamConfig

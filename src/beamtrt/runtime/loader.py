@@ -217,6 +217,17 @@ def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = t
     return _stop_on_generation_eos(Loaded(TorchTarget(model), drafter, model_dir, "torch", what, drafter_dir))
 
 
+def not_a_build(model_dir: Path, remedy: str | None) -> None:
+    """--model naming a build_engines.py output, or its target/ (a TensorRT-LLM checkpoint), is one line; `remedy`
+    (its {} the build) says what to pass instead."""
+    if (model_dir / mf.MANIFEST).is_file() and not (model_dir / "config.json").exists() or (
+            model_dir.parent / mf.MANIFEST).is_file():
+        build = model_dir if (model_dir / mf.MANIFEST).is_file() else model_dir.parent
+        what = "a build_engines.py output" if build == model_dir else f"a folder of the build_engines.py output {build}"
+        raise CheckpointError(f"--model {model_dir}: {what}, not a Hugging Face checkpoint"
+                              + (f": pass {remedy.format(build)}" if remedy else ""))
+
+
 def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spec: bool,
                no_spec_flag: str = "", engine_dir_flag: bool = True) -> tuple[Path, Path | None]:
     """(target, drafter) folders for load_hf, checked before any weight is: the target is `model_dir` or beam-mini
@@ -226,13 +237,8 @@ def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spe
     from beamtrt.models.beam_mini import default_drafter_for, ensure_beam_mini
     from beamtrt.models.dflash2 import drafter_config_for
 
-    given = Path(model_dir) if model_dir else None
-    if given and ((given / mf.MANIFEST).is_file() and not (given / "config.json").exists()
-                  or (given.parent / mf.MANIFEST).is_file()):  # the build, or its target/ (a TensorRT-LLM checkpoint)
-        build = given if (given / mf.MANIFEST).is_file() else given.parent
-        what = "a build_engines.py output" if build == given else f"a folder of the build_engines.py output {build}"
-        raise CheckpointError(f"--model {model_dir}: {what}, not a Hugging Face checkpoint"
-                              + (f": pass --engine-dir {build}" if engine_dir_flag else ""))
+    if model_dir:
+        not_a_build(Path(model_dir), "--engine-dir {}" if engine_dir_flag else None)
     if spec and drafter_dir:
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
