@@ -994,8 +994,8 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     for model in (out, out / "target"):  # was '<build>/config.json: missing config.json', an unknown-fields error
         assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--model", str(model), "--out",
                                   str(tmp_path / "again")),
-                              f"--model {model}: ", f"not a Hugging Face checkpoint: pass the Hugging Face checkpoint "
-                                                    f"it was built from (its manifest.json's target.source)")
+                              f"--model {model}: ", "not a Hugging Face checkpoint: pass the Hugging Face checkpoint "
+                                                   "it was built from (its manifest.json's target.source)")
     monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
     assert_one_line_error(run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi"),
                           "cpu has 0.0 MB free: this command holds the whole model on one device (a build's "
