@@ -147,7 +147,7 @@ def assert_one_line_error(proc: Result, *needles: str) -> None:
     ("scripts/bench_kernels.py", ["--repeats", "--json"]),
     ("scripts/eval_drafter.py", ["--data", "--drafter", "--target", "--per-kind", "--block-size", "--device",
                                  "--threads", "--json"]),
-    ("scripts/draft_vocab.py", ["drafter", "--data", "--eval-sequences", "--target"]),
+    ("scripts/draft_vocab.py", ["drafter", "--data", "--eval-sequences", "--target", "--force"]),
 ])
 def test_help_lists_every_flag(script, flags, run):
     proc = run(script, "--help")
@@ -1017,7 +1017,7 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     cfg = DrafterConfig.from_file(drafter / "config.json")
     ids = read_draft_vocab(drafter, cfg)
     assert f"{ids.numel()} of 49152 tokens\n" in proc.stdout and 1000 < ids.numel() < 49152
-    again = run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "40")
+    again = run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "40", "--force")
     assert again.returncode == 0 and f"tokens (replaced one of {ids.numel()} tokens)" in again.stdout
     every = training_tokens([cache], 0)
     assert set(ids.tolist()) < set(every.tolist())  # held-out answers bring tokens of their own
@@ -1032,7 +1032,8 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     assert torch.equal(training_tokens([mixed], 0), training_tokens([both], 0))
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(tmp_path / "gone")), "gone")
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(both), str(tmp_path / "empty")),
+    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(both), str(tmp_path / "empty"),
+                              "--force"),
                           f"--data {tmp_path / 'empty'}: not a feature cache (no answers-*.safetensors")
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(both), str(both) + "/"),
                           "--data names the same cache twice")
@@ -1045,7 +1046,8 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
 
     def made_by(recorded: str) -> Result:  # a cache that records its target: another one's is refused
         (both / "meta.json").write_text(json.dumps({"recipe": {}, "target": recorded}))
-        return run("scripts/draft_vocab.py", str(drafter), "--data", str(both), "--target", str(tmp_path / "t"))
+        return run("scripts/draft_vocab.py", str(drafter), "--data", str(both), "--target", str(tmp_path / "t"),
+                   "--force")
     assert_one_line_error(made_by("0123456789abcdef"), f"{both}: made by another target (digest 0123456789abcdef, "
                                                        f"this one's {digest})")
     assert made_by(digest).returncode == 0
@@ -1054,6 +1056,20 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     assert_one_line_error(run("scripts/draft_vocab.py", str(tmp_path), "--data", str(cache)), "config.json")
     assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "-1"),
                           "--eval-sequences")
+
+
+def test_draft_vocab_replaces_one_only_with_force(tmp_path, run):
+    """A drafter's draft_vocab.json was overwritten without a word but "(replaced one of N tokens)"; it is now one
+    line before any work unless --force says so, and left as it was."""
+    drafter = tmp_path / "d"
+    drafter.mkdir()
+    for name in ("config.json", "draft_vocab.json"):
+        shutil.copy2(ROOT / "checkpoints" / "beam-mini-dflash2" / name, drafter / name)
+    before = (drafter / "draft_vocab.json").read_bytes()
+    assert_one_line_error(run("scripts/draft_vocab.py", str(drafter), "--data",
+                              str(ROOT / "checkpoints" / "beam-mini-dflash2-data-s6")),
+                          f"{drafter}: holds a draft_vocab.json already; pass --force to replace it")
+    assert (drafter / "draft_vocab.json").read_bytes() == before
 
 
 def test_train_drafter_needs_a_target_with_a_tokenizer(tmp_path, run):

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the held-out greedy answers at the end of the last cache (train_drafter's; default 32)")
     p.add_argument("--target", help="the target the drafter was trained for, loaded only to check caches that record "
                    "their target against it (default: beam-mini)")
+    p.add_argument("--force", action="store_true", help="replace a draft_vocab.json the drafter holds already")
     args = p.parse_args(argv)
 
     def run() -> None:
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             require_dir(args.target, "the target checkpoint directory", "--target")
         drafter = Path(args.drafter)
         cfg = DrafterConfig.from_file(drafter / "config.json")
+        if (drafter / DRAFT_VOCAB_FILE).exists() and not args.force:
+            raise BeamtrtError(f"{drafter}: holds a {DRAFT_VOCAB_FILE} already; pass --force to replace it")
         check_caches_target(dirs, args.target)
         tokens = training_tokens(dirs, args.eval_sequences)
         if tokens.numel() and int(tokens.max()) >= cfg.vocab_size:
