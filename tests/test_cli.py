@@ -501,11 +501,14 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
     # accepted, and never matched
 
 
-def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys):
-    """A size a host cannot hold is one line: the model's context (bench_decode), or an allocation that fails."""
+def test_sizes_beyond_the_host_are_one_line(tmp_path, run, capsys, monkeypatch):
+    """A size a host cannot hold is one line: the model's context (bench_decode, read from config.json before the
+    model is loaded: it came after the load), or an allocation that fails."""
+    from beamtrt.bench import decode
     from beamtrt.cli_util import run_cli
 
     assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
+    monkeypatch.setattr(decode, "load_beam", lambda *a, **k: pytest.fail("loaded"))
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "m"), "--context", "10000000",
                               "--paths", "torch"), "exceed the model's context")
 

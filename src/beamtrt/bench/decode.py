@@ -22,6 +22,7 @@ from beamtrt import native
 from beamtrt.checkpoint.hf import write_json
 from beamtrt.cli_util import (ArgumentParser, description, output_path, outside_inputs, progress, run_cli, say,
                               set_threads)
+from beamtrt.config import BeamConfig
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
 
@@ -143,16 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             output_path(args.json, "--json")
         model_dir = Path(args.model) if args.model else ensure_beam_mini()
+        cfg = BeamConfig.from_file(model_dir / "config.json")
+        if args.context + max(args.steps, 2) > cfg.max_position_embeddings:  # 2 warm-up steps, cropped
+            raise ValueError(f"--context {args.context} + --steps {args.steps} exceed the model's context of "
+                             f"{cfg.max_position_embeddings} tokens")
         if args.json:
             outside_inputs(args.json, "--json", [("the target", model_dir)])
         result = {"model": str(model_dir), "threads": torch.get_num_threads(), "context": args.context,
                   "device": "cpu", "results": []}
         bar = progress(len(args.dtypes) * len(args.batches), "bench_decode")
         for name in args.dtypes:
-            model = load_beam(model_dir, dtype=DTYPES[name])
-            if args.context + max(args.steps, 2) > model.cfg.max_position_embeddings:  # 2 warm-up steps, cropped
-                raise ValueError(f"--context {args.context} + --steps {args.steps} exceed the model's context of "
-                                 f"{model.cfg.max_position_embeddings} tokens")
+            model = load_beam(model_dir, dtype=DTYPES[name], cfg=cfg)
             probe = GemvProbe(DTYPES[name])
             step_bytes = active_weight_bytes(model)
             for batch in args.batches:
