@@ -436,6 +436,11 @@ def test_sigterm_mid_write_leaves_nothing(tmp_path):
 def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--top-k", "9"),
                           "num_experts_per_tok=9")
+    # these two wrote num_experts 0 with num_experts_per_tok 2, and mlp_only_layers [0, 0]
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--experts", "0"),
+                          "--top-k 2 with --experts 0: a model without experts takes --top-k 0")
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--dense-layers", "1", "0",
+                              "1"), "--dense-layers 1 0 1: names a layer more than once")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--heads", "7"),
                           "num_key_value_heads=4")
     for flag, value in (("--max-shard-gb", "nan"), ("--max-shard-gb", "0"), ("--seed", str(2**70))):
@@ -447,8 +452,10 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert not (tmp_path / "x").exists()
     link = tmp_path / "link"  # dangling: its target is made, as for every output (it failed after the writing)
     link.symlink_to(tmp_path / "made")
-    result = run("scripts/make_random_beam.py", "--out", str(link), "--layers", "1", "--hidden-size", "64")
+    result = run("scripts/make_random_beam.py", "--out", str(link), "--layers", "1", "--hidden-size", "64",
+                 "--experts", "0", "--top-k", "0")
     assert result.returncode == 0 and link.is_symlink() and (tmp_path / "made" / "config.json").is_file(), result
+    assert BeamConfig.from_file(tmp_path / "made").num_experts_per_tok == 0
 
 
 def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):

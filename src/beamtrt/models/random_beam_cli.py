@@ -25,7 +25,8 @@ SIZE_FLAGS = {
     "--top-k": ("num_experts_per_tok", 2),
     "--shared-expert-size": ("shared_expert_intermediate_size", 0),
 }
-ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer dense", "--shared-expert-size": "none"}
+ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer dense (with --top-k 0)",
+              "--top-k": "none, with --experts 0", "--shared-expert-size": "none"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> None:
+        # BeamConfig reads a config like that, as transformers does (the field is unused then); asked for, it is a slip
+        if not args.experts and args.top_k:
+            raise ValueError(f"--top-k {args.top_k} with --experts 0: a model without experts takes --top-k 0")
+        if len(set(args.dense_layers)) < len(args.dense_layers):
+            raise ValueError(f"--dense-layers {' '.join(map(str, args.dense_layers))}: names a layer more than once")
         sizes = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in SIZE_FLAGS.items()}
         cfg = BeamConfig(**sizes, mlp_only_layers=tuple(args.dense_layers), use_qk_norm=not args.no_qk_norm)
         if not 0 < args.max_shard_gb < math.inf:
