@@ -52,8 +52,8 @@ def check(args):
     """The first bad value, as one line (the server checks them too), or None."""
     int32 = 2**31 - 1  # the request's tensors are INT32
     bad = [(not 1 <= args.max_tokens <= int32, f"--max-tokens must be in [1, {int32}], got {args.max_tokens}"),
-           (not args.url.strip(), "--url is empty"),
-           (not args.prompt.strip(), "--prompt is empty"),
+           (not args.url.strip(), "--url is empty or only whitespace"),
+           (not args.prompt.strip(), "--prompt is empty or only whitespace"),
            (not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature <= np.finfo(np.float32).max),  # FP32
             f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {args.temperature}"),
            (not (0 < args.top_p <= 1 and np.float32(args.top_p) > 0),  # sent as FP32: 1e-50 would arrive as 0

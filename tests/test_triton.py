@@ -954,10 +954,16 @@ def test_beam_mini_repository_validates(beam_mini, tmp_path):
 
 # ---- the scripts -----------------------------------------------------------------------------------------------
 
-def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
+def load_client() -> types.ModuleType:
+    """scripts/triton_client.py, loaded from its file (it runs without beamtrt installed)."""
     spec = importlib.util.spec_from_file_location("triton_client", ROOT / "scripts" / "triton_client.py")
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
+    return client
+
+
+def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
+    client = load_client()
     export.export(export.ExportConfig(builds[1], tmp_path / "repo"))
     sent = client.build_inputs(client.parse_args(["--prompt", "hi", "--stop", "x", "--seed", str(2**64 - 1),
                                                   "--temperature", "1"]))
@@ -989,7 +995,15 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
     assert refused.startswith("error: no Triton server answers at localhost:1 (") and refused.count("\n") == 1
     assert refused.endswith("): start one with scripts/launch_triton.sh, or pass its --url\n")
     assert client.main(["--url", ""]) == 2  # before gRPC, whose own log lines would come first
-    assert capsys.readouterr().err == "error: --url is empty\n"
+    assert capsys.readouterr().err == "error: --url is empty or only whitespace\n"
+
+
+def test_client_says_a_blank_prompt_or_url_is_only_whitespace(capsys):
+    """--prompt "  " was refused as "--prompt is empty"; the line now says what the check is."""
+    client = load_client()
+    for flag in ("--prompt", "--url"):
+        assert client.main([flag, "  "]) == 2
+        assert capsys.readouterr().err == f"error: {flag} is empty or only whitespace\n"
 
 
 def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
