@@ -898,6 +898,8 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/benchmark.py", "--draft-threshold", "-1"), "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
     assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
+    assert "timed runs per point; a verification point takes at most 10 of them on the GPU and 3 on the host" in (
+        " ".join(run("scripts/bench_kernels.py", "--help").stdout.split()))  # it said "timed runs per point" alone
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path), "--size-gb", "0"), "--size-gb")
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path / "w"), "--size-gb", "inf"),
                           "--size-gb must be a finite number")

@@ -131,7 +131,8 @@ def verify_point(batch: int, drafts: int, vocab: int, top_k: int, sampled: bool,
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=description(__doc__))
-    p.add_argument("--repeats", type=int, default=50, help="timed runs per point (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=50, help="timed runs per point; a verification point takes at most "
+                   "10 of them on the GPU and 3 on the host (default: %(default)s)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)
 
