@@ -540,6 +540,16 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run, beam_mini):
         assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--perturbation", bad),
                               "--perturbation must be a finite number")
     assert not (tmp_path / "m").exists()
+    damaged = tmp_path / "damaged"  # this recipe, its last shard cut short: it was reported as beam-mini
+    damaged.mkdir()
+    for f in beam_mini.iterdir():
+        (damaged / f.name).symlink_to(f)
+    last = sorted(damaged.glob("model-*.safetensors"))[-1]
+    last.unlink()
+    with open(beam_mini / last.name, "rb") as f:
+        last.write_bytes(f.read(1000))
+    assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(damaged)), f"{last}: not a valid safetensors "
+                          "file", "(damaged since beam-mini was built): pass --force to rebuild it")
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "thesis.txt").write_text("years of work")  # a directory beam-mini did not write is kept
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m")),

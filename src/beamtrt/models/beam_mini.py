@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import CheckpointWriter, read_json, replace_dir, staging, write_json
+from beamtrt.checkpoint.hf import CheckpointReader, CheckpointWriter, read_json, replace_dir, staging, write_json
 from beamtrt.cli_util import check_room
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError, ConfigError
@@ -104,6 +104,16 @@ def upcycled_tensors(sd: dict[str, torch.Tensor], cfg: BeamConfig, recipe: MiniR
         yield "lm_head.weight", sd["lm_head.weight"]
 
 
+def check_shards(out: Path) -> None:
+    """Every shard's header, read: a shard cut short since the build was reported as beam-mini, to fail when loaded."""
+    try:
+        reader = CheckpointReader(out)
+        for name in reader.names():
+            reader.shape(name)  # opens the header of the shard that holds it
+    except CheckpointError as err:
+        raise CheckpointError(f"{err} (damaged since beam-mini was built): pass --force to rebuild it") from None
+
+
 def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=None, force: bool = False,
                     progress: bool = True) -> Path:
     """Write beam-mini to `out` (atomically: temp dir, then rename); a directory built with the same recipe is kept.
@@ -118,6 +128,7 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
             if not (out / "config.json").is_file() or not any(out.glob("model*.safetensors*")):
                 raise CheckpointError(f"{out} holds beam-mini's {MARKER} but not its config.json and weights (files "
                                       "removed since): pass --force to rebuild it")
+            check_shards(out)
             return out
         changed = ", ".join(f"{k} {built.get(k)} -> {v}" for k, v in recipe_json.items() if built.get(k) != v)
         raise CheckpointError(f"{out} holds beam-mini of another recipe ({changed}): pass --force to replace it "
