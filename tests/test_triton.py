@@ -789,8 +789,16 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
                                        *args)
             assert rc == 2 and stderr.count("\n") == 1 and needle in stderr and not out.exists(), stderr
             assert stderr.endswith(hint) == (backend == "auto" and "--max-seq-len" not in args), stderr
-    rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "auto")
-    assert rc == 0, stderr
+    for flag, value in (("--dtype", "float32"), ("--device", "cpu")):  # were taken, shown and ignored
+        rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "trt", flag,
+                                   value)
+        assert (rc, stderr) == (2, f"error: {flag} sets the torch backend's compute; --backend trt serves the engines "
+                                   "as built\n")
+    rc, stdout, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "trt")
+    assert rc == 0 and "backend trt, block 8\n" in stdout and "backend trt, block 8," in (out / "README.md").read_text()
+    rc, stdout, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "auto",
+                                    "--force")
+    assert rc == 0 and "backend auto, block 8, bfloat16, device auto\n" in stdout, stderr
     params = served_params(out)
     assert (params["max_slots"], params["max_seq_len"]) == ("4", "512")  # the defaults, lowered to the engines'
     rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "torch",

@@ -30,11 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the leading drafts whose running product of drafter confidences is >= P, in "
                         "[0, 1] (runtime/run.py's flag); 0 verifies whole blocks (default: %(default)s)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
-                   help="compute dtype of the torch backend (default: %(default)s)")
-    p.add_argument("--device", default="auto",
+    p.add_argument("--dtype", choices=tuple(DTYPES),
+                   help="compute dtype of the torch backend; refused with --backend trt, whose engines run as built "
+                        "(default: bfloat16)")
+    p.add_argument("--device",
                    help="torch device: cpu, cuda, cuda:N, or auto = cuda where available; a TP build served on the "
-                        "torch backend runs its ranks on cpu (auto picks it, cuda is refused) (default: %(default)s)")
+                        "torch backend runs its ranks on cpu (auto picks it, cuda is refused); refused with --backend "
+                        "trt (default: auto)")
     p.add_argument("--max-slots", type=int,
                    help="requests decoded at once; more wait in beam_dflash2's queue; served on the build's engines, "
                         f"at most their --max-batch-size (default: {MAX_SLOTS}, or that where lower)")

@@ -197,8 +197,8 @@ class ExportConfig:
     force: bool = False
     backend: str = "auto"
     block_size: int | None = None   # None: the build's
-    dtype: str = "bfloat16"
-    device: str = "auto"
+    dtype: str | None = None        # None: bfloat16 (the torch backend's compute; not with backend trt)
+    device: str | None = None       # None: auto (likewise)
     max_slots: int | None = None    # None: MAX_SLOTS, or the engines' --max-batch-size where lower
     max_seq_len: int | None = None  # None: MAX_SEQ_LEN, or the most the build serves where lower
     seed: int = 0
@@ -228,6 +228,11 @@ def export(cfg: ExportConfig) -> list[str]:
     no_engines = missing_engines(manifest)
     if cfg.backend == "trt" and no_engines:
         raise ExportError(f"--backend trt: the build has no engines ({no_engines})")
+    given = [flag for flag, value in (("--dtype", cfg.dtype), ("--device", cfg.device)) if value is not None]
+    if cfg.backend == "trt" and given:
+        raise ExportError(f"{given[0]} sets the torch backend's compute; --backend trt serves the engines as built")
+    dtype = "bfloat16" if cfg.dtype is None else cfg.dtype
+    device = "auto" if cfg.device is None else cfg.device
     # what the server would refuse at its start or first step: engines (trt, and auto where the build has them: it
     # serves them on a TensorRT-LLM host) run their own block and batch; a request's tokens stop at the build's context
     on_engines = cfg.backend != "torch" and not no_engines
@@ -248,7 +253,7 @@ def export(cfg: ExportConfig) -> list[str]:
     if max_seq_len > context:
         raise ExportError(f"--max-seq-len {max_seq_len} is above {what} of {context} tokens")
     try:
-        settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, cfg.dtype, cfg.device,
+        settings = ServeSettings(engine, manifest["mapping"]["tp_size"], cfg.backend, block, dtype, device,
                                  max_slots, max_seq_len, cfg.seed, cfg.chat_template, cfg.draft_threshold)
     except SettingError as e:  # named as the flag it came from (each setting is export_triton.py's flag of its name)
         if e.name == "max_seq_len" and cfg.max_seq_len is None:  # not given: the build's own length is too short
@@ -259,8 +264,8 @@ def export(cfg: ExportConfig) -> list[str]:
             raise ExportError(f"{what} of {context} tokens leaves no room for a request in blocks of {block} "
                               f"(--max-seq-len {e.why}): {remedy}") from None
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
-    if cfg.device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
-        check_device(cfg.device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
+    if device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
+        check_device(device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
     trained = manifest["drafter"].get("train_block_size")
     if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
         raise ExportError(why)
@@ -314,7 +319,7 @@ ensemble):
 | model | what it does |
 |---|---|
 | `preprocessing` | `text_input` -> `input_ids` {text} |
-| `{MODEL}` | decoupled Python model: speculative decoding (backend {s.backend}, block {s.block_size}, {s.dtype}, \
+| `{MODEL}` | decoupled Python model: speculative decoding (backend {s.backend}, block {s.block_size}{compute(s)}, \
 up to {s.max_slots} requests at once, {s.max_seq_len} tokens each) |
 | `postprocessing` | `output_ids` -> `text_output` |
 | `ensemble` | the three in a chain |
@@ -396,7 +401,12 @@ def check_repository(repo: Path) -> list[str]:
     return [f"{len(configs)} models ({', '.join(configs)}): every config.pbtxt parses as a Triton ModelConfig, no "
             "placeholder left, every path exists, the ensemble's steps fit together",
             f"engines: {settings.engine_dir} ({manifest['precision']}, tp {tp} = world size {settings.world_size}), "
-            f"backend {settings.backend}, block {settings.block_size}, {settings.dtype}, device {settings.device}"]
+            f"backend {settings.backend}, block {settings.block_size}{compute(settings)}"]
+
+
+def compute(s: ServeSettings) -> str:
+    """The torch backend's compute settings, for summaries (the engines of backend trt run as built)."""
+    return "" if s.backend == "trt" else f", {s.dtype}, device {s.device}"
 
 
 def _check_ensemble(configs: dict) -> None:
