@@ -66,8 +66,11 @@ def agree(root: Path, manifest: dict, files: bool = True) -> None:
     for part, fields in AGREE.items():
         ckpt = TrtllmCheckpoint(root / manifest[part]["dir"])
         key = mf.field(manifest, f"stages.{part}.key", None)
-        stamps.update({(rank_file(ckpt.path, r), str(r), key): ckpt.open(r).metadata
-                       for r in range(ckpt.mapping.tp_size)})
+        for r in range(ckpt.mapping.tp_size):
+            try:
+                stamps[rank_file(ckpt.path, r), str(r), key] = ckpt.open(r).metadata
+            except CheckpointError:  # missing or damaged: named by the rank that loads it (validate: by check_files)
+                pass
         said = {"architecture": ckpt.config.get("architecture"), "precision": ckpt.precision,
                 "kv_cache": ckpt.kv_cache, "mapping": ckpt.mapping.to_json()}
         if "block_size" in fields:
