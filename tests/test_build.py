@@ -193,8 +193,10 @@ def _rewrite(path: Path, name: str, fn) -> None:
     (lambda d: (d / "target" / "config.json").write_text("{not json"), ["config.json", "not valid JSON"]),
     (lambda d: _rewrite(d / "target", "model.layers.1.self_attn.q_proj.weight",  # FP8 without its scales: a traceback
                         lambda t, n: t.__setitem__(n, t[n].to(torch.float8_e4m3fn))),
-     ["q_proj.weight", "float8_e4m3fn, expected a 16- or 32-bit floating-point dtype (an FP8 checkpoint"]),
-], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8"])
+     ["q_proj.weight", "float8_e4m3fn, expected a floating-point dtype of 16 bits or more (an FP8 checkpoint"]),
+    (lambda d: (d / "target" / "generation_config.json").write_text('{"eos_token_id": "2"}'),  # the runtime's stops
+     ["generation_config.json: eos_token_id must be a token id or a list of them, got '2'"]),
+], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8", "generation-config"])
 def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needles):
     src = _corrupt_copy(sources, tmp_path, edit)
     out = tmp_path / "out"
@@ -586,8 +588,9 @@ def test_run_refuses_a_small_file_changed_since_the_build(mini_vocab_sources, tm
 
 def test_a_rank_file_of_another_rank_or_build_is_named_before_anything_loads(mini_vocab_sources, tmp_path):
     """Each rank file's header names the build stage and rank that wrote it, checked at every start: a rank file
-    copied over another rank's, or from another build, or from a build before the stamps, is one line (each ran,
-    giving other tokens, one process and mpirun ranks different ones). The weights are not hashed at a start."""
+    copied over another rank's, or from another build, is one line (each ran, giving other tokens, one process and
+    mpirun ranks different ones). The weights are not hashed at a start. Rank files written before the stamps pass,
+    also beside stamped ones (a stage reused by a rebuild with --force keeps its files as they were)."""
     from safetensors.torch import load_file, save_file
 
     from beamtrt.checkpoint.validate import agree
@@ -607,8 +610,6 @@ def test_a_rank_file_of_another_rank_or_build_is_named_before_anything_loads(min
          "target/rank1.safetensors", "holds rank 0's weights, not rank 1's (renamed or copied since the build"),
         (lambda d: restamp(d / "drafter/rank0.safetensors", **{"beamtrt.stage_key": "0" * 64, "beamtrt.rank": "0"}),
          "drafter/rank0.safetensors", "written by another build than manifest.json's (copied from one?)"),
-        (lambda d: restamp(d / "drafter/rank1.safetensors"),  # as a build before the stamps wrote it
-         "drafter/rank1.safetensors", "written by another build than manifest.json's"),
     ]:
         bad = tmp_path / "bad"
         shutil.rmtree(bad, ignore_errors=True)
@@ -619,6 +620,9 @@ def test_a_rank_file_of_another_rank_or_build_is_named_before_anything_loads(min
     run = [sys.executable, str(ROOT / "runtime/run.py"), "--prompt", "hi", "--engine-dir", str(bad)]
     one_line_error(subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT),
                    f"{bad / rel}: written by another build", "rebuild")
+    for r in range(2):  # the target's stage from a build before the stamps, the drafter's rebuilt since
+        restamp(out / f"target/rank{r}.safetensors")
+    agree(out, read_manifest(out))
 
 
 @pytest.mark.parametrize("edit, needle", [

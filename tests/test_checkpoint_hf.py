@@ -514,6 +514,13 @@ def test_staging_an_output_the_caller_found_absent_refuses_one_written_since(tmp
     with hf.staging(out) as tmp:  # a writer that may replace it
         hf.replace_dir(tmp, out)
     assert not (out / "mine").exists()
+    out.rmdir()  # what an interrupted replace leaves: the old output aside, none in its place
+    (tmp_path / ".out.old-1" / "x").mkdir(parents=True)
+    (tmp_path / ".out.old-1" / "x" / "f").write_text("old")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(out))}: put back as above; pass --force$"), \
+            hf.staging(out, "pass --force"):  # was 'written by another process', after the note that put it back
+        pass
+    assert out.is_dir() and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_staging_removes_the_folders_it_made_when_no_output_came(tmp_path):

@@ -437,8 +437,8 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--top-k", "9"),
                           "num_experts_per_tok=9")
     # these two wrote num_experts 0 with num_experts_per_tok 2, and mlp_only_layers [0, 0]
-    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--experts", "0"),
-                          "--top-k 2 with --experts 0: a model without experts takes --top-k 0")
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--experts", "0",
+                              "--top-k", "2"), "--top-k 2 with --experts 0: a model without experts takes --top-k 0")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--dense-layers", "1", "0",
                               "1"), "--dense-layers 1 0 1: names a layer more than once")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--heads", "7"),
@@ -453,7 +453,7 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
     link = tmp_path / "link"  # dangling: its target is made, as for every output (it failed after the writing)
     link.symlink_to(tmp_path / "made")
     result = run("scripts/make_random_beam.py", "--out", str(link), "--layers", "1", "--hidden-size", "64",
-                 "--experts", "0", "--top-k", "0")
+                 "--experts", "0")  # its --top-k is 0 then
     assert result.returncode == 0 and link.is_symlink() and (tmp_path / "made" / "config.json").is_file(), result
     assert BeamConfig.from_file(tmp_path / "made").num_experts_per_tok == 0
 
@@ -630,7 +630,7 @@ def test_generation_config_end_of_sequence_ids_stop_decoding_too(mini_vocab_sour
     """A chat model may name the token its turns end with only in generation_config.json (Qwen3 adds <|endoftext|>
     there), as Hugging Face's generate reads it: it was ignored, and decoding ran past the answer's end."""
     from beamtrt.errors import CheckpointError
-    from beamtrt.runtime.loader import load_hf
+    from beamtrt.runtime.loader import hf_sources, load_hf
     from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
     model = tmp_path / "target"
@@ -646,11 +646,11 @@ def test_generation_config_end_of_sequence_ids_stop_decoding_too(mini_vocab_sour
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain[k], 2]}))
     assert len(plain) == 8 and decode() == plain[:k + 1]
     for eos, needle in [("7", "must be a token id or a list of them, got '7'"), ([True], "got [True]"),
-                        (10**6, "eos_token_id 1000000 is outside the vocabulary [0, 49152)")]:
+                        ({}, "got {}"), (10**6, "eos_token_id 1000000 is outside the vocabulary [0, 49152)")]:
         (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
         with pytest.raises(CheckpointError, match=re.escape(f"{model / 'generation_config.json'}: ") + ".*"
                            + re.escape(needle)):
-            decode()
+            hf_sources(model, None, False)  # before any weight loads
 
 
 def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from beamtrt.errors import ConfigError
+from beamtrt.errors import CheckpointError, ConfigError
 
 # Fields Hugging Face writes that do not change the function the model computes.
 _IGNORED_HF_FIELDS = frozenset({
@@ -571,3 +571,25 @@ class BuildConfig:
     @property
     def needs_calibration(self) -> bool:
         return self.precision != "bf16" or self.kv_cache == "fp8" or self.drafter_precision != "bf16"
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_eos(folder: Path, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids a checkpoint's generation_config.json names (a build keeps it in tokenizer/): Hugging
+    Face's generate stops on them, and a chat model may name only there the token its turns end with (Qwen3 adds
+    <|endoftext|> to config.json's <|im_end|>). () without the file or the field; a file that cannot be read as one
+    is a CheckpointError (checked before any weight loads: hf_sources, and the build's Plan)."""
+    file = Path(folder) / GENERATION_CONFIG
+    if not file.exists():
+        return ()
+    from beamtrt.checkpoint.hf import read_json
+
+    eos = read_json(file, GENERATION_CONFIG).get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    if bad := [i for i in ids if not 0 <= i < vocab_size]:
+        raise CheckpointError(f"{file}: eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return tuple(ids)

@@ -22,7 +22,8 @@ from beamtrt.checkpoint.hf import CheckpointReader, followed, replace_dir, stagi
 from beamtrt.checkpoint.stream import nbytes
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.cli_util import size_text
-from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error
+from beamtrt.config import (BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error,
+                            generation_eos)
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import has_tokenizer, read_chat_lines
 
@@ -40,6 +41,7 @@ class Plan:
 
         self.bc = bc
         self.target_cfg = BeamConfig.from_file(bc.model / "config.json")
+        generation_eos(bc.model, self.target_cfg.vocab_size)  # the runtime stops on its ids: a bad file, named now
         self.mapping = trtllm.Mapping(bc.tp, bc.moe_ep)
         self.target_units = trtllm.target_units(self.target_cfg, self.mapping)
         if bc.precision == "nvfp4":

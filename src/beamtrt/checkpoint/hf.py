@@ -54,10 +54,11 @@ def staging(final: Path, absent: str | None = None) -> Iterator[Path]:
     try:
         tmp.chmod(0o777 & ~_UMASK)
         # after its own is in place: of two writers starting at once, one sees the other (or each the other: both stop)
-        _remove_leftovers(final, tmp)
+        put_back = _remove_leftovers(final, tmp)
         if absent is not None and (final.is_symlink() or final.exists()) and not (
                 final.is_dir() and not any(final.iterdir())):  # once this lock is held, no writer of it runs
-            raise CheckpointError(f"{final}: written by another process while this one ran; {absent}")
+            why = "put back as above" if put_back else "written by another process while this one ran"
+            raise CheckpointError(f"{final}: {why}; {absent}")
         yield tmp
     except (BeamtrtError, OSError) as e:  # a file that cannot be written is named where the user will look for it
         _rename_in_error(e, tmp, final)
@@ -125,10 +126,11 @@ def _lock(fd: int) -> bool | None:
         return None
 
 
-def _remove_leftovers(final: Path, mine: Path) -> None:
+def _remove_leftovers(final: Path, mine: Path) -> bool:
     """Removes the `staging` directories for `final` (.tmp-*) and the old outputs `replace_dir` moved aside (.old-*)
     that no running process holds (a killed or interrupted writer's) but `mine`; one that a running process holds is
-    one line. An old output whose replacement never came (`final` missing) is put back instead."""
+    one line. An old output whose replacement never came (`final` missing) is put back instead: True if one was."""
+    put_back = False
     name = glob.escape(final.name)
     for old in sorted([*final.parent.glob(f".{name}.tmp-*"), *final.parent.glob(f".{name}.old-*")]):
         if old.name == mine.name or old.is_symlink() or not old.is_dir():  # a name: mkdtemp's path is absolute (3.12)
@@ -150,6 +152,7 @@ def _remove_leftovers(final: Path, mine: Path) -> None:
                 old.rmdir()
                 print(f"note: put back {final} from {old}, where an earlier run that was stopped while replacing it "
                       "left it", file=sys.stderr, flush=True)
+                put_back = True
                 continue
             # the disk space it held: not the files it shares by hard links (a reused stage's, with the output)
             size = sum(st.st_blocks * 512 for st in (f.lstat() for f in old.rglob("*")) if st.st_nlink == 1)
@@ -159,6 +162,7 @@ def _remove_leftovers(final: Path, mine: Path) -> None:
             print(f"note: removed {old} ({size / 1e6:.1f} MB), {what}", file=sys.stderr, flush=True)
         finally:
             os.close(fd)
+    return put_back
 
 
 _WRITING: set[Path] = set()  # folders this process holds through `writing`
@@ -438,8 +442,8 @@ class CheckpointReader:
         allow_missing: Iterable[str] = (),
         allow_unexpected: Iterable[str] = (),
     ) -> None:
-        """Check names, shapes and dtypes against `expected` from headers only (dtype None = any float wider than 8
-        bits: an 8-bit float carries scales this reader does not know, and would be read as unscaled values).
+        """Check names, shapes and dtypes against `expected` from headers only (dtype None = any float of 16 bits or
+        more: an FP8 tensor carries scales this reader does not take, and would be read as unscaled values).
 
         `allow_missing` / `allow_unexpected` hold names or fnmatch patterns.
         """
@@ -461,8 +465,9 @@ class CheckpointReader:
         if got_shape != tuple(shape):
             return f"{file}: tensor '{name}' has shape {got_shape}, expected {tuple(shape)}"
         if dtype is None and not (got_dtype.is_floating_point and got_dtype.itemsize > 1):
-            return (f"{file}: tensor '{name}' has dtype {got_dtype}, expected a 16- or 32-bit floating-point dtype"
-                    + (" (an FP8 checkpoint: pass its bf16 original)" if got_dtype.itemsize == 1 else ""))
+            fp8 = got_dtype.is_floating_point  # the 1-byte floats
+            return (f"{file}: tensor '{name}' has dtype {got_dtype}, expected a floating-point dtype of 16 bits or more"
+                    + (" (an FP8 checkpoint: pass its bf16 original)" if fp8 else ""))
         if dtype is not None and got_dtype != dtype:
             return f"{file}: tensor '{name}' has dtype {got_dtype}, expected {dtype}"
         return None

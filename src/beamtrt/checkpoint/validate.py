@@ -58,8 +58,8 @@ AGREE = {  # part -> {what its config.json says: the manifest field it must equa
 
 def agree(root: Path, manifest: dict, files: bool = True) -> None:
     """The build's two config.json files say what its manifest says, every rank file's header names the build stage
-    and rank that wrote it, and every file but the weights (configs, draft vocabulary, tokenizer, calibration: small)
-    has the sha256 it was built with. No weight is read: run.py and the Triton model check this at every start, the
+    and rank that wrote it (where it was written with them), and every file but the weights and engines (configs,
+    draft vocabulary, tokenizer, calibration, plugin library: small) has the sha256 it was built with. No weight is read: run.py and the Triton model check this at every start, the
     validator also hashes the weights (files=False: it has hashed every file already). One line naming the file
     that differs."""
     stamps = {}
@@ -80,22 +80,23 @@ def agree(root: Path, manifest: dict, files: bool = True) -> None:
             if want is not None and said[name] != want:  # None: an older manifest without the field
                 raise CheckpointError(f"{ckpt.path / 'config.json'}: {name} {said[name]} differs from the manifest's "
                                       f"{dotted} {want} (changed since the build: rebuild with build/build_engines.py)")
-    if any(STAMP_KEY in meta for meta in stamps.values()):  # none: a build from before the stamps
-        for (file, rank, key), meta in stamps.items():
-            if meta.get(STAMP_KEY) != key:
-                raise CheckpointError(f"{file}: written by another build than {mf.MANIFEST}'s (copied from one?): "
-                                      "rebuild with build/build_engines.py")
-            if meta.get(STAMP_RANK) != rank:
-                raise CheckpointError(f"{file}: holds rank {meta.get(STAMP_RANK)}'s weights, not rank {rank}'s "
-                                      "(renamed or copied since the build: rebuild with build/build_engines.py)")
+    for (file, rank, key), meta in stamps.items():
+        if STAMP_KEY not in meta:  # written before the stamps (a stage reused since keeps its files as they were)
+            continue
+        if meta[STAMP_KEY] != key:
+            raise CheckpointError(f"{file}: written by another build than {mf.MANIFEST}'s (copied from one?): "
+                                  "rebuild with build/build_engines.py")
+        if meta.get(STAMP_RANK) != rank:
+            raise CheckpointError(f"{file}: holds rank {meta.get(STAMP_RANK)}'s weights, not rank {rank}'s "
+                                  "(renamed or copied since the build: rebuild with build/build_engines.py)")
     if files:
         check_files(root, manifest, weights=False)
 
 
 def check_files(root: Path, manifest: dict, weights: bool = True) -> None:
-    """Every file the manifest lists is there with its sha256 (weights=False: all but the rank files)."""
+    """Every file the manifest lists is there with its sha256 (weights=False: all but the rank files and engines)."""
     for rel, digest in manifest.get("files", {}).items():
-        if not weights and rel.endswith(".safetensors"):
+        if not weights and rel.endswith((".safetensors", ".engine")):
             continue
         file = root / rel
         if not file.is_file():

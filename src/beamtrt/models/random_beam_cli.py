@@ -22,11 +22,10 @@ SIZE_FLAGS = {
     "--intermediate-size": ("intermediate_size", 512),
     "--moe-intermediate-size": ("moe_intermediate_size", 128),
     "--experts": ("num_experts", 8),
-    "--top-k": ("num_experts_per_tok", 2),
+    "--top-k": ("num_experts_per_tok", None),  # None: 2, or 0 with --experts 0
     "--shared-expert-size": ("shared_expert_intermediate_size", 0),
 }
-ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer dense (with --top-k 0)",
-              "--top-k": "none, with --experts 0", "--shared-expert-size": "none"}
+ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer dense", "--shared-expert-size": "none"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     for flag, (field, default) in SIZE_FLAGS.items():
         zero = f"; 0 = {ZERO_MEANS[flag]}" if flag in ZERO_MEANS else ""
-        p.add_argument(flag, type=int, default=default, help=f"{field}{zero} (default: %(default)s)")
+        said = "2; 0 with --experts 0" if default is None else "%(default)s"
+        p.add_argument(flag, type=int, default=default, help=f"{field}{zero} (default: {said})")
     p.add_argument("--dense-layers", type=int, nargs="*", default=[0],
                    help="layers with one dense MLP instead of experts (mlp_only_layers); --dense-layers alone: none "
                         "(default: 0, the first layer)")
@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         # BeamConfig reads a config like that, as transformers does (the field is unused then); asked for, it is a slip
-        if not args.experts and args.top_k:
+        if args.top_k is None:
+            args.top_k = 2 if args.experts else 0
+        elif not args.experts and args.top_k:
             raise ValueError(f"--top-k {args.top_k} with --experts 0: a model without experts takes --top-k 0")
         if len(set(args.dense_layers)) < len(args.dense_layers):
             raise ValueError(f"--dense-layers {' '.join(map(str, args.dense_layers))}: names a layer more than once")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from beamtrt.checkpoint import manifest as mf
-from beamtrt.config import BeamConfig, DrafterConfig, drafter_block_error
+from beamtrt.config import BeamConfig, DrafterConfig, drafter_block_error, generation_eos
 from beamtrt.errors import CheckpointError, ConfigError
 
 BACKENDS = ("auto", "torch", "trt")
@@ -144,27 +144,6 @@ def check_device(device: str, backend: str, ranks: int, flag: str = "--device") 
                           f"mpirun) on {device}")
 
 
-GENERATION_CONFIG = "generation_config.json"
-
-
-def generation_eos(folder: Path, vocab_size: int) -> tuple[int, ...]:
-    """The end-of-sequence ids a checkpoint's generation_config.json names (a build keeps it in tokenizer/): Hugging
-    Face's generate stops on them too, and a chat model may name only there the token its turns end with (Qwen3 adds
-    <|endoftext|> to config.json's <|im_end|>). () without the file or the field."""
-    file = Path(folder) / GENERATION_CONFIG
-    if not file.exists():
-        return ()
-    from beamtrt.checkpoint.hf import read_json
-
-    eos = read_json(file, GENERATION_CONFIG).get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else eos or []
-    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    if bad := [i for i in ids if not 0 <= i < vocab_size]:
-        raise CheckpointError(f"{file}: eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    return tuple(ids)
-
-
 def _stop_on_generation_eos(loaded: Loaded) -> Loaded:
     """The target's end-of-sequence ids: its config.json's, then its generation_config.json's."""
     target = loaded.target
@@ -242,10 +221,11 @@ def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spe
     if spec and drafter_dir:
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
-    if spec and (model_dir / "config.json").is_file():
+    if (model_dir / "config.json").is_file():
         target_cfg = BeamConfig.from_file(model_dir / "config.json")
-        if drafter_dir:
+        generation_eos(model_dir, target_cfg.vocab_size)  # a bad one named before any weight loads
+        if spec and drafter_dir:
             drafter_config_for(drafter_dir, target_cfg)
-        else:
+        elif spec:
             drafter_dir = default_drafter_for(target_cfg, no_spec_flag)
     return model_dir, Path(drafter_dir) if spec and drafter_dir else None
