@@ -544,7 +544,7 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run, beam_mini):
     damaged.mkdir()
     for f in beam_mini.iterdir():
         (damaged / f.name).symlink_to(f)
-    last = sorted(damaged.glob("model-*.safetensors"))[-1]
+    last = max(damaged.glob("model-*.safetensors"))
     last.unlink()
     with open(beam_mini / last.name, "rb") as f:
         last.write_bytes(f.read(1000))

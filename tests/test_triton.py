@@ -665,8 +665,8 @@ def test_an_export_finished_by_another_process_meanwhile_is_not_replaced(builds,
         return check_build(*args)
     monkeypatch.setattr(export, "check_build", another_export_finishes)
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out))
-    assert (rc, stderr) == (2, f"error: {out}: written by another process while this one ran; pass --force to "
-                               "replace it\n")
+    assert (rc, stderr) == (2, (f"error: {out}: written by another process while this one ran; pass --force to "
+                                "replace it\n"))
     assert [p.name for p in tmp_path.iterdir()] == ["repo"] and [p.name for p in out.iterdir()] == ["beam_dflash2"]
 
 
@@ -792,8 +792,8 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
     for flag, value in (("--dtype", "float32"), ("--device", "cpu")):  # were taken, shown and ignored
         rc, _, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "trt", flag,
                                    value)
-        assert (rc, stderr) == (2, f"error: {flag} sets the torch backend's compute; --backend trt serves the engines "
-                                   "as built\n")
+        assert (rc, stderr) == (2, (f"error: {flag} sets the torch backend's compute; --backend trt serves the "
+                                    "engines as built\n"))
     rc, stdout, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "trt")
     assert rc == 0 and "backend trt, block 8\n" in stdout and "backend trt, block 8," in (out / "README.md").read_text()
     rc, stdout, stderr = run_export(capsys, "--engine-dir", str(engines), "--out", str(out), "--backend", "auto",

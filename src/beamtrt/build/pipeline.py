@@ -22,8 +22,7 @@ from beamtrt.checkpoint.hf import CheckpointReader, followed, replace_dir, stagi
 from beamtrt.checkpoint.stream import nbytes
 from beamtrt.checkpoint.trtllm_files import write_checkpoint
 from beamtrt.cli_util import size_text
-from beamtrt.config import (BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error,
-                            generation_eos)
+from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings, drafter_block_error, generation_eos
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import has_tokenizer, read_chat_lines
 

@@ -59,9 +59,9 @@ AGREE = {  # part -> {what its config.json says: the manifest field it must equa
 def agree(root: Path, manifest: dict, files: bool = True) -> None:
     """The build's two config.json files say what its manifest says, every rank file's header names the build stage
     and rank that wrote it (where it was written with them), and every file but the weights and engines (configs,
-    draft vocabulary, tokenizer, calibration, plugin library: small) has the sha256 it was built with. No weight is read: run.py and the Triton model check this at every start, the
-    validator also hashes the weights (files=False: it has hashed every file already). One line naming the file
-    that differs."""
+    draft vocabulary, tokenizer, calibration, plugin library: small) has the sha256 it was built with. No weight is
+    read: run.py and the Triton model check this at every start, the validator also hashes the weights (files=False:
+    it has hashed every file already). One line naming the file that differs."""
     stamps = {}
     for part, fields in AGREE.items():
         ckpt = TrtllmCheckpoint(root / manifest[part]["dir"])
