@@ -1150,10 +1150,19 @@ def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it
     for shard in cache.glob("features-*.safetensors"):
         shard.unlink()  # the answers files alone, as committed
     before = sorted(p.name for p in cache.iterdir())
+    drafter = tmp_path / "drafter"
+    shutil.copytree(src / "drafter", drafter)
+    (drafter / "training.json").write_text(json.dumps({"data": {"prompts": 3}, "extra_data": [str(tmp_path / "no")]}))
     result = run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(src / "target"), "--drafter",
-                 str(src / "drafter"), "--per-kind", "1", "--block-size", "4")
-    assert result.returncode == 0, result.stderr
+                 str(drafter), "--per-kind", "1", "--block-size", "4")
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
     assert "| all | " in result.stdout and sorted(p.name for p in cache.iterdir()) == before
+    (drafter / "training.json").write_text(json.dumps({"data": {"prompts": 3}, "extra_data": [str(cache)]}))
+    result = run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(src / "target"), "--drafter",
+                 str(drafter), "--per-kind", "1", "--block-size", "4")  # it scored a cache trained on without a word
+    assert result.returncode == 0 and "| all | " in result.stdout, result.stderr
+    assert f"warning: {cache}: the drafter trained on this cache (its recipe is one its training.json names)" in (
+        result.stderr)
 
 
 def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_sources):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -40,6 +41,22 @@ def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int)
         scored["all"] = sum(scored.values())
         sums["all"] = {key: sum(s[key] for s in sums.values()) for key in next(iter(sums.values()))}
     return {kind: {"scored": scored[kind]} | eval_ratios(s) for kind, s in sums.items()}
+
+
+def trained_recipes(drafter_dir: Path) -> list[dict]:
+    """The recipes of the caches a drafter's training.json names (train_drafter.py's record: its --data's recipe, and
+    those of its --extra-data caches found from here). A record that cannot be read names none: it warns only."""
+    from beamtrt.train.features import read_meta
+
+    recipes = []
+    try:
+        record = json.loads((drafter_dir / "training.json").read_text())
+        recipes.append(record.get("data"))
+        for extra in record.get("extra_data") or []:
+            recipes.append(read_meta(Path(extra)).get("recipe"))
+    except (OSError, ValueError, TypeError, AttributeError, BeamtrtError):
+        pass
+    return [r for r in recipes if isinstance(r, dict)]
 
 
 def _meta(data_dir: Path) -> dict:
@@ -125,10 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.block_size > dcfg.block_size:
             raise ValueError(f"--block-size {args.block_size} is above the drafter's ({dcfg.block_size})")
         taps = list(dcfg.target_layer_ids)
+        trained = trained_recipes(drafter_dir)
         for d in map(Path, args.data):
             cache_taps = _meta(d).get("taps")
             if cache_taps != taps:
                 raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
+            if _meta(d)["recipe"] in trained:  # scored all the same: a user may want its fit on what it saw
+                print(f"warning: {d}: the drafter trained on this cache (its recipe is one its training.json names): "
+                      "its acceptance here is no held-out score", file=sys.stderr, flush=True)
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
         parts, kinds, answers = [], [], Counter()
