@@ -670,11 +670,14 @@ def test_an_export_finished_by_another_process_meanwhile_is_not_replaced(builds,
     assert [p.name for p in tmp_path.iterdir()] == ["repo"] and [p.name for p in out.iterdir()] == ["beam_dflash2"]
 
 
+def _edit_json(file: Path, edit) -> None:
+    obj = json.loads(file.read_text())
+    edit(obj)
+    file.write_text(json.dumps(obj))
+
+
 def _break_manifest(build: Path, change) -> None:
-    path = build / "manifest.json"
-    manifest = json.loads(path.read_text())
-    change(manifest)
-    path.write_text(json.dumps(manifest))
+    _edit_json(build / "manifest.json", change)
 
 
 @pytest.mark.parametrize("breakage, needle", [
@@ -891,12 +894,6 @@ def test_a_server_whose_caches_exceed_the_free_memory_refuses_to_start(builds):
                                           r".* and cpu has .* free: decode fewer requests at once, or shorter ones$"):
         serving.open_server(ServeSettings(builds[1], 1, dtype="float32", device="cpu", max_slots=10**8,
                                           max_seq_len=200))
-
-
-def _edit_json(file: Path, edit) -> None:
-    config = json.loads(file.read_text())
-    edit(config)
-    file.write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("damage, needle", [

@@ -47,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> None:
-        # BeamConfig reads a config like that, as transformers does (the field is unused then); asked for, it is a slip
         if args.top_k is None:
             args.top_k = 2 if args.experts else 0
-        elif not args.experts and args.top_k:
+        elif not args.experts and args.top_k:  # BeamConfig reads such a config, as transformers does; asked: a slip
             raise ValueError(f"--top-k {args.top_k} with --experts 0: a model without experts takes --top-k 0")
         if len(set(args.dense_layers)) < len(args.dense_layers):
             raise ValueError(f"--dense-layers {' '.join(map(str, args.dense_layers))}: names a layer more than once")

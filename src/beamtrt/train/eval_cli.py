@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         taps = list(dcfg.target_layer_ids)
         trained = trained_recipes(drafter_dir)
         for d in map(Path, args.data):
-            cache_taps = _meta(d).get("taps")
-            if cache_taps != taps:
-                raise BeamtrtError(f"{d}: features of target layers {cache_taps}, the drafter reads {taps}")
-            if _meta(d)["recipe"] in trained:  # scored all the same: a user may want its fit on what it saw
+            meta = _meta(d)
+            if meta.get("taps") != taps:
+                raise BeamtrtError(f"{d}: features of target layers {meta.get('taps')}, the drafter reads {taps}")
+            if meta["recipe"] in trained:  # scored all the same: a user may want its fit on what it saw
                 print(f"warning: {d}: the drafter trained on this cache (its recipe is one its training.json names): "
                       "its acceptance here is no held-out score", file=sys.stderr, flush=True)
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
