@@ -181,6 +181,14 @@ def _rewrite(path: Path, name: str, fn) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+def _overflowing_float16(tensors: dict, name: str) -> None:
+    """An fp16 embedding (the dtype a build writes) beside an fp32 tensor beyond fp16's range: the build named its
+    output rank file ('has NaN or Inf values'), not the source tensor."""
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].half()
+    tensors[name] = tensors[name].float()
+    tensors[name].view(-1)[7] = 1e5
+
+
 @pytest.mark.parametrize("edit, needles", [
     (lambda d: _rewrite(d / "target", "model.layers.1.mlp.gate.weight", lambda t, n: t.pop(n)),
      ["missing 1 tensor", "model.layers.1.mlp.gate.weight"]),
@@ -196,7 +204,9 @@ def _rewrite(path: Path, name: str, fn) -> None:
      ["q_proj.weight", "float8_e4m3fn, expected a floating-point dtype of 16 bits or more (an FP8 checkpoint"]),
     (lambda d: (d / "target" / "generation_config.json").write_text('{"eos_token_id": "2"}'),  # the runtime's stops
      ["generation_config.json: eos_token_id must be a token id or a list of them, got '2'"]),
-], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8", "generation-config"])
+    (lambda d: _rewrite(d / "target", "model.layers.2.self_attn.o_proj.weight", _overflowing_float16),
+     ["o_proj.weight: values up to 1e+05 overflow float16, the dtype the build writes"]),
+], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8", "generation-config", "overflow"])
 def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needles):
     src = _corrupt_copy(sources, tmp_path, edit)
     out = tmp_path / "out"

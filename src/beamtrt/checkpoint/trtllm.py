@@ -414,11 +414,24 @@ Sources = Callable[[str], torch.Tensor]  # HF name -> tensor
 Warn = Callable[[str], None] | None  # told a warning's line
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype, names: list[str]) -> torch.Tensor:
+    """`t` in the dtype the build writes; a value beyond that dtype's range is named by its source tensors (the
+    rank-file check named the output file: 'has NaN or Inf values'). Sources are checked finite as they are read."""
+    out = t.to(dtype)
+    if (t.is_floating_point() and torch.finfo(dtype).max < torch.finfo(t.dtype).max
+            and not bool(torch.isfinite(out).all())):
+        raise CheckpointError(f"{', '.join(names)}: values up to {t.abs().amax().item():.4g} overflow "
+                              f"{DTYPE_NAMES[dtype]}, the dtype the build writes (model.embed_tokens.weight's): save "
+                              "the checkpoint in one dtype, bfloat16 or float32")
+    return out
+
+
 def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor | None,
-              dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Quantize one rank's [out, in] weight with the group's shared weight amax (fp32 scalar; None in bf16)."""
+              dtype: torch.dtype, names: list[str]) -> dict[str, torch.Tensor]:
+    """Quantize one rank's [out, in] weight (of the source tensors `names`) with the group's shared weight amax
+    (fp32 scalar; None in bf16)."""
     if precision == "bf16":
-        return {"weight": w.to(dtype)}
+        return {"weight": _cast(w, dtype, names)}
     if precision == "fp8":
         scale = fp8.scale_from_amax(weight_amax)
         # one fp32 division, as modelopt's TensorRT-LLM export does (its (1,)-shaped scale promotes to fp32)
@@ -465,7 +478,7 @@ def produce(units: list[Unit], get: Sources, mapping: Mapping, precision: str, d
                 piece = unit.part.take(full, r)
                 if piece.shape[0] < unit.shape[0]:  # vocab padded to a multiple of tp: zero rows
                     piece = torch.cat((piece, piece.new_zeros(unit.shape[0] - piece.shape[0], *piece.shape[1:])))
-                yield r, unit.name, piece.to(unit.dtype or dtype).contiguous(), None
+                yield r, unit.name, _cast(piece, unit.dtype or dtype, [unit.part.source]).contiguous(), None
             continue
         if unit.expert_slots:
             yield from _produce_experts(unit, get, mapping, precision, dtype, amax, warn)
@@ -477,12 +490,13 @@ def produce(units: list[Unit], get: Sources, mapping: Mapping, precision: str, d
         biases = [get(p.source) for p in unit.bias]
         for r in ranks:
             w = torch.cat([p.take(f, r) for p, f in zip(unit.parts, fulls)])
-            for key, t in _quantize(precision, w, weight_amax, dtype).items():
+            for key, t in _quantize(precision, w, weight_amax, dtype, names).items():
                 yield r, f"{unit.name}.{key}", t, None
             if precision != "bf16":
                 yield r, f"{unit.name}.activation_scaling_factor", _act_tensor(unit, precision, amax), None
             if biases:
-                yield r, f"{unit.name}.bias", torch.cat([p.take(b, r) for p, b in zip(unit.bias, biases)]).to(dtype), None
+                bias = torch.cat([p.take(b, r) for p, b in zip(unit.bias, biases)])
+                yield r, f"{unit.name}.bias", _cast(bias, dtype, [p.source for p in unit.bias]), None
 
 
 def _act_tensor(unit: Linear, precision: str, amax: dict[str, float]) -> torch.Tensor:
@@ -504,7 +518,7 @@ def _produce_experts(unit: Linear, get: Sources, mapping: Mapping, precision: st
         weight_amax = _weight_amax(fulls, names, precision, warn)
         for r, slot in holders[e]:
             w = torch.cat([p.take(f, r) for p, f in zip(unit.parts, fulls)])
-            for key, t in _quantize(precision, w, weight_amax, dtype).items():
+            for key, t in _quantize(precision, w, weight_amax, dtype, names).items():
                 if key == "weights_scaling_factor" and precision == "fp8":
                     t = t.reshape(1)
                 yield r, f"{unit.name}.{key}", t, slot
