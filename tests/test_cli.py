@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from beamtrt.config import BeamConfig, DrafterConfig
-from conftest import written_by_another_process
+from conftest import TINY, written_by_another_process
 
 ROOT = Path(__file__).resolve().parents[1]
 MAINS = {
@@ -561,6 +561,29 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run, beam_mini):
     shutil.copy2(beam_mini / "beam_mini.json", tmp_path / "marker-only")
     assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "marker-only")),
                           "not its config.json and weights", "--force")
+
+
+def test_the_default_beam_mini_is_checked_as_make_beam_mini_checks_it(tmp_path, run, monkeypatch):
+    """The folder the commands use without --model, its marker there but a shard cut short since (or its weights
+    removed), is one line offering make_beam_mini.py --force: the marker alone was taken for a complete beam-mini."""
+    from beamtrt.build import cli as build_cli
+    from beamtrt.models import beam_mini as bm
+    from beamtrt.models.random_beam import write_random_beam
+
+    folder = write_random_beam(tmp_path / "beam-mini", TINY, max_shard_bytes=50_000)  # a tiny stand-in, sharded
+    (folder / bm.MARKER).write_text("{}")
+    ensure = bm.ensure_beam_mini
+    monkeypatch.setattr(bm, "ensure_beam_mini", lambda: ensure(folder))  # as if it were the default folder
+    monkeypatch.setattr(build_cli, "LAST_BUILD", tmp_path / "no-last-build")
+    last = max(folder.glob("model-*.safetensors"))
+    last.write_bytes(last.read_bytes()[:1000])
+    remedy = f"rebuild it with scripts/make_beam_mini.py --out {folder} --force"
+    assert_one_line_error(run("runtime/run.py", "--no-spec", "--prompt", "hi"), f"{last}: not a valid safetensors "
+                          "file", f"(damaged since beam-mini was built): {remedy}")
+    for f in folder.glob("model*.safetensors*"):
+        f.unlink()
+    assert_one_line_error(run("runtime/run.py", "--no-spec", "--prompt", "hi"),
+                          f"{folder} holds beam-mini's {bm.MARKER} but not its config.json and weights", remedy)
 
 
 def test_random_checkpoint_runs_with_its_own_model(tmp_path):

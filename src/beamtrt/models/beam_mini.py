@@ -104,14 +104,18 @@ def upcycled_tensors(sd: dict[str, torch.Tensor], cfg: BeamConfig, recipe: MiniR
         yield "lm_head.weight", sd["lm_head.weight"]
 
 
-def check_shards(out: Path) -> None:
-    """Every shard's header, read: a shard cut short since the build was reported as beam-mini, to fail when loaded."""
+def check_built(out: Path, remedy: str) -> None:
+    """A folder holding beam-mini's marker still holds its config.json and weights, every shard's header read (a
+    shard cut short since the build was taken for beam-mini, to fail when loaded); else one line ending in `remedy`."""
+    if not (out / "config.json").is_file() or not any(out.glob("model*.safetensors*")):
+        raise CheckpointError(f"{out} holds beam-mini's {MARKER} but not its config.json and weights (files removed "
+                              f"since): {remedy}")
     try:
         reader = CheckpointReader(out)
         for name in reader.names():
             reader.shape(name)  # opens the header of the shard that holds it
     except CheckpointError as err:
-        raise CheckpointError(f"{err} (damaged since beam-mini was built): pass --force to rebuild it") from None
+        raise CheckpointError(f"{err} (damaged since beam-mini was built): {remedy}") from None
 
 
 def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=None, force: bool = False,
@@ -125,10 +129,7 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     if not force and (out / MARKER).is_file():
         built = read_json(out / MARKER, MARKER)
         if built == recipe_json:
-            if not (out / "config.json").is_file() or not any(out.glob("model*.safetensors*")):
-                raise CheckpointError(f"{out} holds beam-mini's {MARKER} but not its config.json and weights (files "
-                                      "removed since): pass --force to rebuild it")
-            check_shards(out)
+            check_built(out, "pass --force to rebuild it")
             return out
         changed = ", ".join(f"{k} {built.get(k)} -> {v}" for k, v in recipe_json.items() if built.get(k) != v)
         raise CheckpointError(f"{out} holds beam-mini of another recipe ({changed}): pass --force to replace it "
@@ -169,10 +170,13 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
 
 
 def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
-    """The default beam-mini directory, created on first use (about half a minute on 2 cores)."""
+    """The default beam-mini directory, created on first use (about half a minute on 2 cores); one already there is
+    checked as make_beam_mini.py checks it (its files present, every shard's header readable)."""
     path = Path(path)
     if not (path / MARKER).is_file():
         build_beam_mini(path)
+    else:
+        check_built(path, f"rebuild it with scripts/make_beam_mini.py --out {path} --force")
     return path
 
 
