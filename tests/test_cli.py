@@ -201,6 +201,9 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--block-size", "33"), "--block-size", "[2, 32]")
     for flag, value in (("--drafter", "d"), ("--draft-threshold", "0.4")):  # they would be ignored
         assert_one_line_error(run("runtime/run.py", "--no-spec", flag, value), "--no-spec decodes without a drafter")
+    # --block-size too, even at its default value: it was ignored (and a missing --prompts file came next)
+    assert_one_line_error(run("runtime/run.py", "--no-spec", "--block-size", "8", "--prompts", str(tmp_path / "none")),
+                          "--no-spec decodes without a drafter", "--block-size")
     for bad in ("-0.1", "1.5", "nan"):
         assert_one_line_error(run("runtime/run.py", "--draft-threshold", bad), "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl")

@@ -25,6 +25,7 @@ DEFAULT_PROMPTS = (
     "Write a Python function that returns the square of a number.",
     "Give me three tips for staying focused while studying.",
 )
+DEFAULT_BLOCK_SIZE = 8  # --block-size when not given (None until _validate: --no-spec refuses an explicit one)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,11 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests decoded at once; when one finishes, its cache slot is refilled from the queue "
                         "before the next step (continuous batching); 0 = every prompt at once, or as many as a "
                         "TensorRT engine's --max-batch-size (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=8,
+    p.add_argument("--block-size", type=int,
                    help="tokens per verification block, in [2, 32] and at most the drafter's own block (the "
                         "block_size in its config.json): the anchor + block-1 drafts; on a CPU host "
                         "blocks of 4, 6 and 8 decode about equally fast with --draft-threshold 0.4 "
-                        "(docs/BENCHMARKS.md) (default: %(default)s)")
+                        f"(docs/BENCHMARKS.md) (default: {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the leading drafts of a block whose running product of the drafter's "
                         "confidences is >= P, in [0, 1]: fewer verified rows make a step cheaper where the verify's "
@@ -108,11 +109,13 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed)
-    check_block_size(args.block_size)  # also with --no-spec, whose steps are one token: a bad value is still a typo
     if not args.no_spec:
         check_draft_threshold(args.draft_threshold)
-    elif args.drafter or args.draft_threshold:
-        raise ValueError("--no-spec decodes without a drafter: drop --drafter / --draft-threshold")
+    elif args.drafter or args.draft_threshold or args.block_size is not None:  # they would be ignored
+        raise ValueError("--no-spec decodes without a drafter: drop --drafter / --draft-threshold / --block-size")
+    if args.block_size is None:
+        args.block_size = DEFAULT_BLOCK_SIZE
+    check_block_size(args.block_size)
     if args.prompt and args.prompts:
         raise ValueError("give --prompt or --prompts, not both")
     check_threads(args.threads)
