@@ -1191,12 +1191,13 @@ def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it
         result.stderr)
 
 
-def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_sources):
-    """A tiny end-to-end run (phase 1, training, the drafter saved); then each way a rerun could damage an input, an
-    output or the training state is refused in one line before any work."""
+def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_sources, monkeypatch):
+    """A tiny end-to-end run (phase 1, training, the drafter saved, its training.json timing each phase); then each way
+    a rerun could damage an input, an output or the training state is refused in one line before any work."""
     import torch
 
     from beamtrt.models.random_beam import write_random_beam
+    from beamtrt.train import features
 
     target = mini_vocab_sources / "target"
     small = ["--prompts", "6", "--max-new-tokens", "6", "--gen-batch", "3", "--steps", "2", "--seqs-per-step", "2",
@@ -1204,9 +1205,19 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
              "--selector-rank", "4", "--threads", "1", "--quiet", "--prompt-mix", "v1"]
     data, work, out = tmp_path / "data", tmp_path / "work", tmp_path / "out"
     paths = ["--target", str(target), "--data", str(data), "--work", str(work)]
-    proc = run("scripts/train_drafter.py", *paths, "--out", str(out), *small)
+    clock, build_features = [0.0], features.build_features
+
+    def slow_build(*args, **kwargs):  # phase 1 made to look 1,000 s long
+        build_features(*args, **kwargs)
+        clock[0] += 1000
+    with monkeypatch.context() as m:
+        m.setattr(time, "perf_counter", lambda perf_counter=time.perf_counter: perf_counter() + clock[0])
+        m.setattr(features, "build_features", slow_build)
+        proc = run("scripts/train_drafter.py", *paths, "--out", str(out), *small)
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").is_file() and json.loads((data / "meta.json").read_text())["target"]
+    summary = json.loads((out / "training.json").read_text())  # training's time left out phase 1's: it counted it
+    assert summary["data_seconds_this_run"] >= 1000 > summary["train_seconds_this_run"], summary
     assert json.loads((out / "config.json").read_text())["block_size"] == 4  # the block it trained at (it said 16)
     unscored = "not evaluated: nothing held out, as the data has 5 greedy answers"  # 6 prompts, one sampled
     assert f"warning: training is {unscored}" in proc.stderr  # said before training, and in the last line
