@@ -1019,6 +1019,25 @@ def test_a_default_drafter_that_does_not_fit_offers_only_the_commands_own_flags(
                           "does not fit this target", "--drafter DIR", "or --no-spec")
 
 
+def test_build_engines_names_the_checkpoint_a_build_given_as_model_came_from(tmp_path, run):
+    """build_engines.py --model on a build (or its target/) names the checkpoint its manifest records as the target's
+    source: it named the manifest field to look in, which it still does when the manifest records none or is
+    unreadable."""
+    build = tmp_path / "build"
+    (build / "target").mkdir(parents=True)
+    for manifest, remedy in (({"target": {"source": "/models/beam"}}, "pass --model /models/beam, the Hugging Face "
+                                                                        "checkpoint it was built from"),
+                             ({"target": {}}, "pass the Hugging Face checkpoint it was built from (its manifest.json's "
+                                              "target.source)")):
+        (build / "manifest.json").write_text(json.dumps(manifest))
+        for model in (build, build / "target"):
+            assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--model", str(model), "--out",
+                                      str(tmp_path / "again")), f"--model {model}: ", remedy)
+    (build / "manifest.json").write_text("{")
+    assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--model", str(build), "--out",
+                              str(tmp_path / "again")), "(its manifest.json's target.source)")
+
+
 def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_path, run, monkeypatch):
     """It said '<build>/config.json: missing config.json'. And run on --engine-dir without mpirun (every rank's weights
     in one process), like --model, a build larger than the free memory is refused before loading (a build of Beam
@@ -1042,8 +1061,8 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     for model in (out, out / "target"):  # was '<build>/config.json: missing config.json', an unknown-fields error
         assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--model", str(model), "--out",
                                   str(tmp_path / "again")),
-                              f"--model {model}: ", "not a Hugging Face checkpoint: pass the Hugging Face checkpoint "
-                                                   "it was built from (its manifest.json's target.source)")
+                              f"--model {model}: ", f"not a Hugging Face checkpoint: pass --model {src / 'target'}, "
+                                                   "the Hugging Face checkpoint it was built from")
     monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
     assert_one_line_error(run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi"),
                           "cpu has 0.0 MB free: this command holds the whole model on one device (a build's "

@@ -69,6 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(lambda: _run(args))
 
 
+def _built_from(build: Path) -> str:
+    """What to pass instead of a build given as --model: the checkpoint its manifest records as its target's source,
+    or where to look for it when the manifest cannot be read or records none."""
+    from beamtrt.checkpoint.hf import read_json
+    from beamtrt.checkpoint.manifest import MANIFEST, field
+    from beamtrt.errors import CheckpointError
+
+    try:
+        source = field(read_json(build / MANIFEST, "build manifest"), "target.source", None)
+    except CheckpointError:
+        source = None
+    if isinstance(source, str) and source:
+        return f"--model {source}, the Hugging Face checkpoint it was built from"
+    return "the Hugging Face checkpoint it was built from (its manifest.json's target.source)"
+
+
 def _run(args: argparse.Namespace) -> None:
     from beamtrt.build.pipeline import build, log
     from beamtrt.checkpoint.manifest import read_manifest
@@ -86,7 +102,7 @@ def _run(args: argparse.Namespace) -> None:
     else:
         from beamtrt.runtime.loader import not_a_build
 
-        not_a_build(model, "the Hugging Face checkpoint it was built from (its manifest.json's target.source)")
+        not_a_build(model, _built_from)
     drafter = args.drafter
     if drafter is None:  # beam-mini's, said at once where it does not fit --model (the target's config is read here)
         from beamtrt.config import BeamConfig

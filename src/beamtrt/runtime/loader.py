@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -196,15 +197,15 @@ def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = t
     return _stop_on_generation_eos(Loaded(TorchTarget(model), drafter, model_dir, "torch", what, drafter_dir))
 
 
-def not_a_build(model_dir: Path, remedy: str | None) -> None:
+def not_a_build(model_dir: Path, remedy: Callable[[Path], str] | None) -> None:
     """--model naming a build_engines.py output, or its target/ (a TensorRT-LLM checkpoint), is one line; `remedy`
-    (its {} the build) says what to pass instead."""
+    (called with the build) says what to pass instead."""
     if (model_dir / mf.MANIFEST).is_file() and not (model_dir / "config.json").exists() or (
             model_dir.parent / mf.MANIFEST).is_file():
         build = model_dir if (model_dir / mf.MANIFEST).is_file() else model_dir.parent
         what = "a build_engines.py output" if build == model_dir else f"a folder of the build_engines.py output {build}"
         raise CheckpointError(f"--model {model_dir}: {what}, not a Hugging Face checkpoint"
-                              + (f": pass {remedy.format(build)}" if remedy else ""))
+                              + (f": pass {remedy(build)}" if remedy else ""))
 
 
 def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spec: bool,
@@ -217,7 +218,7 @@ def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spe
     from beamtrt.models.dflash2 import drafter_config_for
 
     if model_dir:
-        not_a_build(Path(model_dir), "--engine-dir {}" if engine_dir_flag else None)
+        not_a_build(Path(model_dir), "--engine-dir {}".format if engine_dir_flag else None)
     if spec and drafter_dir:
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
