@@ -61,6 +61,7 @@ def test_outputs_follow_the_published_format(result):
     assert len(fam["per_position_acceptance"]) == 7
     table = result.with_suffix(".md").read_text()
     assert "| chat |" in table and "→" in table and "×)" in table and "5/5 |" in table
+    assert fam["prompts_file"].endswith("prompts.jsonl") and f"Prompts: chat from {fam['prompts_file']}." in table
     assert result.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| τ greedy / sampled (block 8) |" in table.splitlines()[0]
 
@@ -115,6 +116,7 @@ def test_out_names_three_files_whatever_its_suffix():
     (["--prompts", "gsm8k"], "expected FAMILY=FILE.jsonl"),
     (["--prompts", "x=a.jsonl", "--prompts", "x=b.jsonl"], "--prompts names family 'x' twice (a.jsonl and b.jsonl)"),
     (["--prompts", "a|b=a.jsonl"], "a family name cannot hold '|'"),
+    (["--prompts", "a\nb=a.jsonl"], "cannot hold '|', a line break or other control characters"),  # broke the table
     (["--families", "x", "--prompts", "x=/nonexistent.jsonl"], "cannot read the prompts file"),
     (["--concurrency", "0"], "must be >= 1"),
     (["--block-size", "1"], "--block-size must be in [2, 32]"),
@@ -179,18 +181,21 @@ def test_a_failure_at_the_end_writes_none_of_the_three_files(mini_vocab_sources,
 def test_a_prompt_too_long_for_the_target_is_refused_before_any_family_is_measured(mini_vocab_sources, tmp_path,
                                                                                   monkeypatch, one_thread, capsys):
     """A request that does not fit the target's context failed inside the decoder, after the families before it had
-    been measured (and with the request's index, not its family's prompt number)."""
+    been measured (and with the request's index, not its family's prompt number); then it was refused after the
+    models loaded (minutes on a large build), naming the family's prompt number: now its file and line, before."""
     import beamtrt.bench.benchmark as bench
+    from beamtrt.runtime import loader
 
     monkeypatch.setattr(bench, "decode", lambda *a, **k: pytest.fail("a family was measured"))
+    monkeypatch.setattr(loader, "load_hf", lambda *a, **k: pytest.fail("the models were loaded"))
     src = mini_vocab_sources
-    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n" + json.dumps({"prompt": "go " * 33000}))
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n\n" + json.dumps({"prompt": "go " * 33000}))
     rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat", "long",
                "--prompts", f"chat={src / 'prompts.jsonl'}", "--prompts", f"long={tmp_path / 'long.jsonl'}",
                "--num-prompts", "2", "--c1-prompts", "1", "--concurrency", "1", "--max-new-tokens", "4",
                "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.splitlines()[-1].startswith("error: long: prompt 2: its prompt ("), err
+    assert rc == 2 and err.splitlines()[-1].startswith(f"error: {tmp_path / 'long.jsonl'}:3: its prompt ("), err
     assert "more than the target's context of 32768 tokens; leave it out or lower --max-new-tokens" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.jsonl"]
 
@@ -219,8 +224,8 @@ def test_prompts_that_cannot_be_rendered_are_refused_before_the_models_load(mini
     common = ["--drafter", str(src / "drafter"), "--families", "sys", "--prompts", f"sys={tmp_path / 'sys.jsonl'}",
               "--num-prompts", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "out" / "b")]
     for model, needle in ((no_tok, f"error: {no_tok}: no tokenizer files"),
-                          (strict, ("error: sys: prompt 2: the chat template rejected it (Conversation roles must "
-                                    "alternate user/assistant)"))):
+                          (strict, (f"error: {tmp_path / 'sys.jsonl'}:2: the chat template rejected it "
+                                    "(Conversation roles must alternate user/assistant)"))):
         assert main(["--model", str(model), *common]) == 2
         err = capsys.readouterr().err
         assert err.startswith(needle) and len(err.splitlines()) == 1, err
@@ -228,6 +233,56 @@ def test_prompts_that_cannot_be_rendered_are_refused_before_the_models_load(mini
                  *common[6:]]) == 2
     assert capsys.readouterr().err.startswith("error: --prompts FAMILY: not valid UTF-8 text (character 2)")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_official_sets_lines_are_read_as_the_built_in_sets_prompts(tmp_path):
+    """--prompts gsm8k=FILE refused GSM8K's own lines (and MATH's, MBPP's, MT-Bench's: only {"prompt"} and
+    {"messages"} were read), and HumanEval's were read without the built-in set's instruction line."""
+    from beamtrt.bench.prompt_sets import CODE_PREFIX, MATH_SUFFIX, MBPP_PREFIX, load_chats
+    from beamtrt.errors import BeamtrtError
+
+    lines = {"gsm8k": {"question": "2 + 2?", "answer": "#### 4"},
+             "math": {"problem": "Solve x.", "solution": "x", "level": "Level 1"},
+             "humaneval": {"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f", "test": ""},
+             "mbpp": {"task_id": 11, "text": "Add.", "code": "", "test_list": ["assert add(1) == 2"]},
+             "mtbench": {"question_id": 81, "category": "writing", "turns": ["Write.", "Again."]}}
+    prompts = {"gsm8k": "2 + 2?" + MATH_SUFFIX, "math": "Solve x." + MATH_SUFFIX,
+               "humaneval": CODE_PREFIX + "def f():\n", "mtbench": "Write.",
+               "mbpp": MBPP_PREFIX + "Add.\nIt must pass these tests:\nassert add(1) == 2"}
+    for fam, line in lines.items():
+        (path := tmp_path / f"{fam}.jsonl").write_text(json.dumps(line) + "\n" + json.dumps({"prompt": "as is"}) + "\n")
+        assert load_chats(fam, 9, {fam: str(path)}) == [(f"{path}:1", [{"role": "user", "content": prompts[fam]}]),
+                                                        (f"{path}:2", [{"role": "user", "content": "as is"}])]
+    with pytest.raises(BeamtrtError, match=r"gsm8k.jsonl:1: expected .* \(its fields: question, answer\)"):
+        load_chats("chat", 9, {"chat": str(tmp_path / "gsm8k.jsonl")})  # a family of no official layout
+    (bad := tmp_path / "bad.jsonl").write_text(json.dumps({"turns": []}) + "\n")
+    with pytest.raises(BeamtrtError, match=r"bad.jsonl:1: a MT-Bench line \(it has 'turns'\) needs \"turns\": \[str"):
+        load_chats("mtbench", 9, {"mtbench": str(bad)})
+    bad.write_text(json.dumps({"text": "Add.", "test_list": "assert add(1) == 2"}) + "\n")  # a str, not a list
+    with pytest.raises(BeamtrtError, match=r"a MBPP line \(it has 'test_list'\) needs"):
+        load_chats("mbpp", 9, {"mbpp": str(bad)})
+
+
+def test_a_ctrl_c_while_the_files_are_renamed_leaves_all_three_new(mini_vocab_sources, tmp_path, monkeypatch,
+                                                                     one_thread, capsys):
+    """Ctrl-C between the JSON's rename and the table's left a new JSON beside an old table and chart: the renames now
+    run with the signals held, which arrive when they are done."""
+    import os
+    import signal
+
+    import beamtrt.bench.benchmark as bench
+
+    real = bench.write_json
+    monkeypatch.setattr(bench, "write_json", lambda *a: (real(*a), os.kill(os.getpid(), signal.SIGINT)))
+    for ext in (".json", ".md", ".png"):
+        (tmp_path / f"b{ext}").write_text("old")
+    src = mini_vocab_sources
+    rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat", "--prompts",
+               f"chat={src / 'prompts.jsonl'}", "--num-prompts", "1", "--concurrency", "1", "--max-new-tokens", "2",
+               "--no-block16", "--out", str(tmp_path / "b")])
+    assert rc == 130 and capsys.readouterr().err.endswith("interrupted\n")
+    assert [(tmp_path / f"b{ext}").read_bytes() != b"old" for ext in (".json", ".md", ".png")] == [True] * 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_generated_gsm8k_stops_at_the_test_split_size():

@@ -367,6 +367,28 @@ def _run_cli(body: Callable[[], None]) -> int:
     return 0
 
 
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP wait for the block to end, then arrive as they would have: for steps that must all
+    happen or none (the renames of several output files). Ignored signals stay ignored; off the main thread (where no
+    handler can be set) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for sig, handler in saved.items():
+            if handler is not signal.SIG_IGN:
+                signal.signal(sig, lambda number, frame: held.append(number))
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
+
+
 def ended_by(signum: int) -> int:
     """Says how a signal ended the command (Ctrl-C: `interrupted`; SIGTERM, SIGHUP: `terminated`) and returns its exit
     status, 128 + the signal's number."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from beamtrt.cli_util import error_line
@@ -102,6 +103,17 @@ def _opens(messages, prompt) -> bool:
         messages[0].get("role"), messages[0].get("content")) == ("user", prompt)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """An official set's line layout, read beside the two above: a line holding `marker` is one, and `prompt` makes
+    its user prompt from it (a str, or None where its fields are not as `needs` says)."""
+
+    name: str  # the set, for messages: "GSM8K"
+    marker: str  # the field that marks the layout: "question"
+    needs: str  # its fields as the message names them: '"question": str'
+    prompt: Callable[[dict], str | None]
+
+
 def read_chats(path: str | Path) -> list[list[dict]]:
     """Chats from a JSONL file (UTF-8, a BOM allowed); each line {"prompt": str} or {"messages": [{"role",
     "content"}, ...]}: a line with both is read as its prompt when its messages open with it (a dataset export), and
@@ -109,8 +121,9 @@ def read_chats(path: str | Path) -> list[list[dict]]:
     return [chat for _, chat in read_chat_lines(path)]
 
 
-def read_chat_lines(path: str | Path) -> list[tuple[int, list[dict]]]:
-    """read_chats' chats, each with the number of the line it is on (for messages about one of them)."""
+def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tuple[int, list[dict]]]:
+    """read_chats' chats, each with the number of the line it is on (for messages about one of them); with a
+    `layout`, its lines too (a line holding its marker is read as one)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -138,15 +151,21 @@ def read_chat_lines(path: str | Path) -> list[tuple[int, list[dict]]]:
         if both and not _opens(obj["messages"], obj["prompt"]):
             raise BeamtrtError(f'{path}:{n}: holds both "prompt" and "messages", and the messages do not open with '
                                "that prompt; give one")  # which was meant? (a dataset export's two copies agree)
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        if layout is not None and isinstance(obj, dict) and layout.marker in obj:
+            if not isinstance(prompt := layout.prompt(obj), str) or not prompt:
+                raise BeamtrtError(f"{path}:{n}: a {layout.name} line (it has {layout.marker!r}) needs {layout.needs}")
+            chats.append([{"role": "user", "content": prompt}])
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             chats.append([{"role": "user", "content": obj["prompt"]}])
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in obj["messages"]) and obj["messages"]:
             chats.append(obj["messages"])
         else:
-            raise BeamtrtError(f'{path}:{n}: expected {{"prompt": str}} or {{"messages": [{{"role", "content"}}]}}; '
-                               f"{one_per_line}")
+            expected = '{"prompt": str} or {"messages": [{"role", "content"}]}' + (
+                f" or a {layout.name} line ({layout.needs})" if layout else "")
+            keys = f" (its fields: {', '.join(map(str, obj))})" if isinstance(obj, dict) and obj else ""
+            raise BeamtrtError(f"{path}:{n}: expected {expected}{keys}; {one_per_line}")
         numbers.append(n)
         for message in chats[-1]:
             utf8_text(message["content"], f"{path}:{n}")

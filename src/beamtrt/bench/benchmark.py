@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from beamtrt.checkpoint.hf import followed, write_json
 from beamtrt.cli_util import (ArgumentParser, check_threads, description, output_path, outside_inputs, run_ranks_cli,
-                              set_threads, torch_device)
+                              set_threads, signals_held, torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
 from beamtrt.prompts import load_tokenizer, render_chats, utf8_text
@@ -99,6 +99,9 @@ def markdown(result: dict) -> str:
     if result.get("draft_threshold"):
         lines.append(f"\nDecode columns: drafts cut at a draft threshold of {result['draft_threshold']:g}; the τ "
                      "columns verify whole blocks.")
+    if files := [f"{FAMILY_NAMES.get(fam['family'], fam['family'])} from {fam['prompts_file']}"
+                 for fam in result["families"] if fam.get("prompts_file")]:
+        lines.append(f"\nPrompts: {'; '.join(files)}.")
     return "\n".join(lines) + "\n"
 
 
@@ -157,8 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--families", nargs="+", default=list(LOADERS), help="benchmark families (default: all: "
                    f"{' '.join(LOADERS)})")
     p.add_argument("--prompts", action="append", default=[], metavar="FAMILY=FILE",
-                   help="use this prompts JSONL ({\"prompt\"} or {\"messages\"} per line) for a family, e.g. the "
-                        "official set; a new family name adds a row (repeatable)")
+                   help="use this prompts JSONL for a family: {\"prompt\"} or {\"messages\"} lines as they are, "
+                        "and for gsm8k, math, humaneval, mbpp and mtbench the official set's own lines too (GSM8K's "
+                        "question, MATH's problem, HumanEval's prompt, MBPP's text and test_list, MT-Bench's first "
+                        "turn), made into the built-in set's prompts; a new family name adds a row (repeatable)")
     p.add_argument("--num-prompts", type=int, default=32,
                    help="prompts per family, the first of its set; a family stops at its set's end (GSM8K at 1,319, "
                         "the test split's size) (default: %(default)s)")
@@ -192,6 +197,8 @@ class Plan:
     """Everything checked before any weight is loaded (the same on every rank)."""
 
     prompt_ids: dict[str, list[list[int]]]  # family -> its prompts through the target's chat template
+    labels: dict[str, list[str]]  # family -> what messages call each prompt: FILE:LINE, or "family: prompt N"
+    files: dict[str, str]  # family -> the --prompts file it was read from (the others: their package)
     engine_dir: Path | None
     manifest: dict | None
     backend: str
@@ -210,8 +217,9 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
         fam = utf8_text(fam, "--prompts FAMILY")  # it names a row of the table and the chart
         if fam in files:
             raise ValueError(f"--prompts names family {fam!r} twice ({files[fam]} and {path}): give one file each")
-        if "|" in fam:
-            raise ValueError(f"--prompts {item!r}: a family name cannot hold '|' (it names a markdown table row)")
+        if "|" in fam or not fam.isprintable():
+            raise ValueError(f"--prompts {item!r}: a family name cannot hold '|', a line break or other control "
+                             "characters (it names a markdown table row)")
         files[fam] = path
     families = list(dict.fromkeys(args.families + [f for f in files if f not in args.families]))
     if min(args.concurrency) < 1 or args.num_prompts < 1 or args.c1_prompts < 1:
@@ -242,9 +250,25 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     for ext in OUT_EXTS:
         outside_inputs(args.out + ext, "--out", reads)
     tokenizer = load_tokenizer(sources.tokenizer_dir)
-    prompt_ids = {fam: render_chats(tokenizer, c, [f"{fam}: prompt {i + 1}" for i in range(len(c))])
+    labels = {fam: [label for label, _ in c] for fam, c in chats.items()}
+    prompt_ids = {fam: render_chats(tokenizer, [chat for _, chat in c], labels[fam])
                   for fam, c in chats.items()}  # every prompt rendered before the models load
-    return Plan(prompt_ids, engine_dir, manifest, backend, sources)
+    block16 = not args.no_block16 and (sources.drafter_block or 0) >= 16  # as benchmark() decides it
+    check_fit(prompt_ids, labels, args.max_new_tokens, max(args.block_size, 16 * block16), sources.context)
+    return Plan(prompt_ids, labels, files, engine_dir, manifest, backend, sources)
+
+
+def check_fit(prompt_ids: dict[str, list[list[int]]], labels: dict[str, list[str]], max_new_tokens: int,
+              verified: int, context: int | None) -> None:
+    """Every prompt fits the target's context with `max_new_tokens` and a last block of `verified` (the widest the
+    run verifies), before the first family is measured: checked on the sources' context before the models load,
+    and on the loaded target's."""
+    from beamtrt.spec.decoder import too_long
+
+    for fam, ids in prompt_ids.items():
+        for label, one in zip(labels[fam], ids):
+            if why := too_long(len(one), max_new_tokens, verified, context, "--max-new-tokens"):
+                raise BeamtrtError(f"{label}: {why}; leave it out or lower --max-new-tokens")
 
 
 def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
@@ -266,7 +290,7 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
               "tp": dist.size, "device": device, "backend": loaded.backend, "threads": torch.get_num_threads()}
     if plan.manifest:
         result["build_tp"] = plan.manifest["mapping"]["tp_size"]
-    benchmark(args, plan.prompt_ids, *driven, result)
+    benchmark(args, plan, *driven, result)
 
 
 def timed(run: Run, family: str) -> Run:
@@ -278,10 +302,9 @@ def timed(run: Run, family: str) -> Run:
     return run
 
 
-def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], target, drafter,
-              result: dict) -> None:
+def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dict) -> None:
     """The published table's measurements for every family (rank 0), written to OUT.json, OUT.md and OUT.png."""
-    from beamtrt.spec.decoder import Request, too_long
+    from beamtrt.spec.decoder import Request
     from beamtrt.spec.sampling import SamplingParams
 
     if importlib.util.find_spec("matplotlib") is None:  # the chart, drawn at the end: said before measuring
@@ -297,14 +320,11 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
     block16 = not args.no_block16 and drafter.block_size >= 16  # a drafter of a smaller block has no τ at 16
     if not args.no_block16 and not block16:
         print(f"benchmark: no block-16 column: the drafter's own block is {drafter.block_size}", file=sys.stderr)
+    prompt_ids = plan.prompt_ids
     family_requests = {fam: [Request(tuple(ids), args.max_new_tokens, eos) for ids in fam_ids]
                        for fam, fam_ids in prompt_ids.items()}
-    context = getattr(target, "max_seq_len", None)
-    verified = max(args.block_size, 16) if block16 else args.block_size  # the widest block this run verifies
-    for fam, requests in family_requests.items():  # every prompt fits, before the first family is measured
-        for i, r in enumerate(requests):
-            if why := too_long(len(r.prompt_ids), r.max_new_tokens, verified, context, "--max-new-tokens"):
-                raise BeamtrtError(f"{fam}: prompt {i + 1}: {why}; leave it out or lower --max-new-tokens")
+    check_fit(prompt_ids, plan.labels, args.max_new_tokens, max(args.block_size, 16 * block16),
+              getattr(target, "max_seq_len", None))
 
     def whole(n: int) -> list[int]:  # the concurrencies whose speculative run decodes all n prompts in whole blocks
         return [] if args.draft_threshold else [c for c in cs if c != 1 or n <= args.c1_prompts]
@@ -323,7 +343,7 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
         decode(target, warm_drafter, args.block_size, warm, max(cs), greedy, args.draft_threshold)
     result["warmup"] = {"requests": len(warm), "max_new_tokens": max(r.max_new_tokens for r in warm)}
     for f, (fam, requests) in enumerate(family_requests.items()):
-        row = {"family": fam, "prompts": len(requests), "concurrency": {}}
+        row = {"family": fam, "prompts": len(requests), "prompts_file": plan.files.get(fam), "concurrency": {}}
         spec_runs = {}
         for i, c in enumerate(cs):
             bar.set_postfix_str(f"{fam}, concurrency {c}")
@@ -360,15 +380,16 @@ def benchmark(args: argparse.Namespace, prompt_ids: dict[str, list[list[int]]], 
     staged = {ext: path.with_name(f".{path.name}.tmp") for ext, path in into.items()}
     for path in into.values():
         path.parent.mkdir(parents=True, exist_ok=True)
-    try:  # all three or none: the chart and the table first, then the JSON, then the two renamed into place
+    try:  # all three or none: the chart and the table staged, then the JSON written and the two renamed into place
         for ext, write in ((".png", lambda path: chart(result, path)), (".md", lambda path: path.write_text(table))):
             try:
                 write(staged[ext])
             except OSError as e:  # matplotlib's names no file; the temporary name is not the user's
                 raise BeamtrtError(f"{out[ext]}: cannot write it ({e.strerror or e})") from None
-        write_json(out[".json"], result)
-        for ext, tmp in staged.items():
-            tmp.replace(into[ext])
+        with signals_held():  # a Ctrl-C between the renames left a new JSON beside the old table and chart
+            write_json(out[".json"], result)
+            for ext, tmp in staged.items():
+                tmp.replace(into[ext])
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Callable
 
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import read_chats
+from beamtrt.prompts import Layout, read_chat_lines
 
 CACHE = Path(__file__).resolve().parents[3] / "checkpoints" / "prompt-sets"
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_PREFIX = "Complete the following Python function. Reply with the code only.\n\n"
+MBPP_PREFIX = "Write a Python function for the task below. Reply with the code only.\n\n"  # MBPP's own layout
 GSM8K_SIZE = 1319  # GSM8K's test split: gsm_symbolic generates without end, so the family stops where GSM8K does
 FAMILY_NAMES = {"gsm8k": "GSM8K", "math": "MATH-500", "humaneval": "HumanEval", "mbpp": "MBPP",
                 "mtbench": "MT-Bench"}
@@ -103,11 +104,44 @@ LOADERS: dict[str, Callable[[int], list[str]]] = {"gsm8k": gsm8k, "math": math50
                                                   "mbpp": mbpp, "mtbench": mtbench}
 
 
-def load_chats(family: str, n: int, files: dict[str, str]) -> list[list[dict]]:
-    """The first n chats of a family: from files[family] (any prompts JSONL) if given, else its package."""
+def _text(row: dict, key: str, before: str = "", after: str = "") -> str | None:
+    """row[key] between `before` and `after` where it is a non-empty str, else None."""
+    return before + row[key] + after if isinstance(row.get(key), str) and row[key] else None
+
+
+def _mbpp_task(row: dict) -> str | None:
+    """MBPP's own layout: a task in words and the asserts its code must pass (the built-in set's rows are stubs)."""
+    tests = row.get("test_list")
+    if not _text(row, "text") or not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        return None
+    return f"{MBPP_PREFIX}{row['text']}\nIt must pass these tests:\n" + "\n".join(tests)
+
+
+def _first_turn(row: dict) -> str | None:
+    """MT-Bench's first turn, as the built-in set asks (its second turn needs the answer to the first)."""
+    turns = row["turns"]
+    return _text({"turn": turns[0]}, "turn") if isinstance(turns, list) and turns else None
+
+
+# The official sets' own line layouts, read by --prompts FAMILY=FILE beside {"prompt"} / {"messages"} lines (which are
+# taken as they are), each made into the prompt its built-in set gives: MT-Bench's first turn, as the built-in set.
+LAYOUTS = {
+    "gsm8k": Layout("GSM8K", "question", '"question": str', lambda r: _text(r, "question", after=MATH_SUFFIX)),
+    "math": Layout("MATH", "problem", '"problem": str', lambda r: _text(r, "problem", after=MATH_SUFFIX)),
+    "humaneval": Layout("HumanEval", "entry_point", '"prompt": str', lambda r: _text(r, "prompt", CODE_PREFIX)),
+    "mbpp": Layout("MBPP", "test_list", '"text": str and "test_list": [str]', _mbpp_task),
+    "mtbench": Layout("MT-Bench", "turns", '"turns": [str, ...]', _first_turn),
+}
+
+
+def load_chats(family: str, n: int, files: dict[str, str]) -> list[tuple[str, list[dict]]]:
+    """The first n chats of a family, each with a label for messages about it: from files[family] if given (a prompts
+    JSONL, or the official set's layout of a family of LAYOUTS; labels FILE:LINE), else its package ("family: prompt
+    N")."""
     if family in files:
-        return read_chats(files[family])[:n]
+        return [(f"{files[family]}:{line}", chat)
+                for line, chat in read_chat_lines(files[family], LAYOUTS.get(family))[:n]]
     if family not in LOADERS:
         raise BeamtrtError(f"unknown benchmark family {family!r}: choose from {', '.join(LOADERS)} "
                            f"or give --prompts {family}=FILE.jsonl")
-    return [[{"role": "user", "content": p}] for p in LOADERS[family](n)]
+    return [(f"{family}: prompt {i + 1}", [{"role": "user", "content": p}]) for i, p in enumerate(LOADERS[family](n))]
