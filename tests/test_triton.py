@@ -336,7 +336,7 @@ def test_the_decode_thread_ends_nothing_silently(builds):
     ({"text_input": "hi", "max_tokens": 2.5}, "max_tokens must be an integer"),
     ({"text_input": "hi"}, "max_tokens is required"),
     ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
-    ({"text_input": "  ", "max_tokens": 4}, "text_input is empty"),
+    ({"text_input": "  ", "max_tokens": 4}, "text_input is empty or only whitespace"),
     ({"max_tokens": 4}, "text_input or as input_ids"),
     ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, "text_input or as input_ids"),
     ({"text_input": "hi", "max_tokens": 4, "presence_penalty": 0.5}, "unknown field 'presence_penalty'"),

@@ -156,7 +156,7 @@ def parse_request(values: Mapping[str, object]) -> RequestParams:
     if ("text_input" in got) == ("input_ids" in got):
         raise RequestError("give the prompt as text_input or as input_ids (one of them)")
     if "text_input" in got and not got["text_input"].strip():
-        raise RequestError("text_input is empty")
+        raise RequestError("text_input is empty or only whitespace")
     if "input_ids" in got and not got["input_ids"]:
         raise RequestError("input_ids is empty")
     if got["max_tokens"] < 1:
@@ -199,7 +199,7 @@ MAX_STOP_WORDS, MAX_STOP_CHARS = 64, 1024  # stop strings are matched on the dec
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     """A user message through the chat template (with the assistant turn opened), or raw text."""
     if not text.strip():
-        raise RequestError("text_input is empty")
+        raise RequestError("text_input is empty or only whitespace")
     if not chat_template:
         if not (ids := tokenizer.encode(text, add_special_tokens=False)):  # a tokenizer that drops it whole
             raise RequestError("text_input encodes to no tokens")
