@@ -725,6 +725,22 @@ def test_init_from_a_saved_drafter(target, tmp_path):
     assert log[0]["eval_tau"] >= 1.0 and "loss" not in log[0]
 
 
+def test_init_that_a_stopped_run_left_aside_is_put_back_first(target, tmp_path, capsys):
+    """--init X --out X --force killed between staging's two renames: X lies in .X.old-*/x and X is missing. The rerun
+    put it back only when writing X, after refusing --init X as not a drafter; it is put back before --init is read."""
+    from beamtrt.models.dflash2 import save_drafter
+    from beamtrt.train.cli import main
+
+    save_drafter(make_drafter(target), tmp_path / "d" / "x")
+    aside = tmp_path / ".out.old-killed"
+    (tmp_path / "d").rename(aside)
+    out = str(tmp_path / "out")
+    assert main(["--init", out, "--out", out, "--force", "--target", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert f"note: put back {out} from {aside}" in err and "--target" in err.splitlines()[-1]  # the next check's line
+    assert (tmp_path / "out" / "config.json").is_file() and not aside.exists()
+
+
 def test_init_grows_a_drafter_by_identity_layers(target, tmp_path):
     """--init with a deeper --layers: the checkpoint's layers are kept and new last layers start as the identity, so
     the grown drafter drafts exactly as the checkpoint at step 0; one training step moves the new layers."""

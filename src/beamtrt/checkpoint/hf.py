@@ -126,14 +126,22 @@ def _lock(fd: int) -> bool | None:
         return None
 
 
-def _remove_leftovers(final: Path, mine: Path) -> bool:
+def recover_output(final: Path) -> bool:
+    """What `staging` does first, for an output read before it is written (train_drafter.py's --init X --out X): an
+    old output a run stopped while replacing it left aside is put back (True if one was), killed writers' leftovers
+    removed."""
+    return _remove_leftovers(followed(Path(final)))
+
+
+def _remove_leftovers(final: Path, mine: Path | None = None) -> bool:
     """Removes the `staging` directories for `final` (.tmp-*) and the old outputs `replace_dir` moved aside (.old-*)
     that no running process holds (a killed or interrupted writer's) but `mine`; one that a running process holds is
     one line. An old output whose replacement never came (`final` missing) is put back instead: True if one was."""
     put_back = False
     name = glob.escape(final.name)
     for old in sorted([*final.parent.glob(f".{name}.tmp-*"), *final.parent.glob(f".{name}.old-*")]):
-        if old.name == mine.name or old.is_symlink() or not old.is_dir():  # a name: mkdtemp's path is absolute (3.12)
+        mine_name = mine.name if mine else None  # a name: mkdtemp's path is absolute (3.12)
+        if old.name == mine_name or old.is_symlink() or not old.is_dir():
             continue
         try:
             fd = os.open(old, os.O_RDONLY)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from beamtrt.checkpoint.hf import require_dir, resolved, write_json, writing
+from beamtrt.checkpoint.hf import recover_output, require_dir, resolved, write_json, writing
 from beamtrt.cli_util import ArgumentParser, check_seed, output_path, run_cli, set_threads, torch_device
 from beamtrt.errors import BeamtrtError
 
@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = DataRecipe(prompts=args.prompts, seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                             batch=args.gen_batch, shard_size=max(args.gen_batch, DataRecipe().shard_size),
                             mix=args.prompt_mix)
-        if args.init and not (Path(args.init) / "config.json").is_file():
+        # a run with --out X stopped between its two renames left X aside: staging() puts it back, but only when X is
+        # written, after --init X is read
+        if args.init and not (Path(args.init) / "config.json").is_file() and not recover_output(Path(args.init)):
             raise BeamtrtError(f"--init {args.init}: not a drafter checkpoint (no config.json)")
         for flag, dirs in (("--extra-data", args.extra_data), ("--skip-answered-in", args.skip_answered_in or [])):
             for d in dirs:
