@@ -109,14 +109,20 @@ TINY_RUN = TrainConfig(steps=10, seqs_per_step=2, anchors_per_seq=4, block_size=
 
 
 def test_resume_repeats_the_uninterrupted_run(target, tmp_path):
-    data = _features(target)
-    whole = train(make_drafter(target), data, TINY_RUN, tmp_path / "a", quiet=True)
+    """Also with other save and eval periods, which change no weight (a resume refused them)."""
+    data, uninterrupted = _features(target), make_drafter(target)
+    whole = train(uninterrupted, data, TINY_RUN, tmp_path / "a", quiet=True)
     interrupted = make_drafter(target)
     first = train(interrupted, data, TINY_RUN, tmp_path / "b", quiet=True, stop_after=3)
     assert len(first) == 3
-    resumed = train(make_drafter(target, seed=9), data, TINY_RUN, tmp_path / "b", quiet=True)  # weights from disk
-    strip = [{k: v for k, v in row.items() if k != "seconds"} for row in whole]
-    assert [{k: v for k, v in row.items() if k != "seconds"} for row in resumed] == strip
+    periods = dataclasses.replace(TINY_RUN, checkpoint_every=5, eval_every=4)
+    drafter = make_drafter(target, seed=9)
+    resumed = train(drafter, data, periods, tmp_path / "b", quiet=True)  # weights from disk
+    strip = [{k: v for k, v in row.items() if k != "seconds" and not k.startswith("eval_")} for row in whole]
+    assert [{k: v for k, v in row.items() if k != "seconds" and not k.startswith("eval_")} for row in resumed] == strip
+    assert [row["step"] for row in resumed if "eval_tau" in row] == [3, 4, 8, 10]  # the new period after step 3
+    assert _without_seconds(resumed[-1:]) == _without_seconds(whole[-1:])  # the last step's eval included
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted.state_dict().values(), drafter.state_dict().values()))
     losses = [row["loss"] for row in whole]  # one step's loss is noisy (other sequences): compare 3-step means
     assert any("eval_tau" in row for row in whole) and sum(losses[-3:]) < sum(losses[:3])
 

@@ -341,6 +341,7 @@ def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer,
 
 _FLAGS = {"anchors_per_seq": "--anchors", "init_from": "--init"}  # TrainConfig fields named unlike their flags
 _NO_FLAG = ("warmup", "min_lr_ratio", "grad_clip", "eval_sequences")  # fixed by the code's version
+_PERIODS = ("eval_every", "checkpoint_every")  # change no weight (the eval draws nothing): a resume may change them
 
 
 def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) -> dict:
@@ -364,10 +365,10 @@ def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) ->
                else "")
         raise BeamtrtError(f"{state_path} holds a drafter of another layout ({', '.join(diff)} differ{old}): pass the "
                            "same --layers, --selector-rank and --block-size (and --init), or another --work directory")
-    if state["config"] != dataclasses.asdict(cfg):
-        was = state["config"]
-        diff = [f"{k if k in _NO_FLAG else _FLAGS.get(k, '--' + k.replace('_', '-'))} {was.get(k)!r} (now {v!r})"
-                for k, v in dataclasses.asdict(cfg).items() if was.get(k) != v]
+    was = state["config"]
+    diff = [f"{k if k in _NO_FLAG else _FLAGS.get(k, '--' + k.replace('_', '-'))} {was.get(k)!r} (now {v!r})"
+            for k, v in dataclasses.asdict(cfg).items() if was.get(k) != v and k not in _PERIODS]
+    if diff:
         raise BeamtrtError(f"{state_path} was written with other training settings ({', '.join(diff)}): pass the "
                            "same flags, or remove it (or use another --work directory) to start over")
     return state
