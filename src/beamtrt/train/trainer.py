@@ -212,6 +212,11 @@ def _fingerprint(data: FeatureSet) -> dict:
     return {"sequences": len(data), "tokens": int(data.ids.shape[0]), "sha256": h.hexdigest()[:16]}
 
 
+def _in_words(fingerprint: dict) -> str:
+    return (f"{fingerprint['sequences']:,} sequences, {fingerprint['tokens']:,} tokens, digest "
+            f"{fingerprint['sha256']}")
+
+
 def split(data: FeatureSet, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     """(train, held-out) sequence indices: the last `eval_sequences` greedy answers are held out, and no sequence of
     the same prompt is trained on (caches drawn from the same templates repeat prompts, and a repeated prompt's
@@ -379,8 +384,9 @@ def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimize
     """Load a training state into drafter and opt -> (step, log); one line when it is not one of this run's."""
     state = check_state(state_path, cfg, drafter.cfg, target)
     if state["data"] != data:
-        raise BeamtrtError(f"{state_path} was trained on other data ({state['data']}, now {data}): use the same "
-                           "feature caches in the same order, or another --work directory")
+        raise BeamtrtError(f"{state_path} was trained on other data ({_in_words(state['data'])}; now "
+                           f"{_in_words(data)}): use the same feature caches in the same order, or another --work "
+                           "directory")
     try:
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
