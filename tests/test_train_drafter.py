@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -313,6 +314,20 @@ def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):
     (tmp_path / "train_state.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(BeamtrtError, match="corrupt"):
         train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (every write to it fails: disk full)")
+def test_a_full_disk_while_saving_the_training_state_says_so(target, tmp_path):
+    """torch.save given a path said '[enforce fail at inline_container.cc:672] . unexpected pos ...'."""
+    from beamtrt.train.trainer import _save_state
+
+    drafter = make_drafter(target)
+    (tmp_path / "train_state.pt.tmp").symlink_to("/dev/full")  # where the state is written before its rename
+    with pytest.raises(BeamtrtError, match=r"train_state.pt: cannot write the training state \(No space left on "
+                                           r"device\)$"):
+        _save_state(tmp_path / "train_state.pt", drafter, torch.optim.AdamW(drafter.parameters()), 1, TINY_RUN, [],
+                    {}, "digest")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_divergence_stops_before_the_step(target, tmp_path):

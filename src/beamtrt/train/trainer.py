@@ -333,13 +333,16 @@ def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer,
                 log: list[dict], data: dict, target: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save({"step": step, "config": dataclasses.asdict(cfg), "data": data, "target": target,
-                    "drafter": dataclasses.asdict(drafter.cfg), "model": drafter.state_dict(),
-                    "optimizer": opt.state_dict(), "log": log}, tmp)
+        # into a file object: a failed write is an OSError (No space left on device); given a path, torch.save said
+        # "[enforce fail at inline_container.cc:672] . unexpected pos ..."
+        with open(tmp, "wb") as f:
+            torch.save({"step": step, "config": dataclasses.asdict(cfg), "data": data, "target": target,
+                        "drafter": dataclasses.asdict(drafter.cfg), "model": drafter.state_dict(),
+                        "optimizer": opt.state_dict(), "log": log}, f)
         os.replace(tmp, path)
     except BaseException as e:  # the last complete state stays; no partial file beside it
         tmp.unlink(missing_ok=True)
-        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+        if isinstance(e, (OSError, RuntimeError)):
             raise BeamtrtError(f"{path}: cannot write the training state ({error_line(e)})") from None
         raise
 
