@@ -333,10 +333,14 @@ def test_a_full_disk_while_saving_the_training_state_says_so(target, tmp_path):
 def test_divergence_stops_before_the_step(target, tmp_path):
     """A non-finite loss ends the run with one line; the training state on disk is the last sound one."""
     cfg = dataclasses.replace(TINY_RUN, lr=1e30, checkpoint_every=1)
-    with pytest.raises(BeamtrtError, match="training diverged at step"):
+    with pytest.raises(BeamtrtError, match=f"training diverged at step .*; the last training state in {tmp_path} is "
+                                           "from before it"):
         train(make_drafter(target), _features(target), cfg, tmp_path, quiet=True)
     state = torch.load(tmp_path / "train_state.pt", weights_only=False)
     assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+    with pytest.raises(BeamtrtError, match=r"training diverged at step .*; no training state was saved: lower --lr$"):
+        train(make_drafter(target), _features(target), dataclasses.replace(cfg, checkpoint_every=100), tmp_path / "w",
+              quiet=True)  # it spoke of a state from before the divergence
 
 
 def test_feature_shards_round_trip_and_corruption(target, tmp_path):

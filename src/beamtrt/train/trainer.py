@@ -446,9 +446,10 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         if not (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)):  # before the step: state sound
+            saved = (f"the last training state in {work} is from before it: lower --lr and start over in another "
+                     "--work directory") if state_path.exists() else "no training state was saved: lower --lr"
             raise BeamtrtError(f"training diverged at step {step + 1} (loss {float(loss.detach())}, gradient norm "
-                               f"{grad_norm}); the last training state in {work} is from before it: lower --lr and "
-                               "start over in another --work directory")
+                               f"{grad_norm}); {saved}")
         opt.step()
         step += 1
         loss, base, sel = loss.detach(), base.detach(), sel.detach()
