@@ -12,13 +12,13 @@ import torch
 
 from beamtrt.errors import BeamtrtError
 from beamtrt.runtime.generate import generate
-from beamtrt.train.features import FeatureSet, answer_with_taps, load_features
+from beamtrt.train.features import FeatureSet, answer_with_taps, load_features, target_digest
 from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 from beamtrt.spec.decoder import Request, SpeculativeDecoder
-from beamtrt.train.trainer import (HeadSlice, TrainConfig, block_forward, block_labels, block_losses, decode_steps,
-                                   evaluate, split, teacher_logits, train)
+from beamtrt.train.trainer import (HeadSlice, TrainConfig, block_forward, block_labels, block_losses, check_state,
+                                   decode_steps, evaluate, split, teacher_logits, train)
 from conftest import tiny_model
-from test_dflash2 import TAPS, make_drafter
+from test_dflash2 import TAPS, make_cfg, make_drafter
 
 
 @pytest.fixture(scope="module")
@@ -303,11 +303,19 @@ def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):
         train(make_drafter(target), _features(target, n=7), TINY_RUN, tmp_path, quiet=True)  # more (or other) caches
     with pytest.raises(BeamtrtError, match="other data"):  # as many sequences and tokens, other ones
         train(make_drafter(target), _features(target, seed=1), TINY_RUN, tmp_path, quiet=True)
-    with pytest.raises(BeamtrtError, match=r"another layout \(num_hidden_layers differ\)"):  # --layers changed
+    with pytest.raises(BeamtrtError, match=r"another layout \(num_hidden_layers 2 \(now 1\)\): pass"):  # --layers
         train(make_drafter(target, num_hidden_layers=1), data, TINY_RUN, tmp_path, quiet=True)
     other = tiny_model(seed=5).requires_grad_(False)  # the same config, other weights
     with pytest.raises(BeamtrtError, match="another target"):
         train(make_drafter(other), data, TINY_RUN, tmp_path, quiet=True)
+    state, digest = torch.load(tmp_path / "train_state.pt", weights_only=False), target_digest(target)
+    with pytest.raises(BeamtrtError, match=r"another layout \(block_size 8 \(now 4\)\): pass"):  # no word of 16
+        check_state(tmp_path / "train_state.pt", TINY_RUN, make_cfg(block_size=4), digest)
+    state["drafter"]["block_size"] = 16  # a state written before drafters recorded their block (trained at 8)
+    torch.save(state, tmp_path / "train_state.pt")
+    with pytest.raises(BeamtrtError, match=r"another layout \(block_size 16 \(now 8\); a state written before "
+                                           r"drafters recorded the block they trained at says 16\): pass"):
+        check_state(tmp_path / "train_state.pt", TINY_RUN, make_cfg(), digest)
     torch.save([1, 2], tmp_path / "train_state.pt")
     with pytest.raises(BeamtrtError, match="not a training state"):
         train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True)

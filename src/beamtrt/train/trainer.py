@@ -367,12 +367,16 @@ def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) ->
     if state["target"] != target:
         raise BeamtrtError(f"{state_path} was trained against another target (digest {state['target']}, this "
                            f"one's {target}): use the same --target, or another --work directory")
-    if state["drafter"] != dataclasses.asdict(drafter_cfg):
-        diff = [k for k, v in dataclasses.asdict(drafter_cfg).items() if state["drafter"].get(k) != v]
-        old = (" (states written before drafters recorded the block they trained at say 16)" if "block_size" in diff
-               else "")
-        raise BeamtrtError(f"{state_path} holds a drafter of another layout ({', '.join(diff)} differ{old}): pass the "
-                           "same --layers, --selector-rank and --block-size (and --init), or another --work directory")
+    had, now = state["drafter"], dataclasses.asdict(drafter_cfg)
+    diff = [k for k, v in now.items() if had.get(k) != v]
+    if diff:  # before drafters recorded the block they trained at, their config (and a state's) said 16 whatever it was
+        unrecorded = "block_size" in diff and had.get("block_size") == 16 != state["config"].get("block_size")
+        raise BeamtrtError(f"{state_path} holds a drafter of another layout ("
+                           + ", ".join(f"{k} {had.get(k)!r} (now {now[k]!r})" for k in diff)
+                           + ("; a state written before drafters recorded the block they trained at says 16"
+                              if unrecorded else "")
+                           + "): pass the same --layers, --selector-rank and --block-size (and --init), or another "
+                           "--work directory")
     was = state["config"]
     diff = [f"{k if k in _NO_FLAG else _FLAGS.get(k, '--' + k.replace('_', '-'))} {was.get(k)!r} (now {v!r})"
             for k, v in dataclasses.asdict(cfg).items() if was.get(k) != v and k not in _PERIODS]
