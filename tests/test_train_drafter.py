@@ -775,6 +775,17 @@ def test_init_that_a_stopped_run_left_aside_is_put_back_first(target, tmp_path, 
     assert (tmp_path / "out" / "config.json").is_file() and not aside.exists()
 
 
+def test_data_only_checks_the_training_flags_as_its_help_says(capsys):
+    """--help said phase 2's flags were "accepted and not used" with --data-only, and they are checked."""
+    from beamtrt.train.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "phase 2's flags are checked but not used" in " ".join(capsys.readouterr().out.split())
+    assert main(["--data-only", "--steps", "0"]) == 2
+    assert capsys.readouterr().err == "error: --steps must be >= 1, got 0\n"
+
+
 def test_init_grows_a_drafter_by_identity_layers(target, tmp_path):
     """--init with a deeper --layers: the checkpoint's layers are kept and new last layers start as the identity, so
     the grown drafter drafts exactly as the checkpoint at step 0; one training step moves the new layers."""

@@ -202,8 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--layers", type=int, default=2, help="draft layers, at most 64 (default: %(default)s)")
     tr.add_argument("--selector-rank", type=int, default=32, help="selector codebook rank (default: %(default)s)")
     p.add_argument("--data-only", action="store_true",
-                   help="stop after phase 1 (generate or complete --data): --work, --out and phase 2's flags are "
-                        "accepted and not used, so a training command with --data-only added makes its cache first")
+                   help="stop after phase 1 (generate or complete --data): --work and --out are not used, and phase "
+                        "2's flags are checked but not used, so a training command with --data-only added makes its "
+                        "cache first")
     p.add_argument("--device", default="cpu",
                    help="torch device of both phases, e.g. cpu or cuda: the feature cache stays in host memory and "
                         "each step's sequences move to the device (default: %(default)s)")
