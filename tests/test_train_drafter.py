@@ -311,11 +311,16 @@ def test_resume_refuses_other_settings_and_corrupt_state(target, tmp_path):
     state, digest = torch.load(tmp_path / "train_state.pt", weights_only=False), target_digest(target)
     with pytest.raises(BeamtrtError, match=r"another layout \(block_size 8 \(now 4\)\): pass"):  # no word of 16
         check_state(tmp_path / "train_state.pt", TINY_RUN, make_cfg(block_size=4), digest)
-    state["drafter"]["block_size"] = 16  # a state written before drafters recorded their block (trained at 8)
-    torch.save(state, tmp_path / "train_state.pt")
+    old = state | {"drafter": state["drafter"] | {"block_size": 16}}  # written before drafters recorded their block
+    torch.save(old, tmp_path / "train_state.pt")
     with pytest.raises(BeamtrtError, match=r"another layout \(block_size 16 \(now 8\); a state written before "
                                            r"drafters recorded the block they trained at says 16\): pass"):
         check_state(tmp_path / "train_state.pt", TINY_RUN, make_cfg(), digest)
+    for field, value, said in (("step", "3", "step is str, not int"), ("config", None, "config is NoneType, not dict"),
+                               ("data", {"sequences": 6}, "data.tokens is NoneType, not int")):  # hand-edited:
+        torch.save(state | {field: value}, tmp_path / "train_state.pt")                     # were tracebacks
+        with pytest.raises(BeamtrtError, match=f"cannot resume, the training state is damaged \\(its {said}\\)"):
+            train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True)
     torch.save([1, 2], tmp_path / "train_state.pt")
     with pytest.raises(BeamtrtError, match="not a training state"):
         train(make_drafter(target), data, TINY_RUN, tmp_path, quiet=True)

@@ -349,6 +349,9 @@ def _save_state(path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer,
 
 _FLAGS = {"anchors_per_seq": "--anchors", "init_from": "--init"}  # TrainConfig fields named unlike their flags
 _NO_FLAG = ("warmup", "min_lr_ratio", "grad_clip", "eval_sequences")  # fixed by the code's version
+_STATE = {"step": int, "config": dict, "data": dict, "target": str, "drafter": dict, "model": dict, "optimizer": dict,
+          "log": list}  # a training state's fields
+_FINGERPRINT = {"sequences": int, "tokens": int, "sha256": str}  # its data's (_fingerprint)
 _PERIODS = ("eval_every", "checkpoint_every")  # change no weight (the eval draws nothing): a resume may change them
 
 
@@ -360,10 +363,16 @@ def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) ->
     except Exception as e:
         raise BeamtrtError(f"{state_path}: cannot resume, the training state is corrupt ({e.__class__.__name__}); "
                            "remove it to start over") from None
-    keys = ("step", "config", "data", "target", "drafter", "model", "optimizer", "log")
-    if not isinstance(state, dict) or not all(k in state for k in keys):
-        raise BeamtrtError(f"{state_path}: not a training state of this version (no {', '.join(keys)}); remove it, "
+    if not isinstance(state, dict) or not all(k in state for k in _STATE):
+        raise BeamtrtError(f"{state_path}: not a training state of this version (no {', '.join(_STATE)}); remove it, "
                            "or use another --work directory, to start over")
+    fields = [(k, state[k], kind) for k, kind in _STATE.items()]
+    if isinstance(state["data"], dict):
+        fields += [(f"data.{k}", state["data"].get(k), kind) for k, kind in _FINGERPRINT.items()]
+    for name, value, kind in fields:  # a hand-edited state was a TypeError traceback
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise BeamtrtError(f"{state_path}: cannot resume, the training state is damaged (its {name} is "
+                               f"{type(value).__name__}, not {kind.__name__}); remove it to start over")
     if state["target"] != target:
         raise BeamtrtError(f"{state_path} was trained against another target (digest {state['target']}, this "
                            f"one's {target}): use the same --target, or another --work directory")
@@ -397,7 +406,7 @@ def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimize
     try:
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
         raise BeamtrtError(f"{state_path}: cannot resume, its tensors do not fit this drafter ({e.__class__.__name__})"
                            "; remove it to start over") from None
     return state["step"], state["log"]
