@@ -5,6 +5,7 @@ the suite's time importing torch); `test_scripts_call_these_mains` pins each scr
 subprocess tests below run real scripts end to end.
 """
 
+import errno
 import importlib
 import json
 import os
@@ -13,6 +14,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import sys
 from dataclasses import dataclass
@@ -1322,6 +1324,23 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
         assert run("scripts/train_drafter.py", *paths, "--out", str(out), *small, "--data", str(tmp_path / "data6"),
                    "--data-only").returncode == 0
     assert (tmp_path / "data6" / "meta.json").is_file()
+    # a complete cache on read-only storage serves as --data (it did as --extra-data); one that lacks a shard is
+    # refused before phase 1 answers anything
+    read_only, mkdtemp = tmp_path / "ro", tempfile.mkdtemp
+    shutil.copytree(data, read_only / "cache")
+
+    def no_writes_in_ro(*args, dir=None, **kwargs):
+        if str(dir).startswith(str(read_only)):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return mkdtemp(*args, dir=dir, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "mkdtemp", no_writes_in_ro)
+        ro = ["--data", str(read_only / "cache"), "--data-only"]
+        assert run("scripts/train_drafter.py", *paths, "--out", str(out), *small, *ro).returncode == 0
+        for name in ("answers-00000.safetensors", "features-00000.safetensors"):
+            (read_only / "cache" / name).unlink()
+        assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), *small, *ro),
+                              f"{read_only / 'cache'}: cannot write in it (Read-only file system)")
     with written_by_another_process(work):  # a second run of the same command, the first still running
         assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small),
                               f"--work {work}: in use by another running train_drafter.py")

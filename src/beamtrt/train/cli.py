@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else CHECKPOINTS / f"{name}-dflash2-trained"
         outputs = (("--data", data_dir),) + (() if args.data_only else (("--work", work), ("--out", out)))
         for flag, d in outputs:  # before hours of work (--data-only writes neither --work nor --out)
-            output_path(d, flag, directory=True)
+            if flag != "--data" or not (d / "meta.json").is_file():  # a cache's missing shards: checked in phase 1
+                output_path(d, flag, directory=True)
         caches = [resolved(d) for d in (*map(Path, args.extra_data), data_dir)]
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,6 +320,8 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
     rebuild_features(target, taps, out, quiet=quiet, digest=digest)  # its check_cache read every file's header
     todo = [i for i in range(len(shards)) if not (out / f"features-{i:05d}.safetensors").exists()]
+    if todo:
+        _check_writable(out)
     bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[i]) for i in todo), desc="target answers",
                unit="seq", disable=quiet, dynamic_ncols=True)
     where = [(i, k) for i in todo for k in range(len(shards[i]))]  # (shard, position) of every prompt to answer
@@ -339,6 +342,14 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
             _write_shard(out / f"features-{i:05d}.safetensors", shards[i], pending.pop(i))
     bar.close()
     return out
+
+
+def _check_writable(cache: Path) -> None:
+    """Before the work whose files go into `cache`: a complete cache is used as it is, also on read-only storage."""
+    try:  # made and removed, as cli_util.output_path probes
+        os.rmdir(tempfile.mkdtemp(prefix=".beamtrt-probe-", dir=cache))
+    except OSError as e:
+        raise BeamtrtError(f"{cache}: cannot write in it ({e.strerror or e}), and the cache lacks shards") from None
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -445,6 +456,7 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     missing = [(a, f) for a, f in missing if not f.exists()]
     if not missing:
         return
+    _check_writable(data)
     shards = [(features, read_sequences(answers, "answers file", target.cfg.vocab_size))
               for answers, features in missing]
     if recorded is None:  # an older cache: from now on its taps are this target's
