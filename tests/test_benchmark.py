@@ -277,12 +277,16 @@ def test_a_ctrl_c_while_the_files_are_renamed_leaves_all_three_new(mini_vocab_so
     for ext in (".json", ".md", ".png"):
         (tmp_path / f"b{ext}").write_text("old")
     src = mini_vocab_sources
-    rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat", "--prompts",
-               f"chat={src / 'prompts.jsonl'}", "--num-prompts", "1", "--concurrency", "1", "--max-new-tokens", "2",
-               "--no-block16", "--out", str(tmp_path / "b")])
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores Ctrl-C
+    try:
+        rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
+                   "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "1", "--concurrency", "1",
+                   "--max-new-tokens", "2", "--no-block16", "--out", str(tmp_path / "b")])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back after the renames
+    finally:
+        signal.signal(signal.SIGINT, saved)
     assert rc == 130 and capsys.readouterr().err.endswith("interrupted\n")
     assert [(tmp_path / f"b{ext}").read_bytes() != b"old" for ext in (".json", ".md", ".png")] == [True] * 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_generated_gsm8k_stops_at_the_test_split_size():
