@@ -555,7 +555,7 @@ def _char_tokenizer(target):
         ord(c) % (target.cfg.vocab_size - 1) + 1 for c in messages[0]["content"]])
 
 
-def test_eval_by_kind_finds_each_answers_prompt_kind(target, tmp_path):
+def test_eval_by_kind_finds_each_answers_prompt_kind(target, tmp_path, monkeypatch):
     """scripts/eval_drafter.py's pieces: a cache's sequences get the kinds of the prompts they answer (regenerated
     from its recipe), and each kind scores its last greedy answers exactly as the training eval does."""
     pytest.importorskip("reasoning_gym")
@@ -575,7 +575,12 @@ def test_eval_by_kind_finds_each_answers_prompt_kind(target, tmp_path):
     assert sub.greedy.tolist() == [bool(data.greedy[3]), bool(data.greedy[0])]
 
     drafter = make_drafter(target)
+    import tqdm
+
+    steps = []  # the scoring bar steps once per answer scored (once per kind, it stood still for minutes)
+    monkeypatch.setattr(tqdm, "tqdm", type("Bar", (tqdm.tqdm,), {"update": lambda self, n=1: steps.append(n)}))
     rows = evaluate_by_kind(drafter, data, kinds, per_kind=2, block=4)
+    assert len(steps) == rows["all"]["scored"] > len(set(kinds))
     cfg = TrainConfig(eval_block_size=4)
     for kind in set(kinds):
         last = [i for i in range(len(data)) if kinds[i] == kind and bool(data.greedy[i])][-2:]

@@ -35,12 +35,23 @@ def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int)
     cfg = TrainConfig(eval_block_size=block, block_size=max(block, TrainConfig().block_size))
     groups = last_greedy(kinds, data.greedy, per_kind)
     scored = {kind: len(group) for kind, group in groups.items()}
-    bar = tqdm(groups.items(), desc="scoring", unit="kind", disable=None, dynamic_ncols=True)  # a terminal only
-    sums = {kind: eval_sums(drafter, data, group, cfg) for kind, group in bar}
-    if sums:  # counts add up: all kinds together without scoring them twice
+    sums = {}
+    with tqdm(total=sum(scored.values()), desc="scoring", unit="answer", disable=None, dynamic_ncols=True) as bar:
+        for kind, group in groups.items():  # a bar step per answer: once per kind, it stood for minutes
+            answers = []
+            for i in group:
+                answers.append(eval_sums(drafter, data, [i], cfg))
+                bar.update()
+            sums[kind] = _added(answers)
+    if sums:  # all kinds together without scoring them twice
         scored["all"] = sum(scored.values())
-        sums["all"] = {key: sum(s[key] for s in sums.values()) for key in next(iter(sums.values()))}
+        sums["all"] = _added(list(sums.values()))
     return {kind: {"scored": scored[kind]} | eval_ratios(s) for kind, s in sums.items()}
+
+
+def _added(sums: list[dict[str, float]]) -> dict[str, float]:
+    """eval_sums' counts of several sets of answers, added: those of their union."""
+    return {key: sum(s[key] for s in sums) for key in sums[0]}
 
 
 def trained_recipes(drafter_dir: Path) -> list[dict]:
