@@ -15,12 +15,15 @@ case "${1:-}" in
   "") ;;
   *) echo "error: scripts/gpu_check.sh takes no arguments (got $1; see --help)" >&2; exit 2 ;;
 esac
-if [[ -z "${PY:-}" ]]; then  # a venv copied from a CPU host has torch's CPU wheel: python3 then
-  PY=python3
-  if [[ -x .venv/bin/python ]] \
-    && .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    PY=.venv/bin/python
-  fi
+if [[ -z "${PY:-}" ]]; then  # a venv copied from a CPU host has torch's CPU wheel: python3 then; where neither sees
+  PY=""                      # a GPU, the first with torch, to say so (python3 without torch said it had none)
+  for want in cuda torch; do
+    for candidate in .venv/bin/python python3; do
+      if [[ -z "$PY" ]] && command -v "$candidate" >/dev/null && "$candidate" -c "import sys, torch
+sys.exit(0 if '$want' == 'torch' or torch.cuda.is_available() else 1)" 2>/dev/null; then PY=$candidate; fi
+    done
+  done
+  PY=${PY:-python3}
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -n "${OUT:-}" ]]; then  # everything from here on also goes to $OUT/gpu_check.log

@@ -172,6 +172,10 @@ def test_gpu_check_help_and_bad_argument():
     if not torch.cuda.is_available():  # says so at once instead of building for minutes
         assert_one_line_error(subprocess.run([script], capture_output=True, text=True, timeout=60,
                                              env={**os.environ, "PY": sys.executable}), "no CUDA device")
+        if (ROOT / ".venv/bin/python").is_file():  # the Python it picks: it said "python3 has no torch" here
+            env = {k: v for k, v in os.environ.items() if k != "PY"}
+            assert_one_line_error(subprocess.run([script], capture_output=True, text=True, timeout=120, env=env),
+                                  ".venv/bin/python's torch sees no CUDA device: this check needs a GPU host")
     host = str(ROOT / "scripts/gpu_host_check.sh")
     for args, needle in ((["--tp"], "--tp needs a value"), (["--tp", "x"], "positive integer"),
                          (["--bogus"], "unknown argument"), (["--precisions", ""], "--precisions: an empty value"),
