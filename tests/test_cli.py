@@ -185,6 +185,18 @@ def test_gpu_check_help_and_bad_argument():
     assert "set -euo" not in subprocess.run([host, "--help"], capture_output=True, text=True, timeout=30).stdout
 
 
+def test_environment_switches_are_checked_at_the_start(tmp_path, run, monkeypatch):
+    """A bad BEAMTRT_NATIVE or BEAMTRT_KERNELS was refused at the first forward, after the models loaded, and
+    BEAMTRT_KERNELS not at all where no drafter ran (--no-spec); now before anything else, as a bad flag is."""
+    missing = str(tmp_path / "missing.jsonl")  # what the commands would refuse next, before loading anything
+    for name, value, needle in (("BEAMTRT_NATIVE", "2", "expected 0 (PyTorch) or 1"),
+                                ("BEAMTRT_KERNELS", "bogus", "expected auto, host or off")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert_one_line_error(run("runtime/run.py", "--no-spec", "--prompts", missing), f"{name}={value}: ", needle)
+            assert_one_line_error(run("scripts/bench_decode.py", "--batches", "0"), f"{name}={value}: ", needle)
+
+
 def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--max-new-tokens", "0"), "--max-new-tokens")
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")

@@ -341,6 +341,16 @@ def run_cli(body: Callable[[], None]) -> int:
         return _run_cli(body)
 
 
+def check_switches() -> None:
+    """The environment switches (README: BEAMTRT_NATIVE, BEAMTRT_KERNELS), refused at a command's start: they were
+    read at the first forward, after the models loaded, and not at all by a command that never reaches one."""
+    from beamtrt.native import enabled
+    from beamtrt.native.kernels import kernel_mode
+
+    enabled()
+    kernel_mode()
+
+
 def _run_cli(body: Callable[[], None]) -> int:
     sigs = (signal.SIGTERM, signal.SIGHUP)
     main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
@@ -350,6 +360,7 @@ def _run_cli(body: Callable[[], None]) -> int:
             for sig, handler in saved.items():
                 if handler is signal.SIG_DFL:  # one a host installed (a test runner, an embedding program) stays
                     signal.signal(sig, _terminate)
+            check_switches()
             body()
         except (BeamtrtError, ValueError, OSError) as e:
             say_last(f"error: {error_line(e)}")
@@ -425,6 +436,7 @@ def _run_ranks_cli(setup: Callable[[object], T], execute: Callable[[T, object], 
         return run_cli(lambda: execute(setup(dist), dist))
     state, failed = None, None
     try:
+        check_switches()
         state = setup(dist)
     except (BeamtrtError, ValueError, OSError) as e:  # maybe on this rank alone (a file only some nodes have)
         failed = error_line(e)

@@ -101,11 +101,17 @@ class CudaKernels:
         return cuda.windowed_attention(*args, **kwargs)
 
 
-def kernels_for(device: torch.device | str):
-    """The kernels the drafter should use on `device`, or None for the PyTorch reference (see the module doc)."""
+def kernel_mode() -> str:
+    """BEAMTRT_KERNELS: auto (the default), host or off (see the module doc)."""
     mode = os.environ.get("BEAMTRT_KERNELS", "auto")
     if mode not in ("auto", "host", "off"):
         raise DeviceError(f"BEAMTRT_KERNELS={mode}: expected auto, host or off")
+    return mode
+
+
+def kernels_for(device: torch.device | str):
+    """The kernels the drafter should use on `device`, or None for the PyTorch reference (see the module doc)."""
+    mode = kernel_mode()
     device = torch.device(device)
     if mode == "off":
         return None
