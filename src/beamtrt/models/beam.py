@@ -675,8 +675,10 @@ def load_state(model: BeamForCausalLM, tensors, only: str | None = None) -> None
 
 def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
               cfg: BeamConfig | None = None) -> BeamForCausalLM:
-    """Load a Beam-layout Hugging Face checkpoint directory (config.json + safetensors), streaming tensor by tensor."""
+    """Load a Beam-layout Hugging Face checkpoint directory (config.json + safetensors), streaming tensor by tensor
+    (a bar on a terminal: a large model loads for minutes)."""
     from beamtrt.checkpoint.hf import CheckpointReader
+    from beamtrt.cli_util import progress
 
     cfg = cfg or BeamConfig.from_file(Path(path) / "config.json")
     reader = CheckpointReader(path)
@@ -687,7 +689,12 @@ def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         model = BeamForCausalLM(cfg)
     check_fits(path, model, dtype, torch.device(device))
     model = model.to_empty(device=device).to(dtype)
-    load_state(model, ((name, reader.get(name)) for name in specs))
+    with progress(len(specs), f"loading {Path(path).name or path}", "tensor") as bar:
+        def tensors():
+            for name in specs:
+                yield name, reader.get(name)
+                bar.update()
+        load_state(model, tensors())
     return model.eval()
 
 
