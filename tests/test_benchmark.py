@@ -256,11 +256,21 @@ def test_the_official_sets_lines_are_read_as_the_built_in_sets_prompts(tmp_path)
     with pytest.raises(BeamtrtError, match=r"gsm8k.jsonl:1: expected .* \(its fields: question, answer\)"):
         load_chats("chat", 9, {"chat": str(tmp_path / "gsm8k.jsonl")})  # a family of no official layout
     (bad := tmp_path / "bad.jsonl").write_text(json.dumps({"turns": []}) + "\n")
-    with pytest.raises(BeamtrtError, match=r"bad.jsonl:1: a MT-Bench line \(it has 'turns'\) needs \"turns\": \[str"):
+    with pytest.raises(BeamtrtError, match=r"bad.jsonl:1: this MT-Bench line \(it has 'turns'\) needs \"turns\""):
         load_chats("mtbench", 9, {"mtbench": str(bad)})
     bad.write_text(json.dumps({"text": "Add.", "test_list": "assert add(1) == 2"}) + "\n")  # a str, not a list
-    with pytest.raises(BeamtrtError, match=r"a MBPP line \(it has 'test_list'\) needs"):
+    with pytest.raises(BeamtrtError, match=r"this MBPP line \(it has 'test_list'\) needs"):
         load_chats("mbpp", 9, {"mbpp": str(bad)})
+    bad.write_text(json.dumps({"question": "  "}) + "\n")  # it became a prompt of spaces and the suffix
+    with pytest.raises(BeamtrtError, match=r"this GSM8K line \(it has 'question'\) needs \"question\": a non-empty"):
+        load_chats("gsm8k", 9, {"gsm8k": str(bad)})
+    own = [{"question": "Q?", "prompt": "mine"},  # a line with its own prompt or chat is taken as it is
+           {"question": "Q?", "messages": [{"role": "user", "content": "my chat"}]},
+           {"task_id": "Mbpp/2", "prompt": "Write f.", "test_list": ["assert f()"]}]  # MBPP sanitized: no "text"
+    bad.write_text("".join(json.dumps(line) + "\n" for line in own))
+    for fam in ("gsm8k", "mbpp"):
+        read = [chat[0]["content"] for _, chat in load_chats(fam, 9, {fam: str(bad)})]
+        assert read == ["mine", "my chat", "Write f."]
 
 
 def test_a_ctrl_c_while_the_files_are_renamed_leaves_all_three_new(mini_vocab_sources, tmp_path, monkeypatch,

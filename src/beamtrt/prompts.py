@@ -105,13 +105,18 @@ def _opens(messages, prompt) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """An official set's line layout, read beside the two above: a line holding `marker` is one, and `prompt` makes
-    its user prompt from it (a str, or None where its fields are not as `needs` says)."""
+    """An official set's line layout, read beside {"prompt"} and {"messages"} lines: a line holding `marker` is one,
+    unless it holds "messages", or a "prompt" the layout does not read (those are taken as they are); `prompt` makes
+    its user prompt from it (None where its fields are not as `needs` says)."""
 
     name: str  # the set, for messages: "GSM8K"
     marker: str  # the field that marks the layout: "question"
-    needs: str  # its fields as the message names them: '"question": str'
+    needs: str  # its fields as the message names them: '"question": a non-empty str'
     prompt: Callable[[dict], str | None]
+    reads_prompt: bool = False  # its own text is in "prompt" (HumanEval)
+
+    def holds(self, obj: dict) -> bool:
+        return self.marker in obj and "messages" not in obj and ("prompt" not in obj or self.reads_prompt)
 
 
 def read_chats(path: str | Path) -> list[list[dict]]:
@@ -151,9 +156,10 @@ def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tupl
         if both and not _opens(obj["messages"], obj["prompt"]):
             raise BeamtrtError(f'{path}:{n}: holds both "prompt" and "messages", and the messages do not open with '
                                "that prompt; give one")  # which was meant? (a dataset export's two copies agree)
-        if layout is not None and isinstance(obj, dict) and layout.marker in obj:
-            if not isinstance(prompt := layout.prompt(obj), str) or not prompt:
-                raise BeamtrtError(f"{path}:{n}: a {layout.name} line (it has {layout.marker!r}) needs {layout.needs}")
+        if layout is not None and isinstance(obj, dict) and layout.holds(obj):
+            if (prompt := layout.prompt(obj)) is None:
+                raise BeamtrtError(f"{path}:{n}: this {layout.name} line (it has {layout.marker!r}) needs "
+                                   f"{layout.needs}")
             chats.append([{"role": "user", "content": prompt}])
         elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             chats.append([{"role": "user", "content": obj["prompt"]}])

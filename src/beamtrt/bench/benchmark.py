@@ -162,8 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", action="append", default=[], metavar="FAMILY=FILE",
                    help="use this prompts JSONL for a family: {\"prompt\"} or {\"messages\"} lines as they are, "
                         "and for gsm8k, math, humaneval, mbpp and mtbench the official set's own lines too (GSM8K's "
-                        "question, MATH's problem, HumanEval's prompt, MBPP's text and test_list, MT-Bench's first "
-                        "turn), made into the built-in set's prompts; a new family name adds a row (repeatable)")
+                        "question, MATH's problem, HumanEval's prompt, MT-Bench's first turn, each with the built-in "
+                        "set's suffix or instruction line; MBPP's text and test_list with a line of their own); a new "
+                        "family name adds a row (repeatable)")
     p.add_argument("--num-prompts", type=int, default=32,
                    help="prompts per family, the first of its set; a family stops at its set's end (GSM8K at 1,319, "
                         "the test split's size) (default: %(default)s)")

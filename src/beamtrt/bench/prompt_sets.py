@@ -105,8 +105,8 @@ LOADERS: dict[str, Callable[[int], list[str]]] = {"gsm8k": gsm8k, "math": math50
 
 
 def _text(row: dict, key: str, before: str = "", after: str = "") -> str | None:
-    """row[key] between `before` and `after` where it is a non-empty str, else None."""
-    return before + row[key] + after if isinstance(row.get(key), str) and row[key] else None
+    """row[key] between `before` and `after` where it is a str of more than whitespace, else None."""
+    return before + row[key] + after if isinstance(row.get(key), str) and row[key].strip() else None
 
 
 def _mbpp_task(row: dict) -> str | None:
@@ -124,13 +124,17 @@ def _first_turn(row: dict) -> str | None:
 
 
 # The official sets' own line layouts, read by --prompts FAMILY=FILE beside {"prompt"} / {"messages"} lines (which are
-# taken as they are), each made into the prompt its built-in set gives: MT-Bench's first turn, as the built-in set.
+# taken as they are), each made into a prompt as its built-in set's are: the same suffix or instruction line, and
+# MT-Bench's first turn; MBPP's own layout (a task in words and its tests) with a line of its own, as the built-in
+# set's rows are function stubs.
+TEXT = "a non-empty str"
 LAYOUTS = {
-    "gsm8k": Layout("GSM8K", "question", '"question": str', lambda r: _text(r, "question", after=MATH_SUFFIX)),
-    "math": Layout("MATH", "problem", '"problem": str', lambda r: _text(r, "problem", after=MATH_SUFFIX)),
-    "humaneval": Layout("HumanEval", "entry_point", '"prompt": str', lambda r: _text(r, "prompt", CODE_PREFIX)),
-    "mbpp": Layout("MBPP", "test_list", '"text": str and "test_list": [str]', _mbpp_task),
-    "mtbench": Layout("MT-Bench", "turns", '"turns": [str, ...]', _first_turn),
+    "gsm8k": Layout("GSM8K", "question", f'"question": {TEXT}', lambda r: _text(r, "question", after=MATH_SUFFIX)),
+    "math": Layout("MATH", "problem", f'"problem": {TEXT}', lambda r: _text(r, "problem", after=MATH_SUFFIX)),
+    "humaneval": Layout("HumanEval", "entry_point", f'"prompt": {TEXT}', lambda r: _text(r, "prompt", CODE_PREFIX),
+                        reads_prompt=True),
+    "mbpp": Layout("MBPP", "test_list", f'"text": {TEXT} and "test_list": [str, ...]', _mbpp_task),
+    "mtbench": Layout("MT-Bench", "turns", f'"turns": [{TEXT}, ...]', _first_turn),
 }
 
 
