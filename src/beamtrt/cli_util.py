@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NoReturn, TypeVar
 
-from beamtrt.errors import BeamtrtError
+from beamtrt.errors import BeamtrtError, DeviceError
 
 T = TypeVar("T")
 
@@ -341,14 +341,24 @@ def run_cli(body: Callable[[], None]) -> int:
         return _run_cli(body)
 
 
-def check_switches() -> None:
-    """The environment switches (README: BEAMTRT_NATIVE, BEAMTRT_KERNELS), refused at a command's start: they were
-    read at the first forward, after the models loaded, and not at all by a command that never reaches one."""
-    from beamtrt.native import enabled
-    from beamtrt.native.kernels import kernel_mode
+# The environment switches (README): name -> (default, what the refusal says is expected, the values)
+SWITCHES = {"BEAMTRT_NATIVE": ("1", "0 (PyTorch) or 1 (the host kernels, the default)", ("0", "1")),
+            "BEAMTRT_KERNELS": ("auto", "auto, host or off", ("auto", "host", "off"))}
 
-    enabled()
-    kernel_mode()
+
+def switch(name: str) -> str:
+    """An environment switch's value (its default where unset); any other value is one line."""
+    default, expected, values = SWITCHES[name]
+    if (value := os.environ.get(name, default)) not in values:
+        raise DeviceError(f"{name}={value}: expected {expected}")
+    return value
+
+
+def check_switches() -> None:
+    """Every switch, at a command's start: they were read at the first forward, after the models loaded, and not at
+    all by a command that never reaches one."""
+    for name in SWITCHES:
+        switch(name)
 
 
 def _run_cli(body: Callable[[], None]) -> int:

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point (default: %(default)s)")
     p.add_argument("--paths", nargs="+", choices=("native", "torch"), default=["native", "torch"],
                    help="step paths to measure side by side: the fused host kernel and eager PyTorch, each run with "
-                        "BEAMTRT_NATIVE set to its value, whatever the environment says (default: both)")
+                        "BEAMTRT_NATIVE set for it (a valid value in the environment is replaced) (default: both)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = torch's default (default: %(default)s)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)

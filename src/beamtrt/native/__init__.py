@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from beamtrt.config import MAX_BLOCK_SIZE
-from beamtrt.errors import DeviceError
+from beamtrt.cli_util import switch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("beam_step.cpp", "draft_step.cpp"))
 MAX_ROWS = MAX_BLOCK_SIZE  # tokens per sequence in a decode or verify step (every block a drafter may be trained
@@ -115,10 +115,7 @@ def local_sources(source: Path) -> list[Path]:
 
 def enabled() -> bool:
     """BEAMTRT_NATIVE: 1 (the default) runs the CPU steps on the host kernels where they apply, 0 in PyTorch."""
-    value = os.environ.get("BEAMTRT_NATIVE", "1")
-    if value not in ("0", "1"):
-        raise DeviceError(f"BEAMTRT_NATIVE={value}: expected 0 (PyTorch) or 1 (the host kernels, the default)")
-    return value == "1"
+    return switch("BEAMTRT_NATIVE") == "1"
 
 
 @lru_cache(maxsize=None)

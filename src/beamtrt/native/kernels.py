@@ -10,13 +10,13 @@ uses them.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from beamtrt.cli_util import switch
 from beamtrt.errors import DeviceError
 from beamtrt.native import compile_library
 
@@ -101,17 +101,9 @@ class CudaKernels:
         return cuda.windowed_attention(*args, **kwargs)
 
 
-def kernel_mode() -> str:
-    """BEAMTRT_KERNELS: auto (the default), host or off (see the module doc)."""
-    mode = os.environ.get("BEAMTRT_KERNELS", "auto")
-    if mode not in ("auto", "host", "off"):
-        raise DeviceError(f"BEAMTRT_KERNELS={mode}: expected auto, host or off")
-    return mode
-
-
 def kernels_for(device: torch.device | str):
     """The kernels the drafter should use on `device`, or None for the PyTorch reference (see the module doc)."""
-    mode = kernel_mode()
+    mode = switch("BEAMTRT_KERNELS")
     device = torch.device(device)
     if mode == "off":
         return None
