@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -18,6 +19,13 @@ from beamtrt.models.random_beam import random_tensors
 TINY = BeamConfig(vocab_size=101, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                   num_experts_per_tok=2, mlp_only_layers=(0,))
+
+
+class Terminal(io.StringIO):
+    """stderr as a terminal (progress bars are drawn on terminals only), kept where a test can read it."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def tiny_model(cfg: BeamConfig = TINY, seed: int = 0, dtype: torch.dtype = torch.float32) -> BeamForCausalLM:

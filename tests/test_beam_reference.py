@@ -368,16 +368,15 @@ def load_error(path: Path, *needles: str) -> str:
 
 def test_good_written_checkpoint_loads(tmp_path: Path, monkeypatch) -> None:
     """...with a bar on a terminal (a large model loads for minutes without a word), cleared when done."""
-    import io
-
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
+    from conftest import Terminal
 
     cfg, state = _good_checkpoint()
     monkeypatch.setattr("sys.stderr", shown := Terminal())
     model = load_beam(_write(tmp_path / "ckpt", cfg, state))
     assert shown.getvalue().startswith("\rloading ckpt:   0%|") and shown.getvalue().endswith(" \r")  # cleared
+    shown.truncate(0)
+    load_beam(tmp_path / "ckpt", quiet=True)  # train_drafter.py --quiet: no bars
+    assert shown.getvalue() == ""
     c = case("qwen3", "dense-bias-headdim-linear")
     assert rel_err(prefill(model, c.ids).logits, c.ref_logits) < TOL
 

@@ -6,14 +6,9 @@ import io
 import json
 
 import pytest
+from conftest import Terminal
 
 from beamtrt.bench.benchmark import main
-
-
-class Terminal(io.StringIO):
-    """stderr as a terminal (the bar is drawn), kept where the test can read it."""
-    def isatty(self) -> bool:
-        return True
 
 
 @pytest.fixture(scope="module")

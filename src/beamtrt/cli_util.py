@@ -51,11 +51,12 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def progress(total: int, desc: str, unit: str = "point"):
-    """A benchmark's bar over its measurements, drawn on a terminal only (piped output stays its JSON lines)."""
+def progress(total: int, desc: str, unit: str = "point", quiet: bool = False):
+    """A bar over a command's work (a benchmark's measurements, a model's tensors as they load), drawn on a terminal
+    only (piped, a benchmark's output stays its JSON lines), and not at all when `quiet`; cleared when done."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=None, dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, disable=quiet or None, dynamic_ncols=True, leave=False)
 
 
 def say(bar, line: str, file) -> None:

@@ -674,9 +674,9 @@ def load_state(model: BeamForCausalLM, tensors, only: str | None = None) -> None
 
 
 def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              cfg: BeamConfig | None = None) -> BeamForCausalLM:
+              cfg: BeamConfig | None = None, quiet: bool = False) -> BeamForCausalLM:
     """Load a Beam-layout Hugging Face checkpoint directory (config.json + safetensors), streaming tensor by tensor
-    (a bar on a terminal: a large model loads for minutes)."""
+    (a bar on a terminal unless `quiet`: a large model loads for minutes)."""
     from beamtrt.checkpoint.hf import CheckpointReader
     from beamtrt.cli_util import progress
 
@@ -689,7 +689,7 @@ def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         model = BeamForCausalLM(cfg)
     check_fits(path, model, dtype, torch.device(device))
     model = model.to_empty(device=device).to(dtype)
-    with progress(len(specs), f"loading {Path(path).name or path}", "tensor") as bar:
+    with progress(len(specs), f"loading {Path(path).name or path}", "tensor", quiet) as bar:
         def tensors():
             for name in specs:
                 yield name, reader.get(name)

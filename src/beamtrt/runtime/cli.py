@@ -197,7 +197,8 @@ def _load(args: argparse.Namespace, setup: Setup, dist):
 
     dtype, spec = DTYPES[args.dtype], not args.no_spec
     if setup.engine_dir is None:
-        return loader.load_hf(setup.sources.model_dir, setup.sources.drafter_dir, dtype=dtype, device=args.device)
+        return loader.load_hf(setup.sources.model_dir, setup.sources.drafter_dir, dtype=dtype, device=args.device,
+                              quiet=args.quiet)
     return loader.load_build(setup.engine_dir, setup.manifest, dist, backend=setup.backend, dtype=dtype,
                              device=args.device, spec=spec)
 

@@ -184,14 +184,14 @@ def load_build(root: Path, manifest: dict, dist, *, backend: str = "torch", dtyp
 
 
 def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = torch.float32,
-            device: str = "cpu") -> Loaded:
+            device: str = "cpu", quiet: bool = False) -> Loaded:
     """The torch backends for a Hugging Face target and its drafter (None: plain decoding), as `hf_sources` found
-    and checked them."""
+    and checked them (`quiet`: no loading bar)."""
     from beamtrt.models.beam import load_beam
     from beamtrt.models.dflash2 import load_drafter
     from beamtrt.runtime.torch_backend import TorchDrafter, TorchTarget
 
-    model = load_beam(model_dir, dtype=dtype, device=device)
+    model = load_beam(model_dir, dtype=dtype, device=device, quiet=quiet)
     drafter = TorchDrafter(load_drafter(drafter_dir, model, dtype=dtype, device=device)) if drafter_dir else None
     what = f"{model_dir}, " + (f"drafter {drafter_dir}" if drafter_dir else "no drafter")
     return _stop_on_generation_eos(Loaded(TorchTarget(model), drafter, model_dir, "torch", what, drafter_dir))

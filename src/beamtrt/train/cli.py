@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.data_only:
             check_out(out, args.force, inputs, init)
 
-        target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
+        target = load_beam(target_dir, dtype=torch.float32, device=device, quiet=args.quiet).requires_grad_(False)
         digest = target_digest(target)
         if not args.data_only:  # what training needs besides phase 1's cache, checked before phase 1
             if (work / "train_state.pt").exists():  # a run to resume: its settings, layout and target
