@@ -294,6 +294,23 @@ def test_a_ctrl_c_while_the_files_are_renamed_leaves_all_three_new(mini_vocab_so
     assert [(tmp_path / f"b{ext}").read_bytes() != b"old" for ext in (".json", ".md", ".png")] == [True] * 3
 
 
+def test_a_block_that_fails_with_a_signal_held_keeps_its_error():
+    """A full disk while the signal waited was reported as 'interrupted', its error lost."""
+    import os
+    import signal
+
+    from beamtrt.cli_util import signals_held
+
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores Ctrl-C
+    try:
+        with pytest.raises(OSError, match="No space left on device"):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                raise OSError(28, "No space left on device")
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
 def test_generated_gsm8k_stops_at_the_test_split_size():
     """gsm_symbolic generates without end: --num-prompts 99999999 ran for minutes instead of stopping at 1,319."""
     pytest.importorskip("reasoning_gym")

@@ -391,9 +391,10 @@ def _run_cli(body: Callable[[], None]) -> int:
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP wait for the block to end, then arrive as they would have: for steps that must all
-    happen or none (the renames of several output files). Ignored signals stay ignored; off the main thread (where no
-    handler can be set) the block runs as it is."""
+    """Ctrl-C, SIGTERM and SIGHUP wait for the block to end, then the first arrives as it would have (it ends the
+    command): for steps that must all happen or none (the renames of several output files). A block that fails keeps
+    its error (the command ends on it). Ignored signals stay ignored; off the main thread (where no handler can be
+    set) the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -401,14 +402,15 @@ def signals_held() -> Iterator[None]:
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for sig, handler in saved.items():
-            if handler is not signal.SIG_IGN:
+            if handler not in (signal.SIG_IGN, None):  # None: set outside Python, which cannot put it back
                 signal.signal(sig, lambda number, frame: held.append(number))
         yield
     finally:
         for sig, handler in saved.items():
-            signal.signal(sig, handler)
-        if held:
-            signal.raise_signal(held[0])
+            if handler not in (signal.SIG_IGN, None):
+                signal.signal(sig, handler)
+    if held:  # not reached when the block failed
+        signal.raise_signal(held[0])
 
 
 def ended_by(signum: int) -> int:

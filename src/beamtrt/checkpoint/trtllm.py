@@ -421,8 +421,8 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, names: list[str]) -> torch.Tensor
     if (t.is_floating_point() and torch.finfo(dtype).max < torch.finfo(t.dtype).max
             and not bool(torch.isfinite(out).all())):
         raise CheckpointError(f"{', '.join(names)}: values up to {t.abs().amax().item():.4g} overflow "
-                              f"{DTYPE_NAMES[dtype]}, the dtype the build writes (model.embed_tokens.weight's): save "
-                              "the checkpoint in one dtype, bfloat16 or float32")
+                              f"{DTYPE_NAMES[dtype]}, the dtype the build writes this checkpoint in: save the "
+                              "checkpoint in one dtype, bfloat16 or float32")
     return out
 
 
