@@ -200,11 +200,17 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path
     ancestor = existing(p.absolute().parent)
     if not ancestor.is_dir():
         raise BeamtrtError(f"{flag} {p}: {ancestor} is a file, not a directory")
-    try:  # made and removed, not os.access: root passes access(2) on /proc or a read-only export, and writes fail
-        os.rmdir(tempfile.mkdtemp(prefix=".beamtrt-probe-", dir=ancestor))
+    try:
+        probe_writable(ancestor)
     except OSError as e:
         raise BeamtrtError(f"{flag} {p}: cannot write in {ancestor} ({e.strerror or e})") from None
     return p
+
+
+def probe_writable(folder: Path) -> None:
+    """An OSError where `folder` takes no new file: a folder made in it and removed, not os.access (root passes
+    access(2) on /proc or a read-only export, and writes fail)."""
+    os.rmdir(tempfile.mkdtemp(prefix=".beamtrt-probe-", dir=folder))
 
 
 def outside_inputs(path: str | Path, flag: str, reads: Iterable[tuple[str, str | Path | None]]) -> None:

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,8 +345,10 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
 
 def _check_writable(cache: Path) -> None:
     """Before the work whose files go into `cache`: a complete cache is used as it is, also on read-only storage."""
-    try:  # made and removed, as cli_util.output_path probes
-        os.rmdir(tempfile.mkdtemp(prefix=".beamtrt-probe-", dir=cache))
+    from beamtrt.cli_util import probe_writable
+
+    try:
+        probe_writable(cache)
     except OSError as e:
         raise BeamtrtError(f"{cache}: cannot write in it ({e.strerror or e}), and the cache lacks shards") from None
 
@@ -448,15 +449,16 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     from tqdm import tqdm
 
     recorded = check_cache(target, taps, data, digest)
-    for features in sorted(data.glob("features-*.safetensors")):
-        if not _answers_path(features).exists():
-            _save_answers(_read(features, "feature shard"), features)
+    lone = [f for f in sorted(data.glob("features-*.safetensors")) if not _answers_path(f).exists()]
     missing = [(a, a.with_name(a.name.replace("answers-", "features-", 1)))
                for a in sorted(data.glob("answers-*.safetensors"))]
     missing = [(a, f) for a, f in missing if not f.exists()]
+    if lone or missing:
+        _check_writable(data)
+    for features in lone:
+        _save_answers(_read(features, "feature shard"), features)
     if not missing:
         return
-    _check_writable(data)
     shards = [(features, read_sequences(answers, "answers file", target.cfg.vocab_size))
               for answers, features in missing]
     if recorded is None:  # an older cache: from now on its taps are this target's
