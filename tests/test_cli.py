@@ -1041,12 +1041,14 @@ def test_build_engines_names_the_checkpoint_a_build_given_as_model_came_from(tmp
     """build_engines.py --model on a build (or its target/) names the checkpoint its manifest records as the target's
     source: it named the manifest field to look in, which it still does when the manifest records none or is
     unreadable."""
-    build = tmp_path / "build"
+    build, source = tmp_path / "build", tmp_path / "beam"
     (build / "target").mkdir(parents=True)
-    for manifest, remedy in (({"target": {"source": "/models/beam"}}, "pass --model /models/beam, the Hugging Face "
-                                                                        "checkpoint it was built from"),
-                             ({"target": {}}, "pass the Hugging Face checkpoint it was built from (its manifest.json's "
-                                              "target.source)")):
+    source.mkdir()
+    generic = "pass the Hugging Face checkpoint it was built from (its manifest.json's target.source)"
+    for manifest, remedy in (({"target": {"source": str(source)}}, f"pass --model {source}, the Hugging Face "
+                                                                   "checkpoint it was built from"),
+                             ({"target": {"source": "/nonexistent/beam"}}, generic),  # moved, or relative elsewhere
+                             ({"target": {}}, generic)):
         (build / "manifest.json").write_text(json.dumps(manifest))
         for model in (build, build / "target"):
             assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--model", str(model), "--out",

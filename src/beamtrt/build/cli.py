@@ -80,7 +80,7 @@ def _built_from(build: Path) -> str:
         source = field(read_json(build / MANIFEST, "build manifest"), "target.source", None)
     except CheckpointError:
         source = None
-    if isinstance(source, str) and source:
+    if isinstance(source, str) and source and Path(source).is_dir():  # a relative one: from where the build ran
         return f"--model {source}, the Hugging Face checkpoint it was built from"
     return "the Hugging Face checkpoint it was built from (its manifest.json's target.source)"
 
