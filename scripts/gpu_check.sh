@@ -5,8 +5,8 @@
 # kernel micro-benchmark table (attention and selector: µs, achieved bytes/s against a device-to-device copy;
 # the decode loop's verification on the GPU against the host).
 # Python: $PY, else .venv/bin/python where its torch sees a GPU (`make setup` with a CUDA build of torch), else python3
-# (a host whose python3 has torch with CUDA, safetensors, numpy, tqdm and pytest; src/ goes on PYTHONPATH). Where $OUT
-# names a folder, the JSON and the whole log are copied there too.
+# where its torch does (with safetensors, numpy, tqdm and pytest; src/ goes on PYTHONPATH); where none does, it says
+# so. Where $OUT names a folder, the JSON and the whole log are copied there too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in

@@ -203,7 +203,7 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
     assert_one_line_error(run("runtime/run.py", "--top-k", "50"), "give them with a --temperature > 0")  # not greedy
     assert_one_line_error(run("runtime/run.py", "--block-size", "1"), "--block-size")
-    assert_one_line_error(run("runtime/run.py", "--no-spec", "--block-size", "-5"), "--block-size")
+    assert_one_line_error(run("runtime/run.py", "--no-spec", "--draft-threshold", "0"), "drop --drafter / --draft")
     assert_one_line_error(run("runtime/run.py", "--stop", ""), "--stop")
     (tmp_path / "afile").write_text("")
     assert_one_line_error(run("runtime/run.py", "--json", str(tmp_path / "afile" / "x.json")), "--json",

@@ -25,7 +25,7 @@ DEFAULT_PROMPTS = (
     "Write a Python function that returns the square of a number.",
     "Give me three tips for staying focused while studying.",
 )
-DEFAULT_BLOCK_SIZE = 8  # --block-size when not given (None until _validate: --no-spec refuses an explicit one)
+DEFAULT_BLOCK_SIZE = 8  # --block-size when not given
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,11 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "block_size in its config.json): the anchor + block-1 drafts; on a CPU host "
                         "blocks of 4, 6 and 8 decode about equally fast with --draft-threshold 0.4 "
                         f"(docs/BENCHMARKS.md) (default: {DEFAULT_BLOCK_SIZE})")
-    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
+    p.add_argument("--draft-threshold", type=float, metavar="P",
                    help="verify only the leading drafts of a block whose running product of the drafter's "
                         "confidences is >= P, in [0, 1]: fewer verified rows make a step cheaper where the verify's "
                         "cost grows with its rows (an MoE target on a CPU host: there 0.4 was fastest, "
-                        "docs/BENCHMARKS.md); lossless either way; 0 verifies the whole block (default: %(default)s)")
+                        "docs/BENCHMARKS.md); lossless either way; 0 verifies the whole block (default: 0)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same loop, no drafter")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of every random decision, in [0, 2**63): each prompt draws from its own stream, "
@@ -109,13 +109,14 @@ def _validate(args: argparse.Namespace) -> SamplingParams:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed)
-    if not args.no_spec:
-        check_draft_threshold(args.draft_threshold)
-    elif args.drafter or args.draft_threshold or args.block_size is not None:  # they would be ignored
+    if args.no_spec and (args.drafter or args.draft_threshold is not None or args.block_size is not None):
         raise ValueError("--no-spec decodes without a drafter: drop --drafter / --draft-threshold / --block-size")
-    if args.block_size is None:
+    if args.block_size is None:  # not given: the defaults (None until here, so that --no-spec can refuse them given)
         args.block_size = DEFAULT_BLOCK_SIZE
+    if args.draft_threshold is None:
+        args.draft_threshold = 0.0
     check_block_size(args.block_size)
+    check_draft_threshold(args.draft_threshold)
     if args.prompt and args.prompts:
         raise ValueError("give --prompt or --prompts, not both")
     check_threads(args.threads)
