@@ -138,9 +138,8 @@ def _remove_leftovers(final: Path, mine: Path | None = None) -> bool:
     that no running process holds (a killed or interrupted writer's) but `mine`; one that a running process holds is
     one line. An old output whose replacement never came (`final` missing) is put back instead: True if one was."""
     put_back = False
-    name = glob.escape(final.name)
+    name, mine_name = glob.escape(final.name), mine and mine.name  # a name: mkdtemp's path is absolute (3.12)
     for old in sorted([*final.parent.glob(f".{name}.tmp-*"), *final.parent.glob(f".{name}.old-*")]):
-        mine_name = mine.name if mine else None  # a name: mkdtemp's path is absolute (3.12)
         if old.name == mine_name or old.is_symlink() or not old.is_dir():
             continue
         try:
