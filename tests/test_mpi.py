@@ -338,11 +338,11 @@ def test_every_rank_gives_its_drafter_its_own_taps():
     assert seen == {"0": "[[0.0], [0.0], [0.0], [0.0]]", "1": "[[1.0], [1.0], [1.0], [1.0]]"}, seen  # prefill, 3 steps
 
 
-def test_the_wrapper_reports_a_terminated_job():
+@pytest.mark.parametrize("signum", [15, 1], ids=["SIGTERM", "SIGHUP"])
+def test_the_wrapper_reports_a_terminated_job(signum):
     """SIGTERM to the wrapper's process group (a scheduler cancelling the job): every rank ends and the wrapper says
-    so, as Ctrl-C's "interrupted" (it ended silently, the shell's status only)."""
-    import signal
-
+    so, as Ctrl-C's "interrupted" (it ended silently, the shell's status only); so does SIGHUP (an ssh session that
+    dropped), with its own status, as one process does (it said nothing)."""
     tag = f"beamtrt-term-{os.getpid()}"
     proc = subprocess.Popen([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c",
                              f"import time; time.sleep(60)  # {tag}"], stdout=subprocess.PIPE,
@@ -352,9 +352,9 @@ def test_the_wrapper_reports_a_terminated_job():
                              text=True).stdout.split()) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signum)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 143 and err.splitlines()[-1] == "terminated", err
+    assert proc.returncode == 128 + signum and err.splitlines()[-1] == "terminated", err
     assert subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split() == []
 
 
