@@ -139,11 +139,12 @@ def test_missing_rank_file_is_named(sources, tmp_path_factory, tmp_path):
     assert proc.returncode != 0
     line = f"error: rank 1: {broken / 'target' / 'rank1.safetensors'}: missing rank file (the checkpoint has tp_size 2)"
     assert line in proc.stderr
-    # Through scripts/mpirun: that line alone (Open MPI's MPI_ABORT notices for it, and their NUL, are dropped).
+    # Through scripts/mpirun: that line alone (Open MPI's MPI_ABORT notices for it, and their NUL, are dropped), and
+    # no answer begun: rank 0 printed its prompt's header before rank 1's failed load aborted the job
     proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, str(ROOT / "runtime/run.py"),
-                           "--engine-dir", str(broken), "--max-new-tokens", "4"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
+                           "--engine-dir", str(broken), "--prompt", "hi", "--max-new-tokens", "4"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line] and proc.stdout == "", proc
     # A prompt too long for the target is refused before any weight loads (it came after a 501B load), on rank 0 alone
     proc = run(broken, 2, "--prompt", "hi", "--max-new-tokens", "40000", timeout=120)
     assert proc.returncode == 2 and proc.stderr.splitlines()[0].startswith("error: --prompt: its prompt ("), proc.stderr

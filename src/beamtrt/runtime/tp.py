@@ -295,8 +295,11 @@ def serve(dist: Dist, backends: dict) -> None:
 
 
 def drive(dist: Dist, target, drafter) -> tuple | None:
-    """After every rank loaded its backends: on rank 0, (target, drafter) whose calls every other rank replays (as
-    they are in one process); on the other ranks, replay rank 0's calls until it stops, then None."""
+    """Once every rank has loaded its backends (a barrier: rank 0 printed its first output before a rank that then
+    failed to load aborted the job): on rank 0, (target, drafter) whose calls every other rank replays (as they are in
+    one process); on the other ranks, replay rank 0's calls until it stops, then None."""
+    if dist.size > 1:
+        dist.comm.Barrier()
     if dist.rank != 0:
         serve(dist, {"target": target, "drafter": drafter})
         return None
