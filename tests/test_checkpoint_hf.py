@@ -592,6 +592,10 @@ def test_write_json_writes_through_a_link_and_refuses_a_device(tmp_path):
     with pytest.raises(CheckpointError, match="not a regular file"):
         write_json(Path("/dev/null"), {"a": 1})
     assert Path("/dev/null").is_char_device()
+    (tmp_path / "was-a-folder").write_text("")  # put there since the command checked its --json: 'File exists'
+    for path in (tmp_path / "was-a-folder" / "out.json", tmp_path / "was-a-folder" / "sub" / "out.json"):
+        with pytest.raises(CheckpointError, match=f"^{path}: {tmp_path / 'was-a-folder'} is a file, not a directory$"):
+            write_json(path, {"a": 1})
 
 
 def test_writing_holds_a_folder_against_other_processes(tmp_path, capsys):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from beamtrt.checkpoint.hf import followed, write_json
+from beamtrt.checkpoint.hf import followed, make_parent, write_json
 from beamtrt.cli_util import (ArgumentParser, check_threads, description, output_path, outside_inputs, run_ranks_cli,
                               set_threads, signals_held, torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
@@ -380,7 +380,7 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
     into = {ext: followed(path) for ext, path in out.items() if ext != ".json"}  # a link's target, as write_json
     staged = {ext: path.with_name(f".{path.name}.tmp") for ext, path in into.items()}
     for path in into.values():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(path)
     try:  # all three or none: the chart and the table staged, then the JSON written and the two renamed into place
         for ext, write in ((".png", lambda path: chart(result, path)), (".md", lambda path: path.write_text(table))):
             try:

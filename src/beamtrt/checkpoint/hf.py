@@ -321,13 +321,24 @@ def write_json(path: str | Path, obj: dict) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n", "JSON")
 
 
+def make_parent(path: Path) -> None:
+    """The folder `path` goes into, made with its missing parents; one of them that is a file (put there since the
+    command checked its output) is one line, not mkdir's 'File exists'."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        from beamtrt.cli_util import existing
+
+        raise CheckpointError(f"{path}: {existing(path.parent)} is a file, not a directory") from None
+
+
 def write_text(path: str | Path, text: str, what: str = "a file") -> None:
     """Write `text` atomically (temp file in the same directory, then os.replace), making missing folders; `what` is
     what the file holds, for the one line refusing a path that is not a regular file."""
     path = followed(Path(path))  # a link's target is written, not the link
     if path.exists() and not path.is_file():
         raise CheckpointError(f"{path}: not a regular file; cannot write {what} there")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(path)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
