@@ -1518,20 +1518,28 @@ def test_a_full_disk_while_copying_names_the_copy_not_its_source(tmp_path, monke
     assert error_line(missing) == f"{tmp_path / 'gone'}: No such file or directory"  # the source's fault: its name
 
 
-@pytest.mark.parametrize("sig, ending", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
-def test_an_interrupted_benchmark_waits_for_its_child_to_clean_up(tmp_path, sig, ending):
+@pytest.mark.parametrize("sig, ending, session", [(signal.SIGINT, "interrupted", False),
+                                                  (signal.SIGTERM, "terminated", False),
+                                                  (signal.SIGTERM, "terminated", True)])
+def test_an_interrupted_benchmark_waits_for_its_child_to_clean_up(tmp_path, sig, ending, session):
     """bench_tp.py and bench_convert.py run builds as child commands: a signal to the benchmark alone left its build
     running on (bench_convert), and Ctrl-C killed it a quarter of a second later, before it removed its temporary
-    folder (bench_tp). The child now gets the signal and is waited for."""
-    child = ("import pathlib, signal, sys, time\n"
+    folder (bench_tp). The child now gets the signal and is waited for. A child in a session of its own (bench_tp's
+    mpirun jobs) gets it with its process group: given to scripts/mpirun alone, the ranks ran on, orphaned."""
+    child = ("import pathlib, signal, subprocess, sys, time\n"
              "def done(n, f):\n    time.sleep(1); pathlib.Path(sys.argv[1]).write_text('cleaned'); sys.exit(130)\n"
              "signal.signal(signal.SIGINT, done); signal.signal(signal.SIGTERM, done)\n"
+             "if len(sys.argv) > 2:  # a rank of the job, in its process group\n"
+             "    subprocess.Popen([sys.executable, sys.argv[0], sys.argv[2]])\n"
+             "    while not pathlib.Path(sys.argv[2]).with_name('ready').exists(): time.sleep(0.05)\n"
+             "    pathlib.Path(sys.argv[2]).with_name('ready').rename(pathlib.Path(sys.argv[2]).with_name('rank'))\n"
              "pathlib.Path(sys.argv[1]).with_name('ready').write_text('ready'); time.sleep(60)\n")
     (tmp_path / "child.py").write_text(child)
+    rank = [str(tmp_path / "rank-cleaned")] if session else []
     parent = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}]\n"
               "from beamtrt.cli_util import run_child, run_cli\n"
               f"sys.exit(run_cli(lambda: run_child([sys.executable, {str(tmp_path / 'child.py')!r}, "
-              f"{str(tmp_path / 'cleaned')!r}])))\n")
+              f"{str(tmp_path / 'cleaned')!r}, *{rank!r}], start_new_session={session})))\n")
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
@@ -1542,3 +1550,8 @@ def test_an_interrupted_benchmark_waits_for_its_child_to_clean_up(tmp_path, sig,
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (128 + sig, f"{ending}\n")
     assert (tmp_path / "cleaned").read_text() == "cleaned"  # the child finished its clean-up before the parent ended
+    if session:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "rank-cleaned").exists():  # the rank got the signal too (not waited for: a grandchild)
+            assert time.monotonic() < deadline, "the rank was left running"
+            time.sleep(0.05)

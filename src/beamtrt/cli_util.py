@@ -135,12 +135,21 @@ def check_room(need: int, out: str | Path, what: str) -> None:
 def ending_with_us(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
     """A child command waited for inside: if this command is interrupted meanwhile (Ctrl-C, SIGTERM), the child gets
     the same signal and is waited for, so that its own clean-up (a build's temporary folder) is done before this one
-    goes on (subprocess.run kills it after a quarter of a second; a bare wait leaves it running on)."""
+    goes on (subprocess.run kills it after a quarter of a second; a bare wait leaves it running on). A child started
+    in a session of its own (an mpirun job: start_new_session) gets it with its whole process group, as a scheduler
+    sends it (scripts/mpirun passes on no signal sent to it alone: its ranks ran on)."""
     try:
         yield proc
     except KeyboardInterrupt as e:
         if proc.poll() is None:
-            proc.send_signal(e.args[0] if isinstance(e, Terminated) else signal.SIGINT)
+            sig = e.args[0] if isinstance(e, Terminated) else signal.SIGINT
+            try:
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, sig)
+                else:
+                    proc.send_signal(sig)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:

@@ -36,7 +36,7 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         if tp > 1:  # .venv's mpirun, else the host's (a TensorRT-LLM host's .venv has none), as root and on few cores
             cmd = [str(ROOT / "scripts" / "mpirun"), "-n", str(tp)] + cmd
         env = {**os.environ, "OMP_NUM_THREADS": "1" if tp > 1 else "2"}  # the host's 2 cores either way
-        proc = run_child(cmd, cwd=ROOT, env=env)
+        proc = run_child(cmd, cwd=ROOT, env=env, start_new_session=tp > 1)  # a signal reaches the whole job
         if proc.returncode != 0:
             raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {child_error(proc.stderr, proc.returncode)}")
         s = json.loads(report.read_text())["summary"]
