@@ -303,10 +303,9 @@ def test_a_block_that_fails_with_a_signal_held_keeps_its_error():
 
     saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores Ctrl-C
     try:
-        with pytest.raises(OSError, match="No space left on device"):
-            with signals_held():
-                os.kill(os.getpid(), signal.SIGINT)
-                raise OSError(28, "No space left on device")
+        with pytest.raises(OSError, match="No space left on device"), signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError(28, "No space left on device")
     finally:
         signal.signal(signal.SIGINT, saved)
 

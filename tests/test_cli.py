@@ -1045,8 +1045,8 @@ def test_build_engines_names_the_checkpoint_a_build_given_as_model_came_from(tmp
     (build / "target").mkdir(parents=True)
     source.mkdir()
     generic = "pass the Hugging Face checkpoint it was built from (its manifest.json's target.source)"
-    for manifest, remedy in (({"target": {"source": str(source)}}, f"pass --model {source}, the Hugging Face "
-                                                                   "checkpoint it was built from"),
+    for manifest, remedy in (({"target": {"source": str(source)}}, (f"pass --model {source}, the Hugging Face "
+                                                                    "checkpoint it was built from")),
                              ({"target": {"source": "/nonexistent/beam"}}, generic),  # moved, or relative elsewhere
                              ({"target": {}}, generic)):
         (build / "manifest.json").write_text(json.dumps(manifest))

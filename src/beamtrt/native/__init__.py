@@ -27,8 +27,8 @@ from typing import Sequence
 
 import torch
 
-from beamtrt.config import MAX_BLOCK_SIZE
 from beamtrt.cli_util import switch
+from beamtrt.config import MAX_BLOCK_SIZE
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("beam_step.cpp", "draft_step.cpp"))
 MAX_ROWS = MAX_BLOCK_SIZE  # tokens per sequence in a decode or verify step (every block a drafter may be trained
