@@ -344,11 +344,14 @@ def test_the_wrapper_reports_a_terminated_job(signum):
     """SIGTERM to the wrapper's process group (a scheduler cancelling the job): every rank ends and the wrapper says
     so, as Ctrl-C's "interrupted" (it ended silently, the shell's status only); so does SIGHUP (an ssh session that
     dropped), with its own status, as one process does (it said nothing)."""
+    import signal
+
     tag = f"beamtrt-term-{os.getpid()}"
     proc = subprocess.Popen([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, "-c",
                              f"import time; time.sleep(60)  # {tag}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-    deadline = time.monotonic() + 60
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))  # a suite run under nohup
+    deadline = time.monotonic() + 60  # ignores SIGHUP, and a shell cannot trap a signal ignored when it started
     while len(subprocess.run(["pgrep", "-f", f"^{sys.executable} -c .*{tag}"], capture_output=True,
                              text=True).stdout.split()) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
