@@ -282,7 +282,7 @@ def test_a_ctrl_c_while_the_files_are_renamed_leaves_all_three_new(mini_vocab_so
     for ext in (".json", ".md", ".png"):
         (tmp_path / f"b{ext}").write_text("old")
     src = mini_vocab_sources
-    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores Ctrl-C
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite started in the background ignores it
     try:
         rc = main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "chat",
                    "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "1", "--concurrency", "1",
@@ -301,7 +301,7 @@ def test_a_block_that_fails_with_a_signal_held_keeps_its_error():
 
     from beamtrt.cli_util import signals_held
 
-    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker ignores Ctrl-C
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite started in the background ignores it
     try:
         with pytest.raises(OSError, match="No space left on device"), signals_held():
             os.kill(os.getpid(), signal.SIGINT)
