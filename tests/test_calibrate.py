@@ -55,9 +55,9 @@ def test_ranges_equal_modelopt_max_calibration(tmp_path):
 
 
 def test_packaged_prompts_parse():
-    from beamtrt.prompts import read_chats
+    from beamtrt.prompts import read_chat_lines
 
-    chats = read_chats(cal.default_prompts_path())
+    chats = [chat for _, chat in read_chat_lines(cal.default_prompts_path())]
     assert len(chats) >= 32 and all(c[0]["role"] == "user" and c[0]["content"] for c in chats)
 
 

@@ -482,11 +482,11 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
 def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):
     """A JSON string may hold U+2028 (str.splitlines would cut the line there); a checkpoint without tokenizer files
     is one line, not a TypeError from transformers."""
-    from beamtrt.prompts import read_chats
+    from beamtrt.prompts import read_chat_lines
 
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a\u2028b\u0085c"}, ensure_ascii=False) + "\n",
                                       encoding="utf-8")
-    assert read_chats(tmp_path / "p.jsonl") == [[{"role": "user", "content": "a\u2028b\u0085c"}]]
+    assert read_chat_lines(tmp_path / "p.jsonl") == [(1, [{"role": "user", "content": "a\u2028b\u0085c"}])]
     assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2").returncode == 0
     (tmp_path / "m" / "generation_config.json").write_text("{}")  # not a tokenizer (a build copied it as one)
     assert_one_line_error(run("runtime/run.py", "--model", str(tmp_path / "m"), "--no-spec", "--prompt", "hi"),
@@ -502,20 +502,20 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
     """A missing file, a non-UTF-8 file (the line and byte named), a JSON array or plain text (JSON Lines is one
     object per line) and text that is not UTF-8 (on the command line or a lone surrogate escape) are one line each;
     a UTF-8 BOM is read past."""
-    from beamtrt.prompts import read_chats
+    from beamtrt.prompts import read_chat_lines
 
     (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n')
-    assert read_chats(tmp_path / "bom.jsonl") == [[{"role": "user", "content": "hi"}]]
+    assert read_chat_lines(tmp_path / "bom.jsonl") == [(1, [{"role": "user", "content": "hi"}])]
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
     (tmp_path / "array.json").write_text('[{"prompt": "hi"}]\n')
     (tmp_path / "plain.txt").write_text("hello there\n")
     (tmp_path / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
     (tmp_path / "both.jsonl").write_text('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n')
     (tmp_path / "official.jsonl").write_text('{"task_id": "T/0", "prompt": "def f():", "test": "assert f()"}\n')
-    assert read_chats(tmp_path / "official.jsonl") == [[{"role": "user", "content": "def f():"}]]
+    assert read_chat_lines(tmp_path / "official.jsonl") == [(1, [{"role": "user", "content": "def f():"}])]
     (tmp_path / "export.jsonl").write_text(  # a chat dataset's export (ultrachat): the prompt and the whole chat
         '{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
-    assert read_chats(tmp_path / "export.jsonl") == [[{"role": "user", "content": "hi"}]]
+    assert read_chat_lines(tmp_path / "export.jsonl") == [(1, [{"role": "user", "content": "hi"}])]
     for name, needles in (("missing.jsonl", ["(no such file)"]),
                           ("latin1.jsonl", [":2: not UTF-8 text (byte offset 32)", "must be UTF-8"]),
                           ("array.json", [":1: expected", "JSON Lines: one object per line"]),

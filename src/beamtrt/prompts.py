@@ -119,16 +119,11 @@ class Layout:
         return self.marker in obj and "messages" not in obj and ("prompt" not in obj or self.reads_prompt)
 
 
-def read_chats(path: str | Path) -> list[list[dict]]:
-    """Chats from a JSONL file (UTF-8, a BOM allowed); each line {"prompt": str} or {"messages": [{"role",
-    "content"}, ...]}: a line with both is read as its prompt when its messages open with it (a dataset export), and
-    refused otherwise; other fields are ignored (an official set's task_id, canonical_solution, ...)."""
-    return [chat for _, chat in read_chat_lines(path)]
-
-
 def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tuple[int, list[dict]]]:
-    """read_chats' chats, each with the number of the line it is on (for messages about one of them); with a
-    `layout`, its lines too (a line holding its marker is read as one)."""
+    """Chats from a JSONL file (UTF-8, a BOM allowed), each with the number of the line it is on (for messages about
+    one of them); each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}: a line with both is read as
+    its prompt when its messages open with it (a dataset export), and refused otherwise; other fields are ignored (an
+    official set's task_id, canonical_solution, ...). With a `layout`, its lines too (Layout.holds)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
