@@ -104,23 +104,23 @@ LOADERS: dict[str, Callable[[int], list[str]]] = {"gsm8k": gsm8k, "math": math50
                                                   "mbpp": mbpp, "mtbench": mtbench}
 
 
-def _text(row: dict, key: str, before: str = "", after: str = "") -> str | None:
-    """row[key] between `before` and `after` where it is a str of more than whitespace, else None."""
-    return before + row[key] + after if isinstance(row.get(key), str) and row[key].strip() else None
+def _text(value: object, before: str = "", after: str = "") -> str | None:
+    """`value` between `before` and `after` where it is a str of more than whitespace, else None."""
+    return before + value + after if isinstance(value, str) and value.strip() else None
 
 
 def _mbpp_task(row: dict) -> str | None:
     """MBPP's own layout: a task in words and the asserts its code must pass (the built-in set's rows are stubs)."""
     tests = row.get("test_list")
-    if not _text(row, "text") or not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
         return None
-    return f"{MBPP_PREFIX}{row['text']}\nIt must pass these tests:\n" + "\n".join(tests)
+    return _text(row.get("text"), MBPP_PREFIX, "\nIt must pass these tests:\n" + "\n".join(tests))
 
 
 def _first_turn(row: dict) -> str | None:
     """MT-Bench's first turn, as the built-in set asks (its second turn needs the answer to the first)."""
     turns = row["turns"]
-    return _text({"turn": turns[0]}, "turn") if isinstance(turns, list) and turns else None
+    return _text(turns[0]) if isinstance(turns, list) and turns else None
 
 
 # The official sets' own line layouts, read by --prompts FAMILY=FILE beside {"prompt"} / {"messages"} lines (which are
@@ -129,9 +129,9 @@ def _first_turn(row: dict) -> str | None:
 # set's rows are function stubs.
 TEXT = "a non-empty str"
 LAYOUTS = {
-    "gsm8k": Layout("GSM8K", "question", f'"question": {TEXT}', lambda r: _text(r, "question", after=MATH_SUFFIX)),
-    "math": Layout("MATH", "problem", f'"problem": {TEXT}', lambda r: _text(r, "problem", after=MATH_SUFFIX)),
-    "humaneval": Layout("HumanEval", "entry_point", f'"prompt": {TEXT}', lambda r: _text(r, "prompt", CODE_PREFIX),
+    "gsm8k": Layout("GSM8K", "question", f'"question": {TEXT}', lambda r: _text(r.get("question"), after=MATH_SUFFIX)),
+    "math": Layout("MATH", "problem", f'"problem": {TEXT}', lambda r: _text(r.get("problem"), after=MATH_SUFFIX)),
+    "humaneval": Layout("HumanEval", "entry_point", f'"prompt": {TEXT}', lambda r: _text(r.get("prompt"), CODE_PREFIX),
                         reads_prompt=True),
     "mbpp": Layout("MBPP", "test_list", f'"text": {TEXT} and "test_list": [str, ...]', _mbpp_task),
     "mtbench": Layout("MT-Bench", "turns", f'"turns": [{TEXT}, ...]', _first_turn),
