@@ -362,6 +362,23 @@ def test_the_wrapper_reports_a_terminated_job(signum):
     assert subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split() == []
 
 
+def test_bench_tp_shows_the_report_of_a_killed_rank(tmp_path, monkeypatch, capsys):
+    """A rank killed in one of bench_tp.py's jobs: its error named "Open MPI's report above", which it had captured
+    and dropped. The report is now written before the error. A stand-in for Python: rank 1 kills itself."""
+    from beamtrt.bench import tp
+    from beamtrt.errors import BeamtrtError
+
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\n[ "$OMPI_COMM_WORLD_RANK" = 1 ] && kill -9 $$\nexec sleep 60\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(tp.sys, "executable", str(python))
+    with pytest.raises(BeamtrtError) as info:
+        tp.decode(tmp_path / "engine", 2, tmp_path / "prompts.jsonl", 1, True, 2)
+    assert str(info.value).startswith("run failed (tp 2, c 1): the MPI job failed with status"), info.value
+    err = capsys.readouterr().err
+    assert "signal 9" in err and "error:" not in err, err  # Open MPI's notice of the kill, the error line once
+
+
 def benchmark(sources: Path, engine: Path, ranks: int, out: Path, *args: str) -> dict:
     """scripts/benchmark.py --engine-dir on the prompts' "chat" family, under `mpirun -n ranks` (0: one process)."""
     cmd = [sys.executable, str(ROOT / "scripts/benchmark.py"), "--engine-dir", str(engine), "--families", "chat",

@@ -38,7 +38,13 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
         env = {**os.environ, "OMP_NUM_THREADS": "1" if tp > 1 else "2"}  # the host's 2 cores either way
         proc = run_child(cmd, cwd=ROOT, env=env, start_new_session=tp > 1)  # a signal reaches the whole job
         if proc.returncode != 0:
-            raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {child_error(proc.stderr, proc.returncode)}")
+            reason = child_error(proc.stderr, proc.returncode)
+            if "report above" in reason:  # scripts/mpirun's line for a rank killed or crashed: show the report it means
+                from tqdm import tqdm
+
+                report = [line for line in proc.stderr.splitlines() if not line.startswith("error:")]
+                tqdm.write("\n".join(report).strip("\n"), file=sys.stderr)
+            raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {reason}")
         s = json.loads(report.read_text())["summary"]
     tau = s["acceptance_length"]  # None: no verification step (a request that ended at its first token)
     return {"tokens_per_s": round(s["tokens_per_s"], 2), "acceptance_length": None if tau is None else round(tau, 3),
