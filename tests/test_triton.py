@@ -564,7 +564,25 @@ def test_model_adapters_chain_like_the_ensemble(builds, tmp_path, monkeypatch):
         last = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
         llm.execute([last])  # and still serves
         assert last.sender.done.wait(60) and last.sender.sent[-1].error is None
-        llm.server.close()  # as when Triton unloads the model: not the request's fault, so not INVALID_ARG
+        stepping, go, step = threading.Event(), threading.Event(), llm.server.decoder.step
+
+        def held(*args, **kwargs):  # the first step waits until the server is closing
+            stepping.set()
+            go.wait(60)
+            return step(*args, **kwargs)
+
+        llm.server.decoder.step = held
+        running = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[100]], np.int32))
+        llm.execute([running])
+        assert stepping.wait(60)
+        closing = threading.Thread(target=llm.server.close)  # as when Triton unloads the model
+        closing.start()
+        while llm.server._inbox.empty():  # close() has asked the decode thread to end
+            time.sleep(0.01)
+        go.set()
+        closing.join(60)
+        assert running.sender.done.is_set() and running.sender.sent[-1].error.code == "UNAVAILABLE"  # was INTERNAL
+        assert running.sender.sent[-1].error.message == "the server shut down"
         late = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
         llm.execute([late])
         assert late.sender.done.is_set() and late.sender.sent[-1].error.code == "UNAVAILABLE"

@@ -237,6 +237,7 @@ class Delta:
     finished: bool = False
     finish_reason: str = ""         # stop | length | cancelled | error
     error: str = ""
+    unavailable: bool = False       # the error is the server going away (not the request): a replica may serve it
 
 
 def delta_outputs(delta: Delta) -> dict[str, np.ndarray]:

@@ -265,7 +265,7 @@ class Server:
                             pass
                         self._fail_all(f"{type(e).__name__}: {message}" if message else type(e).__name__)
                         self._abort_ranks(f"{type(e).__name__}: {message}")  # they may wait in a collective
-                self._fail_all("the server shut down")
+                self._fail_all("the server shut down", unavailable=True)
         except BaseException as e:  # the thread itself is ending (not a backend failure): no request may wait on it
             with self._lock:
                 self._closed = True  # submit() refuses from now on
@@ -361,7 +361,7 @@ class Server:
         except BaseException:  # the receiver is gone (or broken, even SystemExit): stop decoding for it
             live.cancel.set()
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, unavailable: bool = False) -> None:
         for live in list(self._live.values()):
             live.completion.finish_reason = "error"
             if live.slot >= 0 and self.decoder.owner[live.slot] == live.id:  # a failed admission never owned it
@@ -370,7 +370,8 @@ class Server:
                 except Exception:  # a backend that failed may fail again: the request still gets its error
                     pass
             live.slot = -1
-            self._send(live, Delta((), (), -1, "", self._metrics(live.completion), True, "error", message))
+            self._send(live, Delta((), (), -1, "", self._metrics(live.completion), True, "error", message,
+                                   unavailable))
         self._waiting.clear()
         self._touched = {}
 

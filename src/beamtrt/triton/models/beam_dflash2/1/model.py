@@ -44,8 +44,9 @@ class TritonPythonModel:
         if delta.finish_reason == "cancelled":
             response = pb_utils.InferenceResponse(
                 error=pb_utils.TritonError("the request was cancelled", pb_utils.TritonError.CANCELLED))
-        elif delta.error:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(delta.error))
+        elif delta.error:  # the server shutting down (a client may retry elsewhere), or a failure in the decoder
+            code = pb_utils.TritonError.UNAVAILABLE if delta.unavailable else pb_utils.TritonError.INTERNAL
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(delta.error, code))
         else:
             outputs = self.protocol.delta_outputs(delta)
             response = pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])
