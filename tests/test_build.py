@@ -260,14 +260,17 @@ def test_bad_layouts(sources, tmp_path, args, needles):
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_foreign_directory_needs_force(sources, tmp_path):
+def test_an_existing_foreign_directory_is_never_replaced(sources, tmp_path):
+    """--force replaces a build; a folder of anything else at --out (a typo's home folder, a checkpoint) was deleted
+    whole with --force. It is refused either way; an empty folder is written into."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    one_line_error(build(sources, out), "exists and is not a build output", "--force")
-    assert (out / "notes.txt").read_text() == "mine"
-    assert build(sources, out, "--force").returncode == 0
-    assert not (out / "notes.txt").exists()
+    for force in ((), ("--force",)):
+        one_line_error(build(sources, out, *force), "exists and is not a build output", "empty it first")
+        assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    assert build(sources, out).returncode == 0 and (out / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("manifest, needle", [('{"format_version": 0}', "format_version 0 is not this version's 1"),

@@ -656,9 +656,16 @@ def test_export_writes_a_repository_triton_accepts(builds, tmp_path, capsys):
 def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, capsys):
     out = tmp_path / "repo"
     out.mkdir()
+    (out / "notes.txt").write_text("x")  # a folder of something else: --force deleted it whole
+    for force in ((), ("--force",)):
+        rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines", *force)
+        assert rc == 2 and stderr.count("\n") == 1 and "is not a model repository export_triton.py wrote" in stderr
+        assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (out / "notes.txt").unlink()
+    assert run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out))[0] == 0
     (out / "stale.txt").write_text("x")
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines")
-    assert rc == 2 and stderr.count("\n") == 1 and "already exists and is not empty: pass --force" in stderr
+    assert rc == 2 and stderr.count("\n") == 1 and "already holds a model repository: pass --force" in stderr
     assert (out / "stale.txt").exists()
     rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines",
                                     "--force")

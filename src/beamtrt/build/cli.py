@@ -44,8 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="output directory (default: engines/<precision>-tp<N>, which "
                    "runtime/run.py then runs by default)")
     p.add_argument("--force", action="store_true",
-                   help="replace an existing output built from other inputs or settings, or any other folder at "
-                        "--out: the whole folder is deleted (stages whose inputs are unchanged are still reused)")
+                   help="replace an existing output built from other inputs or settings, or one that no longer "
+                        "validates: the whole folder is deleted (stages whose inputs are unchanged are still reused); "
+                        "a folder that is not a build output is refused even so")
     p.add_argument("--max-batch-size", type=int, default=64,
                    help="engines: most requests decoded at once (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=32768,

@@ -176,13 +176,11 @@ def _check_space(plan: Plan, reusable: dict, where: Path) -> None:
 
 
 def _old_manifest(bc: BuildConfig) -> dict | None:
-    if not bc.out.exists():
+    if not bc.out.exists() or (bc.out.is_dir() and not any(bc.out.iterdir())):
         return None
-    if not (bc.out / mf.MANIFEST).is_file():
-        if bc.force:
-            return {}
-        raise ConfigError(f"{bc.out} exists and is not a build output (no {mf.MANIFEST}); choose another --out "
-                          "or pass --force to replace it")
+    if not (bc.out / mf.MANIFEST).is_file():  # --force replaces a build, never a folder of anything else
+        raise ConfigError(f"{bc.out} exists and is not a build output (no {mf.MANIFEST}); choose another --out, "
+                          "or empty it first")
     try:
         return mf.read_manifest(bc.out)
     except CheckpointError:

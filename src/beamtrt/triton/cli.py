@@ -22,7 +22,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-engines", action="store_true",
                    help="copy the build into the repository (beam_dflash2/1/engine) instead of referencing it by its "
                         "absolute path")
-    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--force", action="store_true",
+                   help="replace a model repository an earlier export wrote at --out (the whole folder; a folder of "
+                        "anything else is refused even so)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="runtime backend of beam_dflash2: trt runs the build's engines, torch its checkpoints, auto "
                         "picks trt where the build has engines and the host can run them (default: %(default)s)")

@@ -219,8 +219,12 @@ def export(cfg: ExportConfig) -> list[str]:
         raise ExportError(f"--out {out}: is or holds the beamtrt package the repository's models import "
                           f"({package}); choose another place")
     output_path(out, "--out", directory=True)  # a file is refused, --force or not; the parent must be writable
-    if out.exists() and any(out.iterdir()) and not cfg.force:
-        raise ExportError(f"{out} already exists and is not empty: pass --force to replace it")
+    if out.exists() and any(out.iterdir()):  # --force replaces an export, never a folder of anything else
+        if not (out / MODEL / "config.pbtxt").is_file():
+            raise ExportError(f"{out} already exists and is not a model repository export_triton.py wrote (no "
+                              f"{MODEL}/config.pbtxt): choose another --out, or empty it first")
+        if not cfg.force:
+            raise ExportError(f"{out} already holds a model repository: pass --force to replace it")
     manifest = check_build(root, cfg.chat_template)
     engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
     block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
