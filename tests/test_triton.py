@@ -680,6 +680,16 @@ def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, c
     assert params["engine_dir"] == export.COPIED_ENGINE
 
 
+def test_a_missing_tritonclient_is_said_before_the_work(builds, tmp_path, monkeypatch):
+    """The repository is validated with tritonclient's ModelConfig at the end: without tritonclient an export checked
+    the build's every file and copied it (--copy-engines) first, then failed."""
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)  # import fails as when it is not installed
+    monkeypatch.setattr(export, "check_build", lambda *a: pytest.fail("the build was checked"))
+    with pytest.raises(export.ExportError, match=r"needs tritonclient: pip install 'tritonclient\[grpc\]'"):
+        export.export(export.ExportConfig(builds[1], tmp_path / "repo", copy_engines=True))
+    assert not (tmp_path / "repo").exists()
+
+
 def test_an_export_finished_by_another_process_meanwhile_is_not_replaced(builds, tmp_path, capsys, monkeypatch):
     """--out was checked only at the start: another export that finished into it while this one validated the build
     (10 s on beam-mini) was replaced without --force and without a word."""

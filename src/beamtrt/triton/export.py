@@ -208,6 +208,7 @@ class ExportConfig:
 
 def export(cfg: ExportConfig) -> list[str]:
     """Write and validate the repository at cfg.out; returns summary lines."""
+    _model_config()  # the repository is validated at the end: a missing tritonclient is said before the work
     root, out = resolved(cfg.engine_dir), resolved(cfg.out)
     if holds(root, out):
         raise ExportError(f"--out {out} is inside the engine directory; choose another place")
