@@ -642,6 +642,8 @@ def test_a_rank_file_of_another_rank_or_build_is_named_before_anything_loads(min
     (lambda m: m.__setitem__("precision", "fp8"), "precision bf16 differs from the manifest's precision fp8"),
     (lambda m: m.__setitem__("kv_cache", "fp8"), "kv_cache auto differs from the manifest's kv_cache fp8"),
     (lambda m: m["target"].__setitem__("dir", "drafter"), "differs from the manifest's target.architecture"),
+    (lambda m: m["drafter"].__setitem__("train_block_size", "16"),  # it read "block_size 16 differs from ... 16"
+     "block_size 16 differs from the manifest's drafter.train_block_size '16'"),
 ])
 def test_validate_catches_a_manifest_that_contradicts_its_checkpoints(sources, tmp_path, edit, needle):
     from beamtrt.checkpoint.validate import validate

@@ -894,6 +894,8 @@ def test_tensor_parallel_ranks_on_torch_run_on_the_cpu_and_refuse_another_device
         rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[2]), "--out", str(tmp_path / "repo"),
                                    "--device", "cuda", *args)
         assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
+        assert "in one process (without mpirun)" not in stderr  # no remedy of an export's (run.py's, it said)
+        assert stderr.endswith("use cpu, or serve the build's engines (--backend trt)\n"), stderr
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[2]), "--out", str(tmp_path / "repo"),
                                "--device", "gpu")  # a bad name is the setting's one line (torch.device raised)
     assert rc == 2 and stderr == "error: --device must be auto, cpu, cuda or cuda:N, got 'gpu'\n", stderr

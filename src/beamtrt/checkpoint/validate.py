@@ -78,8 +78,10 @@ def agree(root: Path, manifest: dict, files: bool = True) -> None:
         for name, dotted in fields.items():
             want = mf.field(manifest, dotted, None)
             if want is not None and said[name] != want:  # None: an older manifest without the field
-                raise CheckpointError(f"{ckpt.path / 'config.json'}: {name} {said[name]} differs from the manifest's "
-                                      f"{dotted} {want} (changed since the build: rebuild with build/build_engines.py)")
+                shown = repr if type(said[name]) is not type(want) else str  # 16 and "16" would read the same
+                raise CheckpointError(f"{ckpt.path / 'config.json'}: {name} {shown(said[name])} differs from the "
+                                      f"manifest's {dotted} {shown(want)} (changed since the build: rebuild with "
+                                      "build/build_engines.py)")
     for (file, rank, key), meta in stamps.items():
         if STAMP_KEY not in meta:  # written before the stamps (a stage reused since keeps its files as they were)
             continue

@@ -136,13 +136,14 @@ def pick_backend(requested: str, manifest: dict | None, ranks: int = 1) -> tuple
     return "torch", (f"no engines in the build ({no_engines})" if no_engines else missing)
 
 
-def check_device(device: str, backend: str, ranks: int, flag: str = "--device") -> None:
+def check_device(device: str, backend: str, ranks: int, flag: str = "--device", other: str | None = None) -> None:
     """Refuse a device the torch backend's tensor-parallel ranks would not run on: their shards live in host memory
-    (their all-reduces are MPI collectives there), so under mpirun they run on the CPU whatever `device` says."""
+    (their all-reduces are MPI collectives there), so under mpirun they run on the CPU whatever `device` says.
+    `other`: the remedy beside cpu (default: one process, where the command can run without mpirun)."""
     if backend == "torch" and ranks > 1 and torch.device(device).type != "cpu":
+        other = other or f"run the build in one process (without mpirun) on {device}"
         raise ConfigError(f"{flag} {device}: the torch backend's tensor-parallel ranks run on the CPU (their shards "
-                          f"and all-reduces are in host memory): use cpu, or run the build in one process (without "
-                          f"mpirun) on {device}")
+                          f"and all-reduces are in host memory): use cpu, or {other}")
 
 
 def _stop_on_generation_eos(loaded: Loaded) -> Loaded:

@@ -270,7 +270,8 @@ def export(cfg: ExportConfig) -> list[str]:
                               f"(--max-seq-len {e.why}): {remedy}") from None
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
     if device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
-        check_device(device, "torch", manifest["mapping"]["tp_size"])  # the server would refuse it
+        check_device(device, "torch", manifest["mapping"]["tp_size"],  # the server would refuse it
+                     other="serve the build's engines (--backend trt)")
     trained = manifest["drafter"].get("train_block_size")
     if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
         raise ExportError(why)
