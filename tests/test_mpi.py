@@ -191,6 +191,20 @@ def test_kv_caches_beyond_the_hosts_free_memory_together_are_refused(sources, tm
                         r"shorter ones", line), line
 
 
+def test_an_mpi4py_of_another_mpi_is_refused():
+    """mpi4py built against another MPI than the mpirun that started the job sees each rank alone in a world of one:
+    every rank loaded and ran the whole model by itself (a TP build: N servers of one rank each, without a word).
+    The launcher's rank count (its environment) must equal mpi4py's world size."""
+    code = ("import sys; from beamtrt.cli_util import run_cli; from beamtrt.runtime.dist import Dist; "
+            "sys.exit(run_cli(lambda: print(Dist.create().size)))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMPI_COMM_WORLD_SIZE": "2"}  # as that mpirun sets it
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: mpirun started 2 ranks but mpi4py sees 1: "), \
+        proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+    assert python_ranks(2, code).stdout.split() == ["2", "2"]  # the right mpirun: both ranks in one world
+
+
 def test_the_same_error_on_every_rank_is_one_line():
     """When every rank meets the same error (a file they all read), each printed its line: through scripts/mpirun the
     first rank's alone passes, and the job's status stays the user error's 2."""

