@@ -14,7 +14,7 @@ import torch
 from beamtrt.runtime.backend import DraftStep
 from beamtrt.spec import verify as verify_mod
 from beamtrt.spec.decoder import proposal_lengths
-from beamtrt.spec.sampling import sample_from
+from beamtrt.spec.sampling import SamplingParams, sample_from, target_probs
 from beamtrt.spec.selector import draft_confidence, walk_greedy, walk_sampled
 from beamtrt.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyResult, onehot_q, verify_greedy, verify_sampled
 from spec_stats import ALPHA, MUTANTS, law_stats
@@ -23,6 +23,31 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run
 
 N_CHAINS = 1_000_000  # TV limit at the first emitted position ~0.004 for V = 8, well below a 1% bias
 V, K, GAMMA = 8, 4, 3
+
+
+# ------------------------------------------------------------------------------------- the target's law
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 50, 1.0), (0.7, 20, 0.8),
+                                                       (0.5, 1, 1.0), (2.0, 0, 0.05), (0.7, 200, 0.99)])
+def test_target_probs_equal_hugging_faces_warpers(temperature, top_k, top_p):
+    """The law every sampled token is drawn from (plain decoding and verification alike, so the exactness tests,
+    which build their exact laws with it, cannot see a fault in it): temperature, then top-k, then top-p, as Hugging
+    Face's `generate` applies its warpers, here computed by transformers' own."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = 3 * torch.randn(64, 100, generator=torch.Generator().manual_seed(7))  # no ties: any order keeps the same
+    want = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        want = TopKLogitsWarper(top_k)(None, want)
+    if top_p < 1:
+        want = TopPLogitsWarper(top_p)(None, want)
+    want = want.softmax(-1)
+    got = target_probs(logits, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k))
+    assert torch.equal(got > 0, want > 0)  # the same tokens kept
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    cuts = 0 < top_k < logits.shape[-1] or top_p < 1
+    assert (got > 0).any(-1).all() and bool((got == 0).any()) == cuts  # a case with a cut does cut tokens
 
 
 # ----------------------------------------------------------------------------------------------- greedy
