@@ -195,6 +195,19 @@ def test_garbage_single_file(tmp_path):
     assert "model.safetensors" in msg and "not a valid safetensors file" in msg
 
 
+def test_json_nested_too_deeply_is_one_line(tmp_path):
+    """Python's JSON parser raises RecursionError at about a thousand levels (a 4 KB file): a traceback, from a
+    config, an index, a manifest or a safetensors header."""
+    deep = "[" * 2000 + "]" * 2000
+    (tmp_path / "config.json").write_text(deep)
+    assert one_line_error(read_json, tmp_path / "config.json", "model config") == \
+        f"{tmp_path / 'config.json'}: model config is JSON nested too deeply"
+    header = deep.encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    msg = one_line_error(CheckpointReader, tmp_path)
+    assert "model.safetensors" in msg and "not a valid safetensors file" in msg and "not valid JSON" in msg
+
+
 def _rewrite_header(path: Path, edit) -> None:
     """Apply `edit` to the parsed header of a safetensors file and write it back, the data unchanged."""
     raw = path.read_bytes()

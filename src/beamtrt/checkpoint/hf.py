@@ -294,6 +294,8 @@ def read_json(path: Path, what: str) -> dict:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: {what} is not valid JSON (line {err.lineno}: {err.msg})") from None
+    except RecursionError:  # a damaged or hostile file: Python's parser gives up at about a thousand levels
+        raise CheckpointError(f"{path}: {what} is JSON nested too deeply") from None
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: {what} is not valid JSON (not UTF-8 text)") from None
     except OSError as err:

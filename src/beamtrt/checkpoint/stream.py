@@ -49,7 +49,7 @@ class SafetensorsFile:
                 raise SafetensorsError(f"header length {n} exceeds the file")
             try:
                 header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # the last: nested too deeply
                 raise SafetensorsError("header is not valid JSON") from None
         if not isinstance(header, dict):
             raise SafetensorsError("header is not a JSON object")
