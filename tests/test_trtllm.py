@@ -211,13 +211,20 @@ def test_fp8_kv_cache_emulated_from_its_scale(tmp_path):
     ({"mapping": {"tp_size": 1}, "beam_config": [1]}, "'beam_config' must be a JSON object, got list"),
     ({"mapping": {"tp_size": 1}, "architecture": trtllm.DRAFTER_ARCHITECTURE, "dtype": "bfloat16"},
      "without its drafter_config"),
+    # a traceback (int(None)), a message naming no file (int("x")), a tp_size read as 2, an unhashable algorithm
+    ({"mapping": {"tp_size": 2, "pp_size": None}}, "'mapping' needs integer .*, got pp_size None"),
+    ({"mapping": {"tp_size": 2, "moe_tp_size": "x"}}, "'mapping' needs integer .*, got moe_tp_size 'x'"),
+    ({"mapping": {"tp_size": 2.9}}, "'mapping' needs integer .*, got tp_size 2.9"),
+    ({"mapping": {"tp_size": True}}, "'mapping' needs integer .*, got tp_size True"),
+    ({"mapping": {"tp_size": 1}, "quantization": {"quant_algo": ["FP8"]}}, r"unsupported quant_algo \['FP8'\]"),
 ])
 def test_a_checkpoint_config_of_the_wrong_shape_is_one_line(tmp_path, config, needle):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=needle):
+    with pytest.raises(CheckpointError, match=needle) as info:
         TrtllmCheckpoint(tmp_path).units()
+    assert str(info.value).startswith(f"{tmp_path / 'config.json'}: ")
 
 
 def test_a_directory_in_place_of_a_rank_file_is_named(tmp_path):

@@ -55,15 +55,19 @@ class Mapping:
 
     @classmethod
     def from_json(cls, raw: dict, source: str) -> Mapping:
-        try:
-            tp, ep = int(raw["tp_size"]), int(raw.get("moe_ep_size", 1))
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{source}: 'mapping' needs integer tp_size (and moe_ep_size)") from None
+        def whole(key: str, default: int | None) -> int:
+            value = raw.get(key, default)
+            if type(value) is not int:  # int() read 2.9 as 2 and failed on null in a traceback
+                raise CheckpointError(f"{source}: 'mapping' needs integer tp_size (and moe_ep_size, pp_size, "
+                                      f"moe_tp_size), got {key} {value!r}")
+            return value
+
+        tp, ep = whole("tp_size", None), whole("moe_ep_size", 1)
         if tp < 1 or ep < 1 or tp % ep:
             raise CheckpointError(f"{source}: 'mapping' has tp_size {tp} and moe_ep_size {ep}: tp_size must be at "
                                   "least 1 and moe_ep_size divide it")
         mapping = cls(tp, ep)
-        if int(raw.get("pp_size", 1)) != 1 or int(raw.get("moe_tp_size", mapping.moe_tp_size)) != mapping.moe_tp_size:
+        if whole("pp_size", 1) != 1 or whole("moe_tp_size", mapping.moe_tp_size) != mapping.moe_tp_size:
             raise CheckpointError(f"{source}: unsupported mapping {raw} (pp_size must be 1, moe_tp × moe_ep = tp)")
         return mapping
 

@@ -78,7 +78,7 @@ class TrtllmCheckpoint:
         self.mapping = trtllm.Mapping.from_json(self.config.get("mapping") or {}, source)
         algo = (self.config.get("quantization") or {}).get("quant_algo")
         precisions = {v: k for k, v in trtllm.QUANT_ALGO.items()}
-        if algo not in precisions:
+        if not isinstance(algo, (str, type(None))) or algo not in precisions:  # a list is unhashable
             raise CheckpointError(f"{source}: unsupported quant_algo {algo!r} (expected one of FP8, NVFP4 or none)")
         self.precision = precisions[algo]
         self.kv_cache = "fp8" if (self.config.get("quantization") or {}).get("kv_cache_quant_algo") == "FP8" else "auto"
