@@ -1,6 +1,7 @@
 """Tests for beamtrt.checkpoint.hf: sharded safetensors reading/writing and JSON helpers."""
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -402,6 +403,28 @@ def test_read_json_errors(tmp_path):
     assert msg.startswith(f"{path}: model config is not valid JSON (") and "(line 3: " in msg
     path.write_text("[1, 2]")
     assert "JSON object" in one_line_error(read_json, path, "model config")
+
+
+def test_a_mount_point_output_is_refused_before_the_work(tmp_path, monkeypatch):
+    """An output replaced whole is written beside it and renamed into place, which a mount point (a container's
+    volume: --out /engines) cannot be: a build ran to its end, then failed on the rename (EBUSY) and kept nothing.
+    Refused at the command's start and at staging; a folder written into (train_drafter's --work) may be one."""
+    from beamtrt.cli_util import output_path
+    from beamtrt.errors import BeamtrtError
+
+    mnt, link = tmp_path / "mnt", tmp_path / "link"
+    mnt.mkdir()
+    link.symlink_to(mnt)  # written through: its target is what would be replaced
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == os.fspath(mnt) or real(p))
+    for out in (mnt, link):
+        with pytest.raises(BeamtrtError, match=f"^--out {out}: a mount point, .* write to a folder inside it$"):
+            output_path(out, "--out", directory=True)
+        with pytest.raises(CheckpointError, match=f"^{mnt}: a mount point"), hf.staging(out):
+            pytest.fail("staged")
+    assert output_path(mnt, "--work", directory=True, replaced=False) == mnt
+    assert output_path(mnt / "nvfp4-tp4", "--out", directory=True) == mnt / "nvfp4-tp4"  # inside it: fine
+    assert [p.name for p in mnt.iterdir()] == []
 
 
 def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, monkeypatch):

@@ -192,15 +192,19 @@ def set_threads(n: int, flag: str = "--threads") -> None:
         torch.set_num_threads(n)
 
 
-def output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path:
+def output_path(path: str | Path, flag: str, *, directory: bool = False, replaced: bool = True) -> Path:
     """Checks an output path before the work that fills it: it must not be a directory where a file goes (or the
-    reverse), and its nearest existing ancestor must be a writable directory (missing folders are made at write)."""
-    from beamtrt.checkpoint.hf import holds_cwd
+    reverse), and its nearest existing ancestor must be a writable directory (missing folders are made at write).
+    A `directory` that is `replaced` whole (written beside and renamed into place) may not hold the current
+    directory, nor be a mount point."""
+    from beamtrt.checkpoint.hf import MOUNT_POINT, holds_cwd, is_mount
 
     p = Path(path)
-    if directory and holds_cwd(p):
+    if directory and replaced and holds_cwd(p):
         raise BeamtrtError(f"{flag} {p}: is the current directory or holds it; an output directory is written beside "
                            "and renamed into place, so choose another")
+    if directory and replaced and is_mount(p):
+        raise BeamtrtError(f"{flag} {p}: {MOUNT_POINT}")
     if not directory and p.exists() and not p.is_dir() and not p.is_file():
         raise BeamtrtError(f"{flag} {p}: not a regular file (a device, a pipe or a socket); give a file path")
     if p.exists() and p.is_dir() != directory:

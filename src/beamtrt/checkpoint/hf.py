@@ -44,6 +44,8 @@ def staging(final: Path, absent: str | None = None) -> Iterator[Path]:
     again when no output came of the block. `absent`: the caller found no output (or an empty folder) there and
     may not replace one: if another process wrote one since, that is one line ending with this remedy."""
     final = followed(Path(final))
+    if is_mount(final):  # found only at the end, after the work, by the rename (EBUSY)
+        raise CheckpointError(f"{final}: {MOUNT_POINT}")
     made = [p for p in (final.parent, *final.parent.parents) if not p.exists()]  # the deepest first
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -232,6 +234,15 @@ def resolved(path: str | Path) -> Path:
 def holds_cwd(path: Path) -> bool:
     """Whether `path` is the working directory or one of its ancestors (an output that cannot be renamed away)."""
     return holds(path, Path.cwd())
+
+
+MOUNT_POINT = ("a mount point, which an output written beside it and renamed into place cannot replace: write to a "
+               "folder inside it")
+
+
+def is_mount(path: Path) -> bool:
+    """Whether an output at `path` would replace a mount point (a container's volume, say): rename(2) cannot."""
+    return os.path.ismount(followed(Path(path)))
 
 
 def followed(path: Path) -> Path:

@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs = (("--data", data_dir),) + (() if args.data_only else (("--work", work), ("--out", out)))
         for flag, d in outputs:  # before hours of work (--data-only writes neither --work nor --out)
             if flag != "--data" or not (d / "meta.json").is_file():  # a cache's missing shards: checked in phase 1
-                output_path(d, flag, directory=True)
+                output_path(d, flag, directory=True, replaced=flag == "--out")  # --work, --data: written into
         caches = [resolved(d) for d in (*map(Path, args.extra_data), data_dir)]
         if len(set(caches)) < len(caches):
             raise BeamtrtError("--extra-data and --data name the same cache twice (its held-out answers would be "
