@@ -85,7 +85,8 @@ def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path
     assert not (out / "notes.txt").exists() and (out / "target" / "rank0.safetensors").stat().st_ino == inode
 
     changed = build(sources, out, "--kv-cache", "fp8")
-    one_line_error(changed, "already exists and was built from other inputs", "--force")
+    one_line_error(changed, "already exists and was built from other inputs or settings (--kv-cache auto (now "
+                   "fp8))", "--force")  # it said "(stage calibrate differs)": which flag, the user had to guess
     assert read_manifest(out)["kv_cache"] == "auto"  # untouched
 
     forced = build(sources, out, "--kv-cache", "fp8", "--force")
@@ -106,7 +107,8 @@ def test_engine_settings_are_recorded_and_changes_need_force(sources, tmp_path):
     first = build(sources, out, "--calib-prompts", str(prompts))  # bf16: nothing to calibrate, and it says so
     assert first.returncode == 0 and "warning: --calib-prompts is not used" in first.stderr
     assert read_manifest(out)["engines"]["settings"]["block_size"] == 8
-    one_line_error(build(sources, out, "--block-size", "4"), "stage engines (settings) differs", "--force")
+    one_line_error(build(sources, out, "--block-size", "4", "--tp", "1"), "settings (--block-size 8 (now 4), --tp 2 "
+                   "(now 1))", "--force")
     forced = build(sources, out, "--block-size", "4", "--max-batch-size", "16", "--force")
     assert forced.returncode == 0, forced.stderr
     m = read_manifest(out)

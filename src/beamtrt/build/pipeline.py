@@ -142,9 +142,10 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     if old is not None and not bc.force and needed:
         was = old.get("stages", {}).get(needed[0]) or {}
         damaged = was.get("key") is not None and was.get("key") == plan.keys.get(needed[0])  # same inputs, bad files
+        changed = ", ".join(_changed(old, bc)) or f"stage {needed[0]} differs"  # else an input's contents changed
         raise ConfigError(f"{bc.out} already exists and " + (
             f"files of its stage {needed[0]} were changed or removed since it was built" if damaged else
-            f"was built from other inputs or settings (stage {needed[0]} differs)") + "; pass --force to replace it")
+            f"was built from other inputs or settings ({changed})") + "; pass --force to replace it")
     where = followed(bc.out).absolute().parent  # the output's file system: its deepest folder there before the build
     while not where.exists():
         where = where.parent
@@ -155,6 +156,24 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
         summary = _run(plan, tmp, reusable, progress)
         replace_dir(tmp, bc.out)
     return [line.replace(str(tmp), str(bc.out)) for line in summary]
+
+
+def _changed(old: dict, bc: BuildConfig) -> list[str]:
+    """The flags whose values differ from those `old`, an earlier build's manifest, records ("--tp 2 (now 1)")."""
+    def at(*keys: str) -> object:
+        value = old
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    now = {**bc.engine.to_json(), "precision": bc.precision, "kv-cache": bc.kv_cache,
+           "drafter-precision": bc.drafter_precision, "tp": bc.tp, "moe-ep": bc.moe_ep, "model": str(bc.model),
+           "drafter": str(bc.drafter)}
+    was = {**{k: at("engines", "settings", k) for k in bc.engine.to_json()}, "precision": at("precision"),
+           "kv-cache": at("kv_cache"), "drafter-precision": at("drafter_precision"), "tp": at("mapping", "tp_size"),
+           "moe-ep": at("mapping", "moe_ep_size"), "model": at("target", "source"), "drafter": at("drafter", "source")}
+    return [f"--{flag.replace('_', '-')} {was[flag]} (now {value})" for flag, value in now.items()
+            if was[flag] is not None and was[flag] != value]
 
 
 def _check_space(plan: Plan, reusable: dict, where: Path) -> None:
