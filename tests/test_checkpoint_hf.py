@@ -425,6 +425,8 @@ def test_a_mount_point_output_is_refused_before_the_work(tmp_path, monkeypatch):
     assert output_path(mnt, "--work", directory=True, replaced=False) == mnt
     assert output_path(mnt / "nvfp4-tp4", "--out", directory=True) == mnt / "nvfp4-tp4"  # inside it: fine
     assert [p.name for p in mnt.iterdir()] == []
+    with pytest.raises(BeamtrtError, match="^--out /dev/null: is a device, a pipe or a socket; expected a directory"):
+        output_path("/dev/null", "--out", directory=True)  # it said "is a file"
 
 
 def test_replace_dir_swaps_what_is_there_and_puts_it_back_on_failure(tmp_path, monkeypatch):

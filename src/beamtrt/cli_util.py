@@ -208,8 +208,8 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False, replace
     if not directory and p.exists() and not p.is_dir() and not p.is_file():
         raise BeamtrtError(f"{flag} {p}: not a regular file (a device, a pipe or a socket); give a file path")
     if p.exists() and p.is_dir() != directory:
-        raise BeamtrtError(f"{flag} {p}: is a {'file' if directory else 'directory'}; "
-                           f"expected a {'directory' if directory else 'file'} path")
+        what = "directory" if not directory else "file" if p.is_file() else "device, a pipe or a socket"
+        raise BeamtrtError(f"{flag} {p}: is a {what}; expected a {'directory' if directory else 'file'} path")
     ancestor = existing(p.absolute().parent)
     if not ancestor.is_dir():
         raise BeamtrtError(f"{flag} {p}: {ancestor} is a file, not a directory")
