@@ -425,6 +425,12 @@ def test_a_mount_point_output_is_refused_before_the_work(tmp_path, monkeypatch):
     assert output_path(mnt, "--work", directory=True, replaced=False) == mnt
     assert output_path(mnt / "nvfp4-tp4", "--out", directory=True) == mnt / "nvfp4-tp4"  # inside it: fine
     assert [p.name for p in mnt.iterdir()] == []
+
+
+def test_a_device_as_an_output_directory_is_named_as_one():
+    from beamtrt.cli_util import output_path
+    from beamtrt.errors import BeamtrtError
+
     with pytest.raises(BeamtrtError, match="^--out /dev/null: is a device, a pipe or a socket; expected a directory"):
         output_path("/dev/null", "--out", directory=True)  # it said "is a file"
 
