@@ -1083,6 +1083,14 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
                                   str(tmp_path / "again")),
                               f"--model {model}: ", f"not a Hugging Face checkpoint: pass --model {src / 'target'}, "
                                                    "the Hugging Face checkpoint it was built from")
+    # the build's drafter/ as --drafter: "architectures must name one of DFlashDraftModel, ..., got None"
+    assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--drafter", str(out / "drafter"),
+                              "--out", str(tmp_path / "again")),
+                          f"--drafter {out / 'drafter'}: a folder of the build_engines.py output {out}, not a Hugging "
+                          f"Face checkpoint: pass --drafter {src / 'drafter'}, the drafter checkpoint it was built from")
+    assert_one_line_error(run("runtime/run.py", "--model", str(src / "target"), "--drafter", str(out / "drafter")),
+                          f"--drafter {out / 'drafter'}: a folder of the build_engines.py output {out}, not a Hugging "
+                          "Face checkpoint")
     monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
     assert_one_line_error(run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi"),
                           "cpu has 0.0 MB free: this command holds the whole model on one device (a build's "

@@ -70,20 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(lambda: _run(args))
 
 
-def _built_from(build: Path) -> str:
-    """What to pass instead of a build given as --model: the checkpoint its manifest records as its target's source,
-    or where to look for it when the manifest cannot be read or records none."""
+def _built_from(build: Path, part: str = "target") -> str:
+    """What to pass instead of a build given as --model (`part` target) or --drafter (drafter): the checkpoint its
+    manifest records as that part's source, or where to look for it when the manifest cannot be read or records none."""
     from beamtrt.checkpoint.hf import read_json
     from beamtrt.checkpoint.manifest import MANIFEST, field
     from beamtrt.errors import CheckpointError
 
     try:
-        source = field(read_json(build / MANIFEST, "build manifest"), "target.source", None)
+        source = field(read_json(build / MANIFEST, "build manifest"), f"{part}.source", None)
     except CheckpointError:
         source = None
+    flag, what = ("--model", "Hugging Face") if part == "target" else ("--drafter", "drafter")
     if isinstance(source, str) and source and Path(source).is_dir():  # a relative one: from where the build ran
-        return f"--model {source}, the Hugging Face checkpoint it was built from"
-    return "the Hugging Face checkpoint it was built from (its manifest.json's target.source)"
+        return f"{flag} {source}, the {what} checkpoint it was built from"
+    return f"the {what} checkpoint it was built from (its manifest.json's {part}.source)"
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -94,15 +95,16 @@ def _run(args: argparse.Namespace) -> None:
 
     out = Path(args.out) if args.out else ENGINES / f"{args.precision}-tp{args.tp}"
     output_path(out, "--out", directory=True)  # before beam-mini or calibration, not after
+    from beamtrt.runtime.loader import not_a_build
+
     if args.drafter is not None:  # likewise a --drafter that is not a drafter checkpoint
+        not_a_build(Path(args.drafter), lambda build: _built_from(build, "drafter"), "--drafter")
         DrafterConfig.from_file(Path(args.drafter) / "config.json")
     model = args.model
     if model is None:
         from beamtrt.models.beam_mini import ensure_beam_mini
         model = ensure_beam_mini()
     else:
-        from beamtrt.runtime.loader import not_a_build
-
         not_a_build(model, _built_from)
     drafter = args.drafter
     if drafter is None:  # beam-mini's, said at once where it does not fit --model (the target's config is read here)

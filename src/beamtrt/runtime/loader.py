@@ -198,14 +198,14 @@ def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = t
     return _stop_on_generation_eos(Loaded(TorchTarget(model), drafter, model_dir, "torch", what, drafter_dir))
 
 
-def not_a_build(model_dir: Path, remedy: Callable[[Path], str] | None) -> None:
-    """--model naming a build_engines.py output, or its target/ (a TensorRT-LLM checkpoint), is one line; `remedy`
-    (called with the build) says what to pass instead."""
+def not_a_build(model_dir: Path, remedy: Callable[[Path], str] | None, flag: str = "--model") -> None:
+    """--model (`flag`) naming a build_engines.py output, or its target/ or drafter/ (a TensorRT-LLM checkpoint), is
+    one line; `remedy` (called with the build) says what to pass instead."""
     if (model_dir / mf.MANIFEST).is_file() and not (model_dir / "config.json").exists() or (
             model_dir.parent / mf.MANIFEST).is_file():
         build = model_dir if (model_dir / mf.MANIFEST).is_file() else model_dir.parent
         what = "a build_engines.py output" if build == model_dir else f"a folder of the build_engines.py output {build}"
-        raise CheckpointError(f"--model {model_dir}: {what}, not a Hugging Face checkpoint"
+        raise CheckpointError(f"{flag} {model_dir}: {what}, not a Hugging Face checkpoint"
                               + (f": pass {remedy(build)}" if remedy else ""))
 
 
@@ -221,6 +221,7 @@ def hf_sources(model_dir: str | Path | None, drafter_dir: str | Path | None, spe
     if model_dir:
         not_a_build(Path(model_dir), "--engine-dir {}".format if engine_dir_flag else None)
     if spec and drafter_dir:
+        not_a_build(Path(drafter_dir), None, "--drafter")
         DrafterConfig.from_file(Path(drafter_dir) / "config.json")
     model_dir = Path(model_dir) if model_dir else ensure_beam_mini()
     if (model_dir / "config.json").is_file():
