@@ -352,6 +352,22 @@ def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window, vo
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
+def test_the_plugin_toolchain_is_checked_before_the_first_stage(sources, tmp_path, monkeypatch):
+    """On a TensorRT-LLM host the plugin library is built last, after calibration and conversion (hours on Beam): a
+    missing TensorRT include folder (pip's wheels ship none) failed there, and the build kept none of its stages."""
+    from beamtrt.build import engine, pipeline
+    from beamtrt.quant import calibrate
+
+    monkeypatch.setattr(engine, "engine_support", lambda: None)  # a TensorRT-LLM host's answers
+    monkeypatch.setattr(engine, "precision_unsupported", lambda *a: None)
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    monkeypatch.setattr(pipeline, "_run", lambda *a, **k: pytest.fail("a stage ran"))
+    with pytest.raises(engine.EngineError, match=rf"^no TensorRT headers in {tmp_path}/include \(pass --tensorrt-root"):
+        _build(sources["qwen3"], tmp_path / "out", "fp8", 1,
+               engine=EngineSettings(tensorrt_root=str(tmp_path)))
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_a_failed_plugin_build_names_its_first_error(tmp_path, monkeypatch):
     """build_engines.py builds the plugin library with CMake; a compile failure is reported by its first error line,
     not by make's closing 'Error 2'. Here a TensorRT tree with NvInfer.h and nothing else."""

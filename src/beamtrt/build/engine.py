@@ -168,8 +168,9 @@ def tensorrt_version() -> tuple[int, ...] | None:
     return tuple(int(x) for x in re.findall(r"\d+", str(getattr(tensorrt, "__version__", "")))[:3]) or None
 
 
-def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
-    """cmake-build plugins/ (target beamtrt_plugins) and copy the library into out_dir; returns its path."""
+def check_plugin_toolchain(tensorrt_root: str) -> str:
+    """What the plugin library's build needs (TensorRT headers of the running release, cmake), checked before a build's
+    first stage: it is built last, after calibration. Returns the TensorRT root."""
     root = tensorrt_root or os.environ.get("TRT_ROOT", "/usr/local/tensorrt")
     if not (Path(root) / "include" / "NvInfer.h").is_file():
         raise EngineError(f"no TensorRT headers in {root}/include (pass --tensorrt-root or set TRT_ROOT): the "
@@ -180,6 +181,15 @@ def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
                           f"process runs TensorRT {'.'.join(map(str, runtime))}: a plugin library built against "
                           "another major version's headers crashes when it logs (pass --tensorrt-root of the same "
                           "release)")
+    if shutil.which("cmake") is None:
+        raise EngineError("cmake not found: the drafter engine needs the beamtrt plugin library, which cmake builds "
+                          "(pip install cmake)")
+    return root
+
+
+def build_plugin_library(out_dir: Path, tensorrt_root: str) -> Path:
+    """cmake-build plugins/ (target beamtrt_plugins) and copy the library into out_dir; returns its path."""
+    root = check_plugin_toolchain(tensorrt_root)
     with tempfile.TemporaryDirectory(prefix="beamtrt-plugins-") as tmp:
         for cmd in (["cmake", "-S", str(PLUGINS_SOURCE), "-B", tmp, f"-DTensorRT_ROOT={root}",
                      f"-DBEAMTRT_CUDA_ARCHS={cuda_archs()}"],

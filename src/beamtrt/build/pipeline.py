@@ -146,6 +146,10 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
         raise ConfigError(f"{bc.out} already exists and " + (
             f"files of its stage {needed[0]} were changed or removed since it was built" if damaged else
             f"was built from other inputs or settings ({changed})") + "; pass --force to replace it")
+    if "engines" in needed:  # built last, after calibration: what the plugin library's build needs is checked first
+        from beamtrt.build import engine
+
+        engine.check_plugin_toolchain(bc.engine.tensorrt_root)
     where = followed(bc.out).absolute().parent  # the output's file system: its deepest folder there before the build
     while not where.exists():
         where = where.parent
