@@ -208,7 +208,9 @@ def _overflowing_float16(tensors: dict, name: str) -> None:
      ["generation_config.json: eos_token_id must be a token id or a list of them, got '2'"]),
     (lambda d: _rewrite(d / "target", "model.layers.2.self_attn.o_proj.weight", _overflowing_float16),
      ["o_proj.weight: values up to 1e+05 overflow float16, the dtype the build writes"]),
-], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8", "generation-config", "overflow"])
+    (lambda d: _rewrite(d / "target", "model.embed_tokens.weight", lambda t, n: t.__setitem__(n, t[n].double())),
+     ["unsupported weight dtype torch.float64 (its embedding's; a build reads bfloat16, float16, float32)"]),
+], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8", "generation-config", "overflow", "float64"])
 def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needles):
     src = _corrupt_copy(sources, tmp_path, edit)
     out = tmp_path / "out"

@@ -54,7 +54,8 @@ class Plan:
                                     allow_unexpected=("lm_head.weight",) if self.target_cfg.tie_word_embeddings else ())
         self.dtype = self.target_reader.dtype("model.embed_tokens.weight")
         if self.dtype not in trtllm.DTYPE_NAMES:
-            raise CheckpointError(f"{bc.model}: unsupported weight dtype {self.dtype}")
+            raise CheckpointError(f"{bc.model}: unsupported weight dtype {self.dtype} (its embedding's; a build "
+                                  f"reads {', '.join(trtllm.DTYPE_NAMES.values())})")
         # the drafter against a target whose config its own weights confirmed (not blamed for the target's config)
         self.drafter_cfg = DrafterConfig.from_file(bc.drafter / "config.json")
         try:
