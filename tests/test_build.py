@@ -98,6 +98,23 @@ def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path
     no_leftovers(tmp_path)
 
 
+def test_a_rebuild_with_nothing_to_do_reads_each_weight_file_once(sources, tmp_path, monkeypatch):
+    """An up-to-date rerun checks each stage's files against their sha256, then validates the output: that hashed
+    every rank file a second time (four reads of the model where two do, minutes on Beam)."""
+    from beamtrt.build.pipeline import build as run_build
+    from beamtrt.checkpoint import manifest
+    from beamtrt.config import BuildConfig
+
+    bc = BuildConfig(model=sources / "target", drafter=sources / "drafter", out=tmp_path / "out", precision="bf16",
+                     tp=2)
+    run_build(bc, progress=False)
+    hashed, sha256_file = [], manifest.sha256_file
+    monkeypatch.setattr(manifest, "sha256_file", lambda path: hashed.append(Path(path)) or sha256_file(path))
+    run_build(bc, progress=False)
+    ranks = sorted(str(p.relative_to(bc.out)) for p in hashed if p.name.startswith("rank"))
+    assert ranks == [f"{part}/rank{r}.safetensors" for part in ("drafter", "target") for r in (0, 1)], ranks
+
+
 def test_engine_settings_are_recorded_and_changes_need_force(sources, tmp_path):
     """The engine limits are part of the build even where no engine is built: the manifest records them, and a
     change needs --force (every stage is then reused, the manifest rewritten)."""
