@@ -223,18 +223,20 @@ def test_the_same_error_on_every_rank_is_one_line():
 
 @pytest.mark.parametrize("tp, ep", [(4, 1)])
 def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
-    """fp32: the logits of tp ranks equal the un-sharded model's to < 1e-4 of their scale; so do the drafter's
-    (drafting from its draft vocabulary, the same candidates)."""
+    """fp32: every rank's logits, taps and drafts are bit-identical (the replicated state the collectives promise);
+    the logits of tp ranks equal the un-sharded model's to < 1e-4 of their scale; so do the drafter's (drafting from
+    its draft vocabulary, the same candidates)."""
     engine = build(sources, tmp_path_factory.getbasetemp() / f"bf16-tp{tp}-ep{ep}", tp, "--moe-ep", str(ep))
     proc = subprocess.run([MPIRUN, "-n", str(tp), sys.executable, str(ROOT / "tests" / "mpi_logits.py"),
                            str(engine / "target")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**ENV, "PYTHONPATH": str(ROOT / "src")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("max relative logit difference"), proc.stdout
+    assert len(lines) == 3 and lines[0].startswith(f"bit-identical on {tp} ranks: logits, tap"), proc.stdout
+    assert lines[1].startswith("max relative logit difference"), proc.stdout
     vocab = json.loads((sources / "drafter" / "draft_vocab.json").read_text())["token_ids"]
-    assert lines[1].startswith(f"drafted from {len(vocab)} tokens")
-    assert float(lines[0].split()[-1]) < 1e-4 and float(lines[1].split()[-1]) < 1e-4
+    assert lines[2].startswith(f"drafted from {len(vocab)} tokens")
+    assert float(lines[1].split()[-1]) < 1e-4 and float(lines[2].split()[-1]) < 1e-4
 
 
 def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
