@@ -93,11 +93,11 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List 
            "What is 12 times 7?", "Describe the color blue."]
 
 
-@pytest.fixture(scope="session")
-def mini_vocab_sources(tmp_path_factory, beam_mini):
-    """A small random Beam target with beam-mini's vocabulary and tokenizer (8 query / 2 KV heads, 8 experts), a
-    random drafter with a draft vocabulary (the even token ids) whose mask token is the last id (as DFlash drafters'
-    are: under tensor parallelism it lies in the last rank's rows), and prompts.jsonl (PROMPTS)."""
+def write_sources(root: Path, cfg: BeamConfig, tokenizer: Path | None = None) -> Path:
+    """A random Beam target of `cfg` (root/target, with the tokenizer files of the checkpoint `tokenizer`, if given),
+    a random one-layer drafter tapping layers 0 and 2 with a draft vocabulary (the even token ids) whose mask token is
+    the last id (as DFlash drafters' are: under tensor parallelism it lies in the last rank's rows), and
+    prompts.jsonl (PROMPTS): what build/build_engines.py takes."""
     import json
     import shutil
 
@@ -106,22 +106,28 @@ def mini_vocab_sources(tmp_path_factory, beam_mini):
     from beamtrt.models.dflash2 import random_drafter, save_drafter
     from beamtrt.models.random_beam import write_random_beam
 
-    root = tmp_path_factory.mktemp("mini-vocab")
-    vocab = BeamConfig.from_file(beam_mini / "config.json").vocab_size
-    cfg = BeamConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
-                     num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
-                     num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,), use_qk_norm=True, eos_token_id=2)
     write_random_beam(root / "target", cfg, seed=1, dtype=torch.float32)
-    for f in beam_mini.iterdir():
+    for f in tokenizer.iterdir() if tokenizer else ():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy2(f, root / "target" / f.name)
     target = load_beam(root / "target")
     drafter = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(0, 2))  # mask id: the last token
     drafter = random_drafter(drafter, target, std=0.2)
-    drafter.set_draft_vocab(range(0, vocab, 2))  # builds carry it over; every runtime drafts from even ids only
+    drafter.set_draft_vocab(range(0, cfg.vocab_size, 2))  # builds carry it over; every runtime drafts from even ids
     save_drafter(drafter, root / "drafter")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return root
+
+
+@pytest.fixture(scope="session")
+def mini_vocab_sources(tmp_path_factory, beam_mini):
+    """write_sources: a small random Beam target with beam-mini's vocabulary and tokenizer (8 query / 2 KV heads,
+    8 experts) and its drafter."""
+    vocab = BeamConfig.from_file(beam_mini / "config.json").vocab_size
+    cfg = BeamConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,), use_qk_norm=True, eos_token_id=2)
+    return write_sources(tmp_path_factory.mktemp("mini-vocab"), cfg, tokenizer=beam_mini)
 
 
 @contextlib.contextmanager
