@@ -221,11 +221,12 @@ def test_the_same_error_on_every_rank_is_one_line():
     assert proc.returncode == 2 and proc.stderr == "error: mpi4py is missing\n", proc.stderr
 
 
-@pytest.mark.parametrize("tp, ep", [(4, 1)])
+@pytest.mark.parametrize("tp, ep", [(4, 1), (4, 2)])
 def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
     """fp32: every rank's logits, taps and drafts are bit-identical (the replicated state the collectives promise);
     the logits of tp ranks equal the un-sharded model's to < 1e-4 of their scale; so do the drafter's (drafting from
-    its draft vocabulary, the same candidates)."""
+    its draft vocabulary, the same candidates). Split by tensor parallelism, then also by expert parallelism (the
+    build test_tensor_parallel_equals_one_process decodes with)."""
     engine = build(sources, tmp_path_factory.getbasetemp() / f"bf16-tp{tp}-ep{ep}", tp, "--moe-ep", str(ep))
     proc = subprocess.run([MPIRUN, "-n", str(tp), sys.executable, str(ROOT / "tests" / "mpi_logits.py"),
                            str(engine / "target")], capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -236,7 +237,7 @@ def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
     assert lines[1].startswith("max relative logit difference"), proc.stdout
     vocab = json.loads((sources / "drafter" / "draft_vocab.json").read_text())["token_ids"]
     assert lines[2].startswith(f"drafted from {len(vocab)} tokens")
-    assert float(lines[1].split()[-1]) < 1e-4 and float(lines[2].split()[-1]) < 1e-4
+    assert float(lines[1].split()[-1]) < 1e-4 and float(lines[2].split()[-1]) < 1e-4, proc.stdout
 
 
 def test_ctrl_c_ends_every_rank(sources, tmp_path_factory):
