@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, write_sources
 
 pytestmark = pytest.mark.mpi
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +29,23 @@ if MPIRUN is None:
 @pytest.fixture(scope="module")
 def sources(mini_vocab_sources):
     return mini_vocab_sources
+
+
+@pytest.fixture(scope="module")
+def biased_sources(tmp_path_factory):
+    """write_sources: a tiny random target (no tokenizer) with what `sources` lacks, so that its sharded paths run: a
+    shared expert (split over all tp ranks, its partial sums reduced with the routed experts'), q/k/v and o_proj
+    biases (q/k/v split by head, o_proj's added by rank 0 alone), Qwen2-MoE routing (no top-k renormalization, no
+    QK-norm) and tied embeddings. 256 tokens: a build refuses a drafter whose vocabulary tp does not divide (the
+    drafter's vocab-parallel codebooks are not padded as the target's rows are)."""
+    from beamtrt.config import BeamConfig
+
+    cfg = BeamConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,), shared_expert_intermediate_size=64,
+                     attention_bias=True, norm_topk_prob=False, use_qk_norm=False, tie_word_embeddings=True,
+                     eos_token_id=2)
+    return write_sources(tmp_path_factory.mktemp("biased"), cfg)
 
 
 def build(sources: Path, out: Path, tp: int, *args: str) -> Path:
@@ -221,13 +238,16 @@ def test_the_same_error_on_every_rank_is_one_line():
     assert proc.returncode == 2 and proc.stderr == "error: mpi4py is missing\n", proc.stderr
 
 
-@pytest.mark.parametrize("tp, ep", [(4, 1), (4, 2)])
-def test_sharded_logits_equal_unsharded(sources, tmp_path_factory, tp, ep):
+@pytest.mark.parametrize("fixture, tp, ep", [("sources", 4, 1), ("sources", 4, 2), ("biased_sources", 4, 2)])
+def test_sharded_logits_equal_unsharded(request, tmp_path_factory, fixture, tp, ep):
     """fp32: every rank's logits, taps and drafts are bit-identical (the replicated state the collectives promise);
     the logits of tp ranks equal the un-sharded model's to < 1e-4 of their scale; so do the drafter's (drafting from
-    its draft vocabulary, the same candidates). Split by tensor parallelism, then also by expert parallelism (the
-    build test_tensor_parallel_equals_one_process decodes with)."""
-    engine = build(sources, tmp_path_factory.getbasetemp() / f"bf16-tp{tp}-ep{ep}", tp, "--moe-ep", str(ep))
+    its draft vocabulary, the same candidates). On `sources` split by tensor parallelism, then also by expert
+    parallelism (the build test_tensor_parallel_equals_one_process decodes with), and on `biased_sources`, whose
+    shared expert and attention biases `sources` lacks."""
+    sources = request.getfixturevalue(fixture)
+    home = tmp_path_factory.getbasetemp() if fixture == "sources" else sources  # where the other tests build it
+    engine = build(sources, home / f"bf16-tp{tp}-ep{ep}", tp, "--moe-ep", str(ep))
     proc = subprocess.run([MPIRUN, "-n", str(tp), sys.executable, str(ROOT / "tests" / "mpi_logits.py"),
                            str(engine / "target")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**ENV, "PYTHONPATH": str(ROOT / "src")})
