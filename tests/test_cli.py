@@ -813,6 +813,27 @@ def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_min
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["summary"]["acceptance_length"] is None and report["requests"][0]["steps"] == 0
     assert len(report["requests"][0]["output_ids"]) == 1
+    # per request too (it said 0.0, a length no step can have), and the request is counted (the summary said 0)
+    assert report["requests"][0]["acceptance_length"] is None
+    assert report["summary"]["requests"] == 1 and report["summary"]["requests_with_steps"] == 0
+
+
+def test_the_json_report_records_how_the_run_was_made(beam_mini, tmp_path, run):
+    """A sampled run's --json named neither its seed nor its sampling settings, its stops or its model: it could not
+    be reproduced from its report."""
+    import json
+
+    from beamtrt.config import BeamConfig
+    from beamtrt.models.beam_mini import default_drafter_for
+
+    proc = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--max-new-tokens", "1", "--temperature",
+               "0.7", "--top-p", "0.9", "--top-k", "40", "--seed", "5", "--stop", "xyz", "--json",
+               str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    drafter = default_drafter_for(BeamConfig.from_file(beam_mini / "config.json"))
+    assert json.loads((tmp_path / "r.json").read_text())["settings"] == {
+        "engine_dir": None, "model": str(beam_mini), "drafter": str(drafter), "backend": "torch", "seed": 5,
+        "temperature": 0.7, "top_p": 0.9, "top_k": 40, "max_new_tokens": 1, "stop": ["xyz"]}
 
 
 def test_a_model_larger_than_the_free_memory_is_refused_before_loading(beam_mini, tmp_path, run, monkeypatch):

@@ -22,7 +22,7 @@ def test_docstring_example():
     assert s["acceptance_length"] == 2.0
     assert s["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
     assert s["tau_histogram"] == [1, 1, 0, 1]
-    assert s["steps"] == 3 and s["committed_tokens"] == 7 and s["requests"] == 2
+    assert s["steps"] == 3 and s["committed_tokens"] == 7 and s["requests_with_steps"] == 2
 
 
 def test_mean_is_over_requests_not_steps():
@@ -79,7 +79,7 @@ def test_unknown_request_and_empty_summary():
     with pytest.raises(KeyError):
         m.acceptance_length("nobody")
     assert m.summary() == {"acceptance_length": None, "per_position_acceptance": [None, None, None],
-                           "tau_histogram": [0, 0, 0, 0], "steps": 0, "committed_tokens": 0, "requests": 0}
+                           "tau_histogram": [0, 0, 0, 0], "steps": 0, "committed_tokens": 0, "requests_with_steps": 0}
     with pytest.raises(ValueError):
         SpecMetrics(block_size=0)
 

@@ -267,18 +267,29 @@ def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
     print(f"\n[{len(requests)} requests, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
           f"acceptance length {'-' if tau is None else f'{tau:.2f}'}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:
+        sources = setup.sources
         report = {
             "requests": [{"prompt": asked(chat), "messages": chat, "output_text": text,
-                          "output_ids": c.output_ids, "steps": c.steps, "acceptance_length": c.acceptance_length,
+                          "output_ids": c.output_ids, "steps": c.steps,
+                          "acceptance_length": c.acceptance_length if c.steps else None,  # no step: none measured
                           "finish_reason": c.finish_reason}
                          for chat, text, c in zip(chats, texts, completions)],
-            "summary": {**summary, "tokens_per_s": n_tokens / elapsed, "tokens": n_tokens, "seconds": elapsed,
-                        "block_size": decoder.block_size, "draft_threshold": decoder.draft_threshold,
-                        "no_spec": args.no_spec, "dtype": args.dtype,
+            "summary": {**summary, "requests": len(requests), "tokens_per_s": n_tokens / elapsed, "tokens": n_tokens,
+                        "seconds": elapsed, "block_size": decoder.block_size,
+                        "draft_threshold": decoder.draft_threshold, "no_spec": args.no_spec, "dtype": args.dtype,
                         "concurrency": len(decoder.owner),  # the cache slots it decoded with
                         **_time_split(decoder, dist)},
+            "settings": {  # how the run was made: with the prompts, what reproduces it
+                "engine_dir": _text(setup.engine_dir), "model": _text(sources.model_dir),
+                "drafter": _text(sources.drafter_dir), "backend": setup.backend,
+                "seed": args.seed, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "max_new_tokens": args.max_new_tokens, "stop": list(args.stop)},
         }
         write_json(args.json, report)
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def asked(chat: list[dict]) -> str:

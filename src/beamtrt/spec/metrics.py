@@ -80,5 +80,5 @@ class SpecMetrics:
             "tau_histogram": list(self.tau_counts),
             "steps": self.steps,
             "committed_tokens": self.committed_tokens,
-            "requests": len(self.requests),
+            "requests_with_steps": len(self.requests),  # those acceptance_length averages over
         }
