@@ -208,6 +208,18 @@ def test_kv_caches_beyond_the_hosts_free_memory_together_are_refused(sources, tm
                         r"shorter ones", line), line
 
 
+def test_prompts_from_stdin_under_mpirun_are_refused_at_once():
+    """--prompts /dev/stdin under mpirun: every rank reads the prompts file and only rank 0 gets stdin, so rank 1 found
+    no prompts and the job failed after the 60 s setup patience, blaming rank 1. One process reads a pipe as before."""
+    start = time.monotonic()
+    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", sys.executable, str(ROOT / "runtime/run.py"),
+                           "--prompts", "/dev/stdin", "--max-new-tokens", "2"], input='{"prompt": "hi"}\n',
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--prompts /dev/stdin: not a regular file" in proc.stderr and "write them to a file" in proc.stderr
+    assert time.monotonic() - start < 45
+
+
 def test_an_mpi4py_of_another_mpi_is_refused():
     """mpi4py built against another MPI than the mpirun that started the job sees each rank alone in a world of one:
     every rank loaded and ran the whole model by itself (a TP build: N servers of one rank each, without a word).
