@@ -1110,7 +1110,8 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     assert_one_line_error(run("build/build_engines.py", "--precision", "bf16", "--drafter", str(out / "drafter"),
                               "--out", str(tmp_path / "again")),
                           f"--drafter {out / 'drafter'}: a folder of the build_engines.py output {out}, not a Hugging "
-                          f"Face checkpoint: pass --drafter {src / 'drafter'}, the drafter checkpoint it was built from")
+                          f"Face checkpoint: pass --drafter {src / 'drafter'}, the drafter checkpoint it was built "
+                          "from")
     assert_one_line_error(run("runtime/run.py", "--model", str(src / "target"), "--drafter", str(out / "drafter")),
                           f"--drafter {out / 'drafter'}: a folder of the build_engines.py output {out}, not a Hugging "
                           "Face checkpoint")

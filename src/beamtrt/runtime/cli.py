@@ -163,8 +163,8 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     params = _validate(args)
     if args.prompts:
         if dist.size > 1 and Path(args.prompts).exists() and not Path(args.prompts).is_file():
-            raise BeamtrtError(f"--prompts {args.prompts}: not a regular file (a pipe, stdin or a device); under mpirun "
-                               "every rank reads the prompts, and only rank 0 gets stdin: write them to a file")
+            raise BeamtrtError(f"--prompts {args.prompts}: not a regular file (a pipe, stdin or a device); under "
+                               "mpirun every rank reads the prompts, and only rank 0 gets stdin: write them to a file")
         numbered = read_chat_lines(args.prompts)
         chats, where = [chat for _, chat in numbered], [f"{args.prompts}:{n}" for n, _ in numbered]
     else:
