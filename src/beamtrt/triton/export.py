@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -269,6 +270,17 @@ def export(cfg: ExportConfig) -> list[str]:
             raise ExportError(f"{what} of {context} tokens leaves no room for a request in blocks of {block} "
                               f"(--max-seq-len {e.why}): {remedy}") from None
         raise ExportError(f"--{e.name.replace('_', '-')} {e.why}") from None
+    if cfg.chat_template:  # a text_input request is the template's tokens around its text: a context below them
+        from beamtrt.prompts import load_tokenizer, render_chat  # refuses every one (beam_dflash2's input_ids fit)
+        from beamtrt.spec.decoder import headroom
+
+        template = len(render_chat(load_tokenizer(root / manifest["target"]["tokenizer"]),
+                                   [{"role": "user", "content": "x"}]))
+        if max_seq_len < (least := template + 1 + headroom(block)):
+            print(f"warning: --max-seq-len {max_seq_len} leaves no room for a text_input request, which the server "
+                  f"will refuse: the chat template around a one-token message is {template} tokens, so at least "
+                  f"{least} (one new token at --block-size {block}); beam_dflash2's input_ids fit, and "
+                  "--raw-prompts serves text without the template", file=sys.stderr)
     if device != "auto" and (cfg.backend == "torch" or (cfg.backend == "auto" and no_engines)):
         check_device(device, "torch", manifest["mapping"]["tp_size"],  # the server would refuse it
                      other="serve the build's engines (--backend trt)")
