@@ -351,7 +351,6 @@ def test_drafter_network_drafts_like_the_reference(sources, tmp_path, window, vo
         start += counts
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
 def test_the_plugin_toolchain_is_checked_before_the_first_stage(sources, tmp_path, monkeypatch):
     """On a TensorRT-LLM host the plugin library is built last, after calibration and conversion (hours on Beam): a
     missing TensorRT include folder (pip's wheels ship none) failed there, and the build kept none of its stages."""
@@ -368,6 +367,7 @@ def test_the_plugin_toolchain_is_checked_before_the_first_stage(sources, tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
 def test_a_failed_plugin_build_names_its_first_error(tmp_path, monkeypatch):
     """build_engines.py builds the plugin library with CMake; a compile failure is reported by its first error line,
     not by make's closing 'Error 2'. Here a TensorRT tree with NvInfer.h and nothing else."""
