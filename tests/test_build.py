@@ -292,6 +292,13 @@ def test_an_existing_foreign_directory_is_never_replaced(sources, tmp_path):
         assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     (out / "notes.txt").unlink()
     assert build(sources, out).returncode == 0 and (out / "manifest.json").is_file()
+    app = tmp_path / "app"  # another program's folder with a manifest.json of its own: taken for a damaged build
+    app.mkdir()
+    (app / "manifest.json").write_text('{"name": "my-web-app"}')
+    (app / "index.html").write_text("mine")
+    one_line_error(build(sources, app, "--force"), "is not a build output (it holds index.html, which a build does "
+                                                   "not write)")
+    assert sorted(p.name for p in app.iterdir()) == ["index.html", "manifest.json"]
 
 
 @pytest.mark.parametrize("manifest, needle", [('{"format_version": 0}', "format_version 0 is not this version's 1"),

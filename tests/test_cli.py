@@ -1115,6 +1115,12 @@ def test_a_build_given_as_model_points_to_engine_dir(mini_vocab_sources, tmp_pat
     assert_one_line_error(run("runtime/run.py", "--model", str(src / "target"), "--drafter", str(out / "drafter")),
                           f"--drafter {out / 'drafter'}: a folder of the build_engines.py output {out}, not a Hugging "
                           "Face checkpoint")
+    from beamtrt.runtime.loader import not_a_build
+
+    zoo = tmp_path / "zoo"  # a drafter beside another program's manifest.json is not a build's
+    shutil.copytree(src / "drafter", zoo / "d")
+    (zoo / "manifest.json").write_text('{"models": ["d"]}')
+    not_a_build(zoo / "d", None, "--drafter")
     monkeypatch.setattr(beam, "free_memory", lambda device: 1000)
     assert_one_line_error(run("runtime/run.py", "--engine-dir", str(out), "--prompt", "hi"),
                           "cpu has 0.0 MB free: this command holds the whole model on one device (a build's "

@@ -663,14 +663,18 @@ def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, c
         assert [p.name for p in out.iterdir()] == ["notes.txt"]
     (out / "notes.txt").unlink()
     assert run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out))[0] == 0
-    (out / "stale.txt").write_text("x")
+    (out / "my_model" / "1").mkdir(parents=True)  # a model added to the repository: --force would delete it
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--force")
+    assert rc == 2 and "(it holds my_model, which an export does not write)" in stderr, stderr
+    shutil.rmtree(out / "my_model")
+    (out / export.MODEL / "stale.txt").write_text("x")  # within the export: replaced whole
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines")
     assert rc == 2 and stderr.count("\n") == 1 and "already holds a model repository: pass --force" in stderr
-    assert (out / "stale.txt").exists()
+    assert (out / export.MODEL / "stale.txt").exists()
     rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines",
                                     "--force")
     assert rc == 0, stderr
-    assert not (out / "stale.txt").exists() and (out / export.COPIED_ENGINE / "manifest.json").is_file()
+    assert not (out / export.MODEL / "stale.txt").exists() and (out / export.COPIED_ENGINE / "manifest.json").is_file()
     assert ".tmp-" not in stdout and f"engines: {out / export.COPIED_ENGINE}" in stdout  # where it now is
     assert [p.name for p in tmp_path.iterdir()] == ["repo"]
     moved = tmp_path / "elsewhere"

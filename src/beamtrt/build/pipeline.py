@@ -203,9 +203,12 @@ def _check_space(plan: Plan, reusable: dict, where: Path) -> None:
 def _old_manifest(bc: BuildConfig) -> dict | None:
     if not bc.out.exists() or (bc.out.is_dir() and not any(bc.out.iterdir())):
         return None
-    if not (bc.out / mf.MANIFEST).is_file():  # --force replaces a build, never a folder of anything else
-        raise ConfigError(f"{bc.out} exists and is not a build output (no {mf.MANIFEST}); choose another --out, "
-                          "or empty it first")
+    if not mf.looks_built(bc.out):  # --force replaces a build, never a folder of anything else
+        stray = sorted(p.name for p in bc.out.iterdir() if p.name not in mf.BUILD_ENTRIES)
+        why = f"it holds {stray[0]}, which a build does not write" if (bc.out / mf.MANIFEST).is_file() else \
+            f"no {mf.MANIFEST}"
+        raise ConfigError(f"{bc.out} exists and is not a build output ({why}); choose another --out, or empty it "
+                          "first")
     try:
         return mf.read_manifest(bc.out)
     except CheckpointError:

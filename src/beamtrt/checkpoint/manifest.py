@@ -11,7 +11,26 @@ from beamtrt.errors import CheckpointError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# everything a build writes at its top level (its engines and plugin library lie in target/, drafter/, plugins/)
+BUILD_ENTRIES = frozenset({MANIFEST, "calibration.json", "target", "drafter", "tokenizer", "plugins"})
 _CHUNK = 16 * 1024 * 1024
+
+
+def looks_built(folder: Path) -> bool:
+    """Whether `folder` is a build_engines.py output: its manifest.json names a format_version (any version's, beside
+    whatever was added since), or, unreadable (damaged), lies beside nothing a build does not write. Another
+    program's folder with a manifest.json of its own (a web app, a model zoo) is neither: never replaced, nor taken
+    for a build."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return False
+    try:
+        written = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (ValueError, OSError, RecursionError):  # not JSON, or not UTF-8 (a ValueError too)
+        written = None
+    if isinstance(written, dict) and "format_version" in written:
+        return True
+    return all(p.name in BUILD_ENTRIES for p in folder.iterdir())
 
 
 def sha256_file(path: Path) -> str:

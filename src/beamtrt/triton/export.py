@@ -222,9 +222,12 @@ def export(cfg: ExportConfig) -> list[str]:
                           f"({package}); choose another place")
     output_path(out, "--out", directory=True)  # a file is refused, --force or not; the parent must be writable
     if out.exists() and any(out.iterdir()):  # --force replaces an export, never a folder of anything else
-        if not (out / MODEL / "config.pbtxt").is_file():
-            raise ExportError(f"{out} already exists and is not a model repository export_triton.py wrote (no "
-                              f"{MODEL}/config.pbtxt): choose another --out, or empty it first")
+        ours = {"README.md", "ensemble", *(m.name for m in MODELS)}
+        stray = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        if stray or not (out / MODEL / "config.pbtxt").is_file():  # a repository a user added models to, say
+            why = f"it holds {stray[0]}, which an export does not write" if stray else f"no {MODEL}/config.pbtxt"
+            raise ExportError(f"{out} already exists and is not a model repository export_triton.py wrote ({why}): "
+                              "choose another --out, or empty it first")
         if not cfg.force:
             raise ExportError(f"{out} already holds a model repository: pass --force to replace it")
     manifest = check_build(root, cfg.chat_template)
