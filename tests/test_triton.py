@@ -575,14 +575,20 @@ def test_model_adapters_chain_like_the_ensemble(builds, tmp_path, monkeypatch):
         running = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[100]], np.int32))
         llm.execute([running])
         assert stepping.wait(60)
+        queued = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
+        llm.execute([queued])  # taken in after the step: the server shuts down before it starts
         closing = threading.Thread(target=llm.server.close)  # as when Triton unloads the model
         closing.start()
-        while llm.server._inbox.empty():  # close() has asked the decode thread to end
+        deadline = time.monotonic() + 60
+        while llm.server._inbox.qsize() < 2:  # the queued request, then close()'s request to end
+            assert time.monotonic() < deadline, "close() never asked the decode thread to end"
             time.sleep(0.01)
         go.set()
         closing.join(60)
-        assert running.sender.done.is_set() and running.sender.sent[-1].error.code == "UNAVAILABLE"  # was INTERNAL
-        assert running.sender.sent[-1].error.message == "the server shut down"
+        # not started: another replica may serve it (it was INTERNAL); started, its tokens made: a retry would not do
+        assert queued.sender.done.is_set() and queued.sender.sent[-1].error.code == "UNAVAILABLE"
+        assert running.sender.done.is_set() and running.sender.sent[-1].error.code == "INTERNAL"
+        assert queued.sender.sent[-1].error.message == running.sender.sent[-1].error.message == "the server shut down"
         late = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[4]], np.int32))
         llm.execute([late])
         assert late.sender.done.is_set() and late.sender.sent[-1].error.code == "UNAVAILABLE"

@@ -237,7 +237,7 @@ class Delta:
     finished: bool = False
     finish_reason: str = ""         # stop | length | cancelled | error
     error: str = ""
-    unavailable: bool = False       # the error is the server going away (not the request): a replica may serve it
+    unavailable: bool = False       # the server went away before the request's first token: a replica may serve it
 
 
 def delta_outputs(delta: Delta) -> dict[str, np.ndarray]:

@@ -371,7 +371,7 @@ class Server:
                     pass
             live.slot = -1
             self._send(live, Delta((), (), -1, "", self._metrics(live.completion), True, "error", message,
-                                   unavailable))
+                                   unavailable and not live.completion.output_ids))  # retried, none is sent twice
         self._waiting.clear()
         self._touched = {}
 
