@@ -165,21 +165,14 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
 
 
 def _changed(old: dict, bc: BuildConfig) -> list[str]:
-    """The flags whose values differ from those `old`, an earlier build's manifest, records ("--tp 2 (now 1)")."""
-    def at(*keys: str) -> object:
-        value = old
-        for key in keys:
-            value = value.get(key) if isinstance(value, dict) else None
-        return value
-
-    now = {**bc.engine.to_json(), "precision": bc.precision, "kv-cache": bc.kv_cache,
-           "drafter-precision": bc.drafter_precision, "tp": bc.tp, "moe-ep": bc.moe_ep, "model": str(bc.model),
-           "drafter": str(bc.drafter)}
-    was = {**{k: at("engines", "settings", k) for k in bc.engine.to_json()}, "precision": at("precision"),
-           "kv-cache": at("kv_cache"), "drafter-precision": at("drafter_precision"), "tp": at("mapping", "tp_size"),
-           "moe-ep": at("mapping", "moe_ep_size"), "model": at("target", "source"), "drafter": at("drafter", "source")}
-    return [f"--{flag.replace('_', '-')} {was[flag]} (now {value})" for flag, value in now.items()
-            if was[flag] is not None and was[flag] != value]
+    """The settings whose values differ from those `old`, an earlier build's manifest, records ("--tp 2 (now 1)").
+    Not the sources: the stages key their contents, which another spelling of the same path does not change."""
+    now = {**{f"engines.settings.{k}": v for k, v in bc.engine.to_json().items()}, "precision": bc.precision,
+           "kv_cache": bc.kv_cache, "drafter_precision": bc.drafter_precision, "mapping.tp_size": bc.tp,
+           "mapping.moe_ep_size": bc.moe_ep}
+    flags = {"mapping.tp_size": "tp", "mapping.moe_ep_size": "moe-ep"}
+    return [f"--{flags.get(key, key.split('.')[-1]).replace('_', '-')} {was} (now {value})" for key, value in now.items()
+            if (was := mf.field(old, key, None)) is not None and was != value]
 
 
 def _check_space(plan: Plan, reusable: dict, where: Path) -> None:
