@@ -834,7 +834,8 @@ def test_the_json_report_records_how_the_run_was_made(beam_mini, tmp_path, run):
     assert proc.returncode == 0, proc.stderr
     drafter = default_drafter_for(BeamConfig.from_file(beam_mini / "config.json"))
     assert json.loads((tmp_path / "r.json").read_text())["settings"] == {
-        "engine_dir": None, "model": str(beam_mini), "drafter": str(drafter), "backend": "torch", "seed": 5,
+        "engine_dir": None, "model": str(beam_mini.absolute()), "drafter": str(drafter.absolute()), "backend": "torch",
+        "device": "cpu", "seed": 5,
         "temperature": 0.7, "top_p": 0.9, "top_k": 40, "max_new_tokens": 1, "stop": ["xyz"]}
 
 

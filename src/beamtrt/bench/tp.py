@@ -42,8 +42,8 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
             if "report above" in reason:  # scripts/mpirun's line for a rank killed or crashed: show the report it means
                 from tqdm import tqdm
 
-                report = [line for line in proc.stderr.splitlines() if not line.startswith("error:")]
-                tqdm.write("\n".join(report).strip("\n"), file=sys.stderr)
+                notices = [line for line in proc.stderr.splitlines() if not line.startswith("error:")]
+                tqdm.write("\n".join(notices).strip("\n"), file=sys.stderr)
             raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {reason}")
         s = json.loads(report.read_text())["summary"]
     tau = s["acceptance_length"]  # None: no verification step (a request that ended at its first token)

@@ -285,7 +285,7 @@ def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
                         **_time_split(decoder, dist)},
             "settings": {  # how the run was made: with the prompts, what reproduces it
                 "engine_dir": _text(setup.engine_dir), "model": _text(sources.model_dir),
-                "drafter": _text(sources.drafter_dir), "backend": setup.backend,
+                "drafter": _text(sources.drafter_dir), "backend": setup.backend, "device": args.device,
                 "seed": args.seed, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": args.max_new_tokens, "stop": list(args.stop)},
         }
@@ -293,7 +293,7 @@ def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
 
 
 def _text(path: Path | None) -> str | None:
-    return None if path is None else str(path)
+    return None if path is None else str(Path(path).absolute())  # the report may be read from anywhere
 
 
 def asked(chat: list[dict]) -> str:
