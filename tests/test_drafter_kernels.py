@@ -5,7 +5,7 @@ runs; on a GPU (gpu-marked) through the CUDA build, the default there."""
 from __future__ import annotations
 
 import copy
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -95,3 +95,22 @@ def test_kernel_choice(monkeypatch, capsys):
     monkeypatch.setenv("BEAMTRT_KERNELS", "fast")
     with pytest.raises(Exception, match="expected auto, host or off"):
         kernels_for("cpu")
+
+
+def test_a_drafter_beyond_the_kernels_arrays_keeps_the_reference(target, monkeypatch, capsys):
+    """The kernels hold a slot's candidates and a head's dims in fixed arrays (64, 256): the host build overran them
+    (a segmentation fault under BEAMTRT_KERNELS=host on a drafter of selector_top_k 65, which its config allows) and
+    the CUDA build refused the drafter at its first draft. Now asking for them is one line, and the default path
+    keeps the PyTorch reference, saying why."""
+    from beamtrt.errors import DeviceError
+
+    fits = make_drafter(target).cfg
+    for wide, needle in ((replace(fits, selector_top_k=65), "selector_top_k 65 is above the kernels' 64"),
+                         (replace(fits, head_dim=320), "head_dim 320 is above the kernels' 256")):
+        monkeypatch.setenv("BEAMTRT_KERNELS", "host")
+        assert kernels_for("cpu", fits) is HostKernels
+        with pytest.raises(DeviceError, match=f"^BEAMTRT_KERNELS=host: the drafter does not fit .*{needle}"):
+            kernels_for("cpu", wide)
+        monkeypatch.delenv("BEAMTRT_KERNELS")
+        assert kernels_for("cuda", wide) is None  # before the CUDA build is tried: none here to try
+        assert f"the drafter does not fit the CUDA kernels ({'its ' + needle}" in capsys.readouterr().err

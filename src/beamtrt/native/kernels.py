@@ -21,6 +21,7 @@ from beamtrt.errors import DeviceError
 from beamtrt.native import compile_library
 
 PLUGINS = Path(__file__).resolve().parents[3] / "plugins"
+MAX_TOP_K, MAX_HEAD_DIM = 64, 256  # the kernels' fixed arrays: kernel.cuh's selector::kMaxK, kMaxHeadDim
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # numeric.cuh DType
 _p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
@@ -101,11 +102,31 @@ class CudaKernels:
         return cuda.windowed_attention(*args, **kwargs)
 
 
-def kernels_for(device: torch.device | str):
-    """The kernels the drafter should use on `device`, or None for the PyTorch reference (see the module doc)."""
+def beyond_kernels(cfg) -> str | None:
+    """Why a drafter of DrafterConfig `cfg` is beyond the kernels' fixed arrays (None: within them). The host build
+    overran them (a segmentation fault), the CUDA build refused it at the first draft."""
+    if cfg.selector_top_k > MAX_TOP_K:
+        return f"its selector_top_k {cfg.selector_top_k} is above the kernels' {MAX_TOP_K} candidates"
+    if cfg.head_dim > MAX_HEAD_DIM:
+        return f"its head_dim {cfg.head_dim} is above the kernels' {MAX_HEAD_DIM}"
+    return None
+
+
+def kernels_for(device: torch.device | str, cfg=None):
+    """The kernels the drafter (of DrafterConfig `cfg`) should use on `device`, or None for the PyTorch reference
+    (see the module doc): a drafter beyond the kernels' limits keeps the reference, and BEAMTRT_KERNELS=host asking for
+    them is one line."""
     mode = switch("BEAMTRT_KERNELS")
     device = torch.device(device)
     if mode == "off":
+        return None
+    if cfg is not None and (why := beyond_kernels(cfg)):
+        if mode == "host" and device.type == "cpu":
+            raise DeviceError(f"BEAMTRT_KERNELS=host: the drafter does not fit the plugin kernels ({why}); unset it to "
+                              "run the drafter on the CPU's own path")
+        if device.type == "cuda" and mode == "auto":
+            print(f"beamtrt: the drafter does not fit the CUDA kernels ({why}); it runs on the PyTorch reference",
+                  file=sys.stderr)
         return None
     if device.type == "cuda":
         if mode != "auto":
@@ -115,8 +136,9 @@ def kernels_for(device: torch.device | str):
 
             cuda.extension()  # built once per machine (a minute or two), then loaded from the cache
         except Exception as e:  # no nvcc, no plugins/ sources, a failed build: the PyTorch reference still works
-            print(f"beamtrt: the CUDA kernels are not available ({str(e).splitlines()[0] if str(e) else e!r}); the "
-                  "drafter runs on the PyTorch reference", file=sys.stderr)
+            why = str(e).splitlines()[0] if str(e) else repr(e)
+            print(f"beamtrt: the CUDA kernels are not available ({why}); the drafter runs on the PyTorch reference",
+                  file=sys.stderr)
             return None
         return CudaKernels
     return HostKernels if mode == "host" and device.type == "cpu" else None

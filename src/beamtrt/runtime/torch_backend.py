@@ -50,7 +50,7 @@ class TorchDrafter:
         self.block_size = drafter.cfg.block_size  # the block it was trained on: the largest it drafts
         self.cache = None
         if drafter.candidate_selector.shard is None:  # vocab-parallel codebooks keep the reference path
-            drafter.kernels = kernels_for(drafter.device)
+            drafter.kernels = kernels_for(drafter.device, drafter.cfg)
 
     def allocate(self, slots: int) -> None:
         self.cache = None
