@@ -149,7 +149,7 @@ def compile_library(sources: Path | Sequence[Path], flags: tuple[str, ...], what
     sources = (sources,) if isinstance(sources, Path) else tuple(sources)
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        print(f"beamtrt: no C++ compiler found; {what} are not available", file=sys.stderr)
+        print(f"beamtrt: no C++ compiler found, so {what} cannot be built here", file=sys.stderr)
         return None
     files = dict.fromkeys(path for source in sources for path in local_sources(source))  # each once, in order
     content = b"".join(path.read_bytes() for path in files)
@@ -171,7 +171,7 @@ def compile_library(sources: Path | Sequence[Path], flags: tuple[str, ...], what
                 os.replace(check, target.with_name(check.name))
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError) as e:
-        print(f"beamtrt: building {what} failed ({e}); they are not available", file=sys.stderr)
+        print(f"beamtrt: building {what} failed ({e}); not used", file=sys.stderr)
         return None
 
 
