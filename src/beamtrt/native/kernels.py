@@ -48,7 +48,8 @@ def host_library() -> ctypes.CDLL:
     source = PLUGINS / "host" / "host_api.cpp"
     if not source.is_file():
         raise DeviceError(f"the plugins/ sources are not here ({PLUGINS})")
-    lib = compile_library(source, ("-O2", "-std=c++17", "-shared", "-fPIC"), "the plugin kernels' host build")
+    lib = compile_library(source, ("-O2", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC"),  # as CMake builds it
+                          "the plugin kernels' host build")
     if lib is None or lib.beamtrt_host_abi() != 1:
         raise DeviceError("the plugin kernels' host build is not available (see the line above)")
     return lib
