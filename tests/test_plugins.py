@@ -332,6 +332,14 @@ def test_cuda_kernels_compile_for_hopper_and_blackwell(build):
     assert "TensorRT headers not found" in log or "TensorRT headers in" in log  # CMake says what it did
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
+def test_an_architecture_named_as_nvcc_does_is_refused_at_configure(tmp_path):
+    """-DBEAMTRT_CUDA_ARCHS=sm_90 configured, then failed in nvcc ('Unsupported gpu architecture compute_sm_90')."""
+    done = subprocess.run(["cmake", "-S", str(ROOT / "plugins"), "-B", str(tmp_path), "-DBEAMTRT_CUDA_ARCHS=sm_90"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "BEAMTRT_CUDA_ARCHS takes numbers such as 90;100a, got 'sm_90'" in done.stderr
+
+
 TENSORRT_ROOTS = [r for r in os.environ.get("BEAMTRT_TENSORRT_ROOTS", "").split(os.pathsep) if r]
 
 
