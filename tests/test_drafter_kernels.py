@@ -97,6 +97,21 @@ def test_kernel_choice(monkeypatch, capsys):
         kernels_for("cpu")
 
 
+def test_the_host_build_is_made_when_chosen(monkeypatch):
+    """BEAMTRT_KERNELS=host without a compiler failed at the first draft, after the answer's first token streamed."""
+    from beamtrt.errors import DeviceError
+    from beamtrt.native import kernels
+
+    monkeypatch.setenv("BEAMTRT_KERNELS", "host")
+    monkeypatch.setenv("CXX", "/nonexistent/g++")  # another compiler: another cached library, which it cannot build
+    kernels.host_library.cache_clear()
+    try:
+        with pytest.raises(DeviceError, match="host build is not available"):
+            kernels_for("cpu")
+    finally:
+        kernels.host_library.cache_clear()
+
+
 def test_a_drafter_beyond_the_kernels_arrays_keeps_the_reference(target, monkeypatch, capsys):
     """The kernels hold a slot's candidates and a head's dims in fixed arrays (64, 256): the host build overran them
     (a segmentation fault under BEAMTRT_KERNELS=host on a drafter of selector_top_k 65, which its config allows) and

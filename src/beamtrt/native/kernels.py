@@ -142,4 +142,7 @@ def kernels_for(device: torch.device | str, cfg=None):
                   file=sys.stderr)
             return None
         return CudaKernels
-    return HostKernels if mode == "host" and device.type == "cpu" else None
+    if mode == "host" and device.type == "cpu":
+        host_library()  # built (or found) now: a missing compiler is said before the model decodes, not mid-answer
+        return HostKernels
+    return None
