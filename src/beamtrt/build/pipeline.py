@@ -171,8 +171,8 @@ def _changed(old: dict, bc: BuildConfig) -> list[str]:
            "kv_cache": bc.kv_cache, "drafter_precision": bc.drafter_precision, "mapping.tp_size": bc.tp,
            "mapping.moe_ep_size": bc.moe_ep}
     flags = {"mapping.tp_size": "tp", "mapping.moe_ep_size": "moe-ep"}
-    return [f"--{flags.get(key, key.split('.')[-1]).replace('_', '-')} {was} (now {value})" for key, value in now.items()
-            if (was := mf.field(old, key, None)) is not None and was != value]
+    return [f"--{flags.get(key, key.split('.')[-1]).replace('_', '-')} {was} (now {value})"
+            for key, value in now.items() if (was := mf.field(old, key, None)) is not None and was != value]
 
 
 def _check_space(plan: Plan, reusable: dict, where: Path) -> None:
