@@ -1315,6 +1315,11 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--data", str(tmp_path / "data2"),
                               "--lr", "1e-4"), "other training settings (--lr 0.001 (now 0.0001))")
     assert not (tmp_path / "data2").exists()
+    # a resume on a new cache: its answers were made (hours, on a real target), then refused as other data
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--data", str(tmp_path / "data3")),
+                          f"--data {tmp_path / 'data3'}: has 1 shard(s) not answered yet, but --work {work} holds a "
+                          "run to resume")
+    assert not (tmp_path / "data3").exists()
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--extra-data", str(data)),
                           "same cache twice")
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--skip-answered-in", str(data)),

@@ -318,9 +318,16 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
         skip = None if args.skip_answered_in is None else answered_prompts(*map(Path, args.skip_answered_in))
+        def resumable(unanswered: int) -> None:  # a resume trains on the data it began with, all of it answered
+            if unanswered and not args.data_only and (work / "train_state.pt").exists():
+                raise BeamtrtError(f"--data {data_dir}: has {unanswered} shard(s) not answered yet, but --work "
+                                   f"{work} holds a run to resume, which trained on complete data: this is another "
+                                   "cache, or one that lost shards. Pass the --data it trained on, complete this one "
+                                   "first (--data-only), or use another --work")
+
         with writing(data_dir):  # another run making or completing the same cache is waited for
             build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet,
-                           digest=digest, skip=skip)
+                           digest=digest, skip=skip, before_answering=resumable)
         if args.data_only:
             print(f"data: {data_dir} complete (--data-only: no training)", file=sys.stderr)
             return

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -275,10 +275,12 @@ FLAGS = {"recipe.prompts": "--prompts", "recipe.seed": "--data-seed", "recipe.ma
 
 def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prompts: Sequence[str], out: Path,
                    recipe: DataRecipe, quiet: bool = False, digest: str | None = None,
-                   skip: Collection[tuple[int, ...]] | None = None) -> Path:
+                   skip: Collection[tuple[int, ...]] | None = None,
+                   before_answering: Callable[[int], None] | None = None) -> Path:
     """Fill `out` with feature shards for `prompts` (answering only the shards not yet written); returns `out`.
     digest: the target's `target_digest` (computed when not given). skip: prompt ids (`answered_prompts` of other
-    caches) left out, recorded in meta.json so that a resumed cache has the same prompts; None: nothing left out."""
+    caches) left out, recorded in meta.json so that a resumed cache has the same prompts; None: nothing left out.
+    before_answering: called with the number of shards that have no answers yet, before anything is written."""
     from tqdm import tqdm
 
     digest = digest or target_digest(target)
@@ -292,6 +294,10 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
         if left_out and not encoded:
             raise BeamtrtError(f"{out}: every one of the {len(left_out)} prompts was answered in the "
                                "--skip-answered-in caches already: choose another --data-seed or raise --prompts")
+    shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
+    if before_answering is not None:
+        before_answering(sum(not (out / f"features-{i:05d}.safetensors").exists()
+                             and not (out / f"answers-{i:05d}.safetensors").exists() for i in range(len(shards))))
     made = any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].safetensors"))
     old = read_meta(out) if made else None  # a meta.json alone (stopped before its first shard): nothing to resume
     if not old and made:
@@ -316,7 +322,6 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
         print(f"phase 1: {meta['skipped']['prompts']} of {len(encoded) + meta['skipped']['prompts']} prompts left out, "
               "answered in the --skip-answered-in caches", file=sys.stderr)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
     rebuild_features(target, taps, out, quiet=quiet, digest=digest)  # its check_cache read every file's header
     todo = [i for i in range(len(shards)) if not (out / f"features-{i:05d}.safetensors").exists()]
     if todo:
