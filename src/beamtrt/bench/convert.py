@@ -32,6 +32,15 @@ def source_config(size_gb: float):
                       num_experts=32, num_experts_per_tok=4, mlp_only_layers=(0,))
 
 
+def drafter_config(cfg):
+    """The sources' one-layer drafter for target config `cfg`, on DFlash's two default taps ((1, L - 2) named layer 1
+    twice at L = 3: every --size-gb of 3 layers failed)."""
+    from beamtrt.config import DrafterConfig, default_target_layer_ids
+
+    taps = default_target_layer_ids(cfg.num_hidden_layers, 2)
+    return DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=taps, mask_token_id=0)
+
+
 def _made_layers(target: Path) -> int | None:
     """The layer count of the sources already in --work (None: none there)."""
     try:
@@ -42,7 +51,6 @@ def _made_layers(target: Path) -> int | None:
 
 def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
     from beamtrt.checkpoint.hf import replace_dir, save_state_dict, staging
-    from beamtrt.config import DrafterConfig
     from beamtrt.models.dflash2 import drafter_tensor_specs
     from beamtrt.models.random_beam import write_random_beam
 
@@ -56,8 +64,7 @@ def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
     if not (target / "config.json").is_file():
         write_random_beam(target, cfg, progress=True)
     if not (drafter / "config.json").is_file():  # written beside, then renamed: an interruption leaves nothing
-        dcfg = DrafterConfig.for_target(cfg, num_hidden_layers=1, target_layer_ids=(1, cfg.num_hidden_layers - 2),
-                                        mask_token_id=0)
+        dcfg = drafter_config(cfg)
         gen = torch.Generator().manual_seed(0)
         with staging(drafter) as tmp:
             save_state_dict(tmp, ((n, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
