@@ -464,7 +464,8 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
                               "1"), "--dense-layers 1 0 1: names a layer more than once")
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--heads", "7"),
                           "num_key_value_heads=4")
-    for flag, value in (("--max-shard-gb", "nan"), ("--max-shard-gb", "0"), ("--seed", str(2**70))):
+    for flag, value in (("--max-shard-gb", "nan"), ("--max-shard-gb", "0"), ("--max-shard-gb", "1e300"),  # overflowed
+                        ("--seed", str(2**70))):
         assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), flag, value), flag)
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--vocab-size",
                               "100000000000"), "GB checkpoint", "GB free")  # measured, not listed
@@ -978,6 +979,12 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
     assert "timed runs per point; a verification point takes at most 10 of them on the GPU and 3 on the host" in (
         " ".join(run("scripts/bench_kernels.py", "--help").stdout.split()))  # it said "timed runs per point" alone
+    from beamtrt.bench import convert
+
+    layers = {convert.source_config(gb).num_hidden_layers: gb for gb in (0.1, 0.8, 1.0, 1.2, 4.3)}
+    assert sorted(layers)[:3] == [2, 3, 4]  # every size's drafter is a valid one (3 layers named layer 1 twice)
+    assert all(len(set(convert.drafter_config(convert.source_config(gb)).target_layer_ids)) == 2
+               for gb in layers.values())
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path), "--size-gb", "0"), "--size-gb")
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(tmp_path / "w"), "--size-gb", "inf"),
                           "--size-gb must be a finite number")

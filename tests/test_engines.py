@@ -244,6 +244,9 @@ def test_backend_comparison_report(tmp_path):
         (tmp_path / "bad.json").write_text(json.dumps(damaged))  # each was a traceback (KeyError, TypeError)
         assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'bad.json'}"]) == 2
     assert main([f"a={tmp_path / 'a.json'}", "--json", str(tmp_path)]) == 2  # a folder: before the table
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'b.json'}", "--json", str(tmp_path / "b.json")]) == 2
+    assert json.loads((tmp_path / "b.json").read_text()) == other  # a report it compares: it was replaced
 
 
 def test_target_step_packing():

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from beamtrt.cli_util import ArgumentParser, description, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, description, output_path, outside_inputs, run_cli
 from beamtrt.errors import BeamtrtError
 
 
@@ -72,14 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> None:
         if args.json:
             output_path(Path(args.json), "--json")  # before the table is printed
-        runs = {}
+        runs, reports = {}, {}
         for item in args.runs:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise BeamtrtError(f"{item!r}: give each run as NAME=PATH")
             if name in runs or "|" in name:  # a second one replaced the first; a '|' splits the table's row
                 raise BeamtrtError(f"{item!r}: give each run a name of its own, without '|'")
-            runs[name] = load_run(Path(path))
+            runs[name], reports[name] = load_run(Path(path)), path
+        if args.json:  # it replaced a report it compares
+            outside_inputs(args.json, "--json", [(f"the report {name}", path) for name, path in reports.items()])
         result = compare(runs)
         print(table(result, args.title))
         if args.json:

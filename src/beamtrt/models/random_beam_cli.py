@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dense-layers {' '.join(map(str, args.dense_layers))}: names a layer more than once")
         sizes = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in SIZE_FLAGS.items()}
         cfg = BeamConfig(**sizes, mlp_only_layers=tuple(args.dense_layers), use_qk_norm=not args.no_qk_norm)
-        if not 0 < args.max_shard_gb < math.inf:
+        if not 0 < args.max_shard_gb * 1024**3 < math.inf:  # in bytes: 1e300 GB overflowed their count
             raise ValueError(f"--max-shard-gb must be a finite number > 0, got {args.max_shard_gb}")
         check_seed(args.seed)
         out = output_path(args.out, "--out", directory=True)
