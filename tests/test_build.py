@@ -98,6 +98,33 @@ def test_rebuild_is_idempotent_and_settings_changes_need_force(sources, tmp_path
     no_leftovers(tmp_path)
 
 
+def test_the_validator_shows_its_hashing(sources, tmp_path, monkeypatch):
+    """python -m beamtrt.checkpoint.validate hashes every file of a build without a word (hours on Beam): a bar over
+    the bytes, on a terminal, now moves as it goes."""
+    from beamtrt import cli_util
+    from beamtrt.checkpoint import validate
+
+    out = tmp_path / "out"
+    assert build(sources, out).returncode == 0
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, unit, scale):
+            self.total, self.done, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(cli_util, "progress", lambda total, desc, unit, scale: Bar(total, desc, unit, scale))
+    assert validate.main([str(out)]) == 0
+    sizes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert [(b.total, b.done, b.closed) for b in bars] == [(sizes, sizes, True)]
+
+
 def test_a_rebuild_with_nothing_to_do_reads_each_weight_file_once(sources, tmp_path, monkeypatch):
     """An up-to-date rerun checks each stage's files against their sha256, then validates the output: that hashed
     every rank file a second time (four reads of the model where two do, minutes on Beam)."""

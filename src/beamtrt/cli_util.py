@@ -51,12 +51,14 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def progress(total: int, desc: str, unit: str = "point", quiet: bool = False):
+def progress(total: int, desc: str, unit: str = "point", quiet: bool = False, scale: bool = False):
     """A bar over a command's work (a benchmark's measurements, a model's tensors as they load), drawn on a terminal
-    only (piped, a benchmark's output stays its JSON lines), and not at all when `quiet`; cleared when done."""
+    only (piped, a benchmark's output stays its JSON lines), and not at all when `quiet`; cleared when done. `scale`:
+    counts shown with SI prefixes (bytes: MB, GB)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=quiet or None, dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, disable=quiet or None, dynamic_ncols=True, leave=False,
+                unit_scale=scale)
 
 
 def say(bar, line: str, file) -> None:

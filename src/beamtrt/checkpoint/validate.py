@@ -17,6 +17,7 @@ import torch
 
 from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint.trtllm_files import STAMP_KEY, STAMP_RANK, TrtllmCheckpoint, rank_file
+from beamtrt import cli_util
 from beamtrt.cli_util import ArgumentParser, run_cli
 from beamtrt.errors import CheckpointError
 
@@ -95,8 +96,9 @@ def agree(root: Path, manifest: dict, files: bool = True) -> None:
         check_files(root, manifest, weights=False)
 
 
-def check_files(root: Path, manifest: dict, weights: bool = True) -> None:
-    """Every file the manifest lists is there with its sha256 (weights=False: all but the rank files and engines)."""
+def check_files(root: Path, manifest: dict, weights: bool = True, bar=None) -> None:
+    """Every file the manifest lists is there with its sha256 (weights=False: all but the rank files and engines);
+    `bar`, a progress bar (cli_util.progress), advances by each file's bytes."""
     for rel, digest in manifest.get("files", {}).items():
         if not weights and rel.endswith((".safetensors", ".engine")):
             continue
@@ -107,15 +109,24 @@ def check_files(root: Path, manifest: dict, weights: bool = True) -> None:
         if mf.sha256_file(file) != digest:
             raise CheckpointError(f"{file}: sha256 differs from {mf.MANIFEST} (modified or corrupt: rebuild with "
                                   "build/build_engines.py)")
+        if bar is not None:
+            bar.update(file.stat().st_size)
 
 
-def validate(root: str | Path, weights_hashed: bool = False) -> list[str]:
+def validate(root: str | Path, weights_hashed: bool = False, progress: bool = False) -> list[str]:
     """Validate a build output directory; returns the summary lines. Raises CheckpointError on the first problem.
     `weights_hashed`: the caller has just checked the rank files' and engines' sha256 (a rebuild whose every stage is
-    up to date): read once, not twice, on a model of hundreds of GB."""
+    up to date): read once, not twice, on a model of hundreds of GB. `progress`: a bar over the bytes hashed, on a
+    terminal (hours on Beam)."""
     root = Path(root)
     manifest = mf.read_manifest(root)  # names a missing directory or one that is not a build
-    check_files(root, manifest, weights=not weights_hashed)
+    size = sum(p.stat().st_size for p in (root / rel for rel in manifest.get("files", {})) if p.is_file())
+    bar = cli_util.progress(size, "sha256", unit="B", scale=True) if progress else None
+    try:
+        check_files(root, manifest, weights=not weights_hashed, bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     listed = set(manifest.get("files", {})) | {mf.MANIFEST}
     unlisted = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
                       and str(p.relative_to(root)) not in listed)
@@ -146,4 +157,4 @@ def main(argv: list[str] | None = None) -> int:
                                    "checkpoints, every rank's tensors, sha256) and print a summary.")
     p.add_argument("dir", help="the build output directory (holds manifest.json, target/, drafter/)")
     args = p.parse_args(argv)
-    return run_cli(lambda: print("\n".join(validate(args.dir))))
+    return run_cli(lambda: print("\n".join(validate(args.dir, progress=True))))
