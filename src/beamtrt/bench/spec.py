@@ -92,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_hf(model_dir, drafter_dir, dtype=DTYPES[args.dtype])
         target, drafter = loaded.target, loaded.drafter
         eos = frozenset(target.eos_token_ids)
+        warm = [Request(tuple(prompt_ids[0]), min(args.max_new_tokens, 2 * args.block_size), eos)]
+        for d in (drafter, None):  # untimed: one-time costs (a library's first call, first allocations) weighed on
+            SpeculativeDecoder(target, d, args.block_size).generate(warm)  # the first batch measured
         result = {"model": str(loaded.tokenizer_dir), "drafter": str(loaded.drafter_dir), "dtype": args.dtype,
                   "block_size": args.block_size, "draft_threshold": args.draft_threshold,
-                  "threads": torch.get_num_threads(), "results": []}
+                  "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+                  "warmup": {"requests": len(warm), "max_new_tokens": warm[0].max_new_tokens}, "results": []}
         bar = progress(len(args.batches), "bench_spec")
         for batch in args.batches:
             bar.set_postfix_str(f"batch {batch}")
