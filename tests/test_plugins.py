@@ -391,6 +391,30 @@ def test_the_torch_extension_sources_have_names_of_their_own():
     assert len(set(names)) == len(names) and all((ROOT / "plugins" / s).is_file() for s in cuda.SOURCES)
 
 
+def test_a_failed_extension_build_is_one_line(tmp_path, monkeypatch):
+    """torch's load() raises RuntimeError on a compile error (or no ninja): bench_kernels.py passed it on as a
+    traceback. Its first line is kept, with where the build's log is; the first build says it takes a while."""
+    from torch.utils import cpp_extension
+
+    from beamtrt.errors import DeviceError
+    from beamtrt.native import cuda
+
+    def fail(**kwargs):
+        raise RuntimeError("Error building extension 'beamtrt_cuda'\nninja: build stopped: subcommand failed.")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host's answers
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(cuda, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    cuda.extension.cache_clear()
+    try:
+        with pytest.raises(DeviceError, match=r"^building the CUDA kernels failed \(Error building extension "
+                                              rf"'beamtrt_cuda'; the build's log is in {tmp_path}/cuda/sm_90a\)$"):
+            cuda.extension()
+    finally:
+        cuda.extension.cache_clear()
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CI has it)")
 def test_the_torch_extension_links_and_checks_its_arguments(torch_ext, monkeypatch):
     """beamtrt.native.cuda's wrappers against the extension's bindings: right arguments reach the device check; a

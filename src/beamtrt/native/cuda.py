@@ -7,6 +7,8 @@ architecture into the beamtrt cache (see beamtrt.native.cache_dir).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from functools import lru_cache
 
 import torch
@@ -33,10 +35,17 @@ def extension():
     arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # arch-specific (CMakeLists.txt: sm_100a, sm_103a, sm_90)
     build = cache_dir() / "cuda" / f"sm_{arch}"
     build.mkdir(parents=True, exist_ok=True)
-    return load(name="beamtrt_cuda", sources=[str(PLUGINS / s) for s in SOURCES], build_directory=str(build),
-                extra_include_paths=[str(PLUGINS)], extra_cflags=["-O3", "-std=c++20"],
-                extra_cuda_cflags=["-O3", "-std=c++17", "--threads=0",  # torch's own target and this one at once
-                                   f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
+    if not any(build.glob("*.so")):
+        print(f"beamtrt: building the CUDA kernels for sm_{arch} into {build} (a minute or two, once)", file=sys.stderr,
+              flush=True)
+    try:
+        return load(name="beamtrt_cuda", sources=[str(PLUGINS / s) for s in SOURCES], build_directory=str(build),
+                    extra_include_paths=[str(PLUGINS)], extra_cflags=["-O3", "-std=c++20"],
+                    extra_cuda_cflags=["-O3", "-std=c++17", "--threads=0",  # torch's own target and this one at once
+                                       f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:  # no nvcc or ninja, a compile error
+        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise DeviceError(f"building the CUDA kernels failed ({why.strip()}; the build's log is in {build})") from None
 
 
 def _launch(kernel, *args):
