@@ -1150,8 +1150,14 @@ def test_draft_vocab_writes_the_training_tokens(tmp_path, run):
     cfg = DrafterConfig.from_file(drafter / "config.json")
     ids = read_draft_vocab(drafter, cfg)
     assert f"{ids.numel()} of 49152 tokens\n" in proc.stdout and 1000 < ids.numel() < 49152
+    assert "warning" not in proc.stderr  # no training.json: nothing to compare --data with
+    shutil.copy2(ROOT / "checkpoints" / "beam-mini-dflash2" / "training.json", drafter)  # trained on caches 6-12
     again = run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), "--eval-sequences", "40", "--force")
     assert again.returncode == 0 and f"tokens (replaced one of {ids.numel()} tokens)" in again.stdout
+    assert "warning" not in again.stderr, again.stderr  # one of the caches it trained on
+    other = ROOT / "checkpoints" / "beam-mini-dflash2-data-s13"  # made later, for runs not kept
+    proc = run("scripts/draft_vocab.py", str(drafter), "--data", str(cache), str(other), "--force")
+    assert proc.returncode == 0 and f"warning: {drafter} did not train on --data {other} (" in proc.stderr
     every = training_tokens([cache], 0)
     assert set(ids.tolist()) < set(every.tolist())  # held-out answers bring tokens of their own
     mixed = tmp_path / "mixed"  # a feature shard without its answers file counts as its answers would

@@ -8,6 +8,8 @@ New runs of scripts/train_drafter.py store it themselves; this is for drafters t
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import torch
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         from beamtrt.config import DrafterConfig
+        from beamtrt.train.eval_cli import trained_recipes
         from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE, check_draft_vocab, write_draft_vocab
 
         if args.eval_sequences < 0:
@@ -94,8 +97,25 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--data holds token id {int(tokens.max())}, beyond the drafter's vocabulary of "
                                f"{cfg.vocab_size}: the caches are another target's answers")
         ids = check_draft_vocab(tokens, cfg.vocab_size, cfg.selector_top_k)
+        trained = {_key(r) for r in trained_recipes(drafter)}  # those found from here
+        if other := [str(d) for d in dirs if trained and _key(_recipe(d)) not in trained]:
+            print(f"warning: {drafter} did not train on --data {other[0]} (no recipe its training.json names): the "
+                  "draft vocabulary is then not the tokens it learnt", file=sys.stderr)
         was = replaced(drafter, cfg)
         write_draft_vocab(drafter, ids)
         print(f"{drafter / DRAFT_VOCAB_FILE}: {ids.numel()} of {cfg.vocab_size} tokens{was}")
 
     return run_cli(run)
+
+
+def _recipe(data: Path) -> dict | None:
+    from beamtrt.train.features import read_meta
+
+    try:
+        return read_meta(data).get("recipe")
+    except (BeamtrtError, AttributeError):  # no meta.json (a cache of committed answers files keeps one), or damaged
+        return None
+
+
+def _key(recipe: dict | None) -> str:
+    return json.dumps(recipe, sort_keys=True)
