@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from beamtrt import cli_util
 from beamtrt.checkpoint import manifest as mf
 from beamtrt.checkpoint.trtllm_files import STAMP_KEY, STAMP_RANK, TrtllmCheckpoint, rank_file
-from beamtrt import cli_util
 from beamtrt.cli_util import ArgumentParser, run_cli
 from beamtrt.errors import CheckpointError
 

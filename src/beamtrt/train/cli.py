@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         prompts = training_prompts(recipe.prompts, recipe.seed, recipe.mix)
         skip = None if args.skip_answered_in is None else answered_prompts(*map(Path, args.skip_answered_in))
+
         def resumable(unanswered: int) -> None:  # a resume trains on the data it began with, all of it answered
             if unanswered and not args.data_only and (work / "train_state.pt").exists():
                 raise BeamtrtError(f"--data {data_dir}: has {unanswered} shard(s) not answered yet, but --work "

@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         from beamtrt.config import DrafterConfig
-        from beamtrt.train.eval_cli import trained_recipes
         from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE, check_draft_vocab, write_draft_vocab
+        from beamtrt.train.eval_cli import trained_recipes
 
         if args.eval_sequences < 0:
             raise ValueError(f"--eval-sequences must be >= 0, got {args.eval_sequences}")
