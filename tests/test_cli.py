@@ -872,6 +872,10 @@ def test_caches_larger_than_the_free_memory_are_refused_before_allocating(mini_v
     prompts.write_text('{"prompt": "hi"}\n' * 100)  # a short KV cache, but the drafter's ring holds a window each
     assert_one_line_error(run("runtime/run.py", *flags, "--max-new-tokens", "4"),
                           "the drafter's context cache of 100 requests x 4096 positions takes")
+    # bench_decode.py allocated its caches (one per path, held at once) unchecked
+    assert_one_line_error(run("scripts/bench_decode.py", "--model", str(src / "target"), "--batches", "64",
+                              "--context", "1000", "--steps", "4", "--dtypes", "float32"),
+                          "the KV caches of ", " path(s) x 64 rows x 1012 positions take")
 
 
 def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_vocab_sources, tmp_path, run, monkeypatch):

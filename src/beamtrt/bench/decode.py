@@ -91,10 +91,15 @@ def measure(model: BeamForCausalLM, probe: GemvProbe, batch: int, context: int, 
     """({path: decode tokens/s}, {GEMV: bytes/s}), medians over `rounds` interleaved rounds of probe GEMVs and of
     decode steps on every path, so that all see the same machine (a shared host drifts by tens of percent within a
     minute)."""
+    from beamtrt.models.beam import KVCache, check_cache_fits
+
+    positions = context + steps + 8
+    check_cache_fits(f"KV caches of {len(paths)} path(s) x {batch} rows x {positions} positions",  # held at once
+                     KVCache.shape(model.cfg, len(paths) * batch, positions), model.dtype, model.device)
     caches, tokens = {}, {}
     for path in paths:
         with step_path(path):
-            cache = model.new_cache(batch, context + steps + 8)
+            cache = model.new_cache(batch, positions)
             gen = torch.Generator().manual_seed(0)
             model(torch.randint(0, model.cfg.vocab_size, (batch, context), generator=gen), cache, last_only=True)
             token = torch.randint(0, model.cfg.vocab_size, (batch, 1), generator=gen)
