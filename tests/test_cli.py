@@ -979,6 +979,12 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--draft-threshold", "2"),
                           "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("scripts/benchmark.py", "--draft-threshold", "-1"), "--draft-threshold", "[0, 1]")
+    for script, flag, values in (("scripts/bench_spec.py", "--batches", ["1", "16", "1"]),  # measured twice (the
+                                 ("scripts/bench_decode.py", "--dtypes", ["float32", "float32"]),  # second result
+                                 ("scripts/bench_convert.py", "--precisions", ["fp8", "fp8"]),  # replaced the first
+                                 ("scripts/bench_tp.py", "--tp", ["1", "1"]),  # in bench_convert's JSON)
+                                 ("scripts/benchmark.py", "--families", ["gsm8k", "gsm8k"])):
+        assert_one_line_error(run(script, flag, *values), f"argument {flag}: {values[-1]} given twice")
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path / "nope")), "nope")
     assert_one_line_error(run("scripts/bench_kernels.py", "--repeats", "0"), "--repeats must be >= 1")
     assert "timed runs per point; a verification point takes at most 10 of them on the GPU and 3 on the host" in (
@@ -1230,8 +1236,10 @@ def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(tmp_path)),
                           "target", "no config.json")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--block-size", "1"), "--block-size")
-    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), str(tmp_path)),
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), str(tmp_path) + "/"),
                           "--data names the same cache twice")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), str(tmp_path)),  # as typed
+                          f"argument --data: {tmp_path} given twice")
 
 
 def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path, run, beam_mini, monkeypatch):

@@ -43,7 +43,10 @@ class ArgumentParser(argparse.ArgumentParser):
     def _get_values(self, action: argparse.Action, arg_strings: list[str]):
         if "" in arg_strings and not self.empty_ok.intersection(action.option_strings):
             raise argparse.ArgumentError(action, "an empty value (an unset shell variable?)")
-        return super()._get_values(action, arg_strings)
+        values = super()._get_values(action, arg_strings)
+        if action.nargs == "+" and (twice := next((v for i, v in enumerate(values) if v in values[:i]), None)):
+            raise argparse.ArgumentError(action, f"{twice} given twice")  # measured twice, or the same data
+        return values
 
     def error(self, message: str) -> NoReturn:
         if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")) == "0":
