@@ -236,7 +236,9 @@ def test_backend_comparison_report(tmp_path):
     assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'bad.json'}"]) == 2
     assert main([f"a={tmp_path / 'missing.json'}"]) == 2
     assert main(["no-equals-sign"]) == 2
-    assert main([f"a={tmp_path / 'a.json'}", f"a={tmp_path / 'a.json'}"]) == 2  # the second replaced the first
+    with pytest.raises(SystemExit, match="^2$"):  # a run given twice, refused as every repeated list value is
+        main([f"a={tmp_path / 'a.json'}", f"a={tmp_path / 'a.json'}"])
+    assert main([f"a={tmp_path / 'a.json'}", f"a={tmp_path / 'b.json'}"]) == 2  # the second replaced the first
     assert main([f"a|b={tmp_path / 'a.json'}"]) == 2
     for damaged in ({**same, "requests": [{"output_ids": [1]}, {}]}, {**same, "requests": []},
                     {**same, "summary": {"acceptance_length": 2.0, "tokens_per_s": None}},
