@@ -120,8 +120,8 @@ def validate(root: str | Path, weights_hashed: bool = False, progress: bool = Fa
     terminal (hours on Beam)."""
     root = Path(root)
     manifest = mf.read_manifest(root)  # names a missing directory or one that is not a build
-    size = sum(p.stat().st_size for p in (root / rel for rel in manifest.get("files", {})) if p.is_file())
-    bar = cli_util.progress(size, "sha256", unit="B", scale=True) if progress else None
+    bar = cli_util.progress(sum(p.stat().st_size for p in (root / rel for rel in manifest.get("files", {}))
+                                if p.is_file()), "sha256", unit="B", scale=True) if progress else None
     try:
         check_files(root, manifest, weights=not weights_hashed, bar=bar)
     finally:

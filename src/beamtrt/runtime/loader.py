@@ -201,8 +201,8 @@ def load_hf(model_dir: Path, drafter_dir: Path | None, *, dtype: torch.dtype = t
 def not_a_build(model_dir: Path, remedy: Callable[[Path], str] | None, flag: str = "--model") -> None:
     """--model (`flag`) naming a build_engines.py output, or its target/ or drafter/ (a TensorRT-LLM checkpoint), is
     one line; `remedy` (called with the build) says what to pass instead."""
-    if mf.looks_built(model_dir) or mf.looks_built(model_dir.parent):
-        build = model_dir if mf.looks_built(model_dir) else model_dir.parent
+    build = next((d for d in (model_dir, model_dir.parent) if mf.looks_built(d)), None)  # each read once
+    if build is not None:
         what = "a build_engines.py output" if build == model_dir else f"a folder of the build_engines.py output {build}"
         raise CheckpointError(f"{flag} {model_dir}: {what}, not a Hugging Face checkpoint"
                               + (f": pass {remedy(build)}" if remedy else ""))
