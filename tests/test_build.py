@@ -23,7 +23,7 @@ from test_cli import assert_one_line_error as one_line_error
 ROOT = Path(__file__).resolve().parents[1]
 CFG = BeamConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                 mlp_only_layers=(0,))
+                 mlp_only_layers=(0,), max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +156,13 @@ def test_engine_settings_are_recorded_and_changes_need_force(sources, tmp_path):
     forced = build(sources, out, "--block-size", "4", "--max-batch-size", "16", "--force")
     assert forced.returncode == 0, forced.stderr
     m = read_manifest(out)
-    assert m["engines"]["settings"] == {"max_batch_size": 16, "max_seq_len": 32768, "max_num_tokens": 8192,
-                                        "block_size": 4}
+    assert m["engines"]["settings"] == {"max_batch_size": 16, "max_seq_len": CFG.max_position_embeddings,
+                                        "max_num_tokens": 8192, "block_size": 4}
     assert m["drafter"]["block_size"] == 4 and m["stages"]["target"]["status"] == "reused"
     one_line_error(build(sources, out, "--max-num-tokens", "10", "--force"), "cannot hold one verify step")
+    positions = CFG.max_position_embeddings  # the default, and the most the engines take
+    one_line_error(build(sources, out, "--max-seq-len", str(positions + 1), "--force"),
+                   f"--max-seq-len {positions + 1} is past the target's {positions} positions", "leave it out")
     trained = m["drafter"]["train_block_size"]
     one_line_error(build(sources, out, "--block-size", str(trained + 1), "--force"),
                    f"--block-size {trained + 1} is above the drafter's own block ({trained})")

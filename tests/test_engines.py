@@ -93,7 +93,7 @@ def test_manifest_says_no_engines(sources, tmp_path):
     assert m["stages"]["engines"] == {"status": "skipped", "key": m["stages"]["engines"]["key"],
                                       "reason": "TensorRT-LLM is not installed on this host"}
     assert m["engines"]["built"] is False and m["engines"]["plugin_library"] is None
-    assert m["engines"]["settings"] == EngineSettings().to_json()
+    assert m["engines"]["settings"] == {**EngineSettings().to_json(), "max_seq_len": QWEN3.max_position_embeddings}
 
 
 def test_backend_choice(monkeypatch):

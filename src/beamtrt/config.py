@@ -512,14 +512,14 @@ class EngineSettings:
     """Engine limits (build_engines.py --max-batch-size ...). The defaults size 4x B300 at concurrency up to 64."""
 
     max_batch_size: int = 64
-    max_seq_len: int = 32768
+    max_seq_len: int | None = None  # None: the target's max_position_embeddings (the build resolves it)
     max_num_tokens: int = 8192
     block_size: int = 8          # verified tokens per step: the target's max_draft_len = block_size - 1
     tensorrt_root: str = ""      # TensorRT headers for the plugin library ("" = $TRT_ROOT or /usr/local/tensorrt)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_seq_len", "max_num_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 _fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         check_block_size(self.block_size)
         if self.max_num_tokens < self.max_batch_size * self.block_size:

@@ -49,9 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "a folder that is not a build output is refused even so")
     p.add_argument("--max-batch-size", type=int, default=64,
                    help="engines: most requests decoded at once (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=32768,
+    p.add_argument("--max-seq-len", type=int,
                    help="engines: most cache positions per request: its prompt, its output and block - 2 more for "
-                        "the last verify (default: %(default)s)")
+                        "the last verify; at most the target's max_position_embeddings (default: that, 8192 "
+                        "for beam-mini)")
     p.add_argument("--max-num-tokens", type=int, default=8192,
                    help="engines: most tokens in one target step, all requests together (longer prompts are "
                         "prefilled in chunks of this size) (default: %(default)s)")

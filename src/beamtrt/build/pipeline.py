@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import has_tokenizer, read_chat_lines
 
 
+OLD_SETTINGS = EngineSettings(max_seq_len=32768).to_json()  # a build's that predates recording them (the defaults)
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -38,8 +42,14 @@ class Plan:
         from beamtrt.models.beam import hf_tensor_specs
         from beamtrt.models.dflash2 import drafter_tensor_specs, read_draft_vocab
 
-        self.bc = bc
         self.target_cfg = BeamConfig.from_file(bc.model / "config.json")
+        positions = self.target_cfg.max_position_embeddings  # the engines' default and most --max-seq-len
+        if bc.engine.max_seq_len is None:
+            bc = replace(bc, engine=replace(bc.engine, max_seq_len=positions))
+        elif bc.engine.max_seq_len > positions:
+            raise ConfigError(f"--max-seq-len {bc.engine.max_seq_len} is past the target's {positions} positions "
+                              f"(max_position_embeddings in {bc.model / 'config.json'}); leave it out for {positions}")
+        self.bc = bc
         generation_eos(bc.model, self.target_cfg.vocab_size)  # the runtime stops on its ids: a bad file, named now
         self.mapping = trtllm.Mapping(bc.tp, bc.moe_ep)
         self.target_units = trtllm.target_units(self.target_cfg, self.mapping)
@@ -120,13 +130,14 @@ def _default_prompts() -> Path:
 def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     """Run the pipeline into bc.out; returns the validator's summary of the result."""
     plan = Plan(bc)
+    bc = plan.bc  # its engine settings resolved
     old = _old_manifest(bc)
     reusable = {name: stage for name, stage in (old or {}).get("stages", {}).items()
                 if stage.get("key") == plan.keys.get(name) and stage.get("status") in ("ran", "reused")
                 and mf.stage_outputs_intact(bc.out, stage)}
     stages = ("calibrate", "target", "drafter") + (("engines",) if plan.engines_why is None else ())
     needed = [n for n in stages if plan.keys.get(n) and n not in reusable]
-    if old and (old.get("engines") or {}).get("settings", EngineSettings().to_json()) != bc.engine.to_json():
+    if old and (old.get("engines") or {}).get("settings", OLD_SETTINGS) != bc.engine.to_json():
         needed.append("engines (settings)")  # recorded in the manifest even where no engine is built
     if old is not None and not needed:
         from beamtrt.checkpoint.validate import validate

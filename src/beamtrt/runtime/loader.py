@@ -58,8 +58,8 @@ def build_tokenizer_dir(root: Path, manifest: dict) -> Path:
 def build_context(root: Path, manifest: dict, backend: str) -> int | None:
     """The longest request (prompt, new tokens and a verify block's positions) a build's target runs, from its configs:
     its max_position_embeddings, bounded by the engines' --max-seq-len where they were built (the same command fails
-    the same way on either backend; the build's default, 32768, is past beam-mini's 8192 positions); on TensorRT None
-    where an older build kept no engine settings."""
+    the same way on either backend; an older build's default, 32768, is past beam-mini's 8192 positions); on TensorRT
+    None where an older build kept no engine settings."""
     from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
 
     built = mf.field(manifest, "engines.settings.max_seq_len", None)
