@@ -11,7 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
-             echo "Usage: scripts/gpu_check.sh (no arguments; environment: PY, OUT, TensorRT_ROOT)"; exit 0 ;;
+             echo "Usage: scripts/gpu_check.sh (no arguments; environment: PY, OUT, and TensorRT_ROOT: the TensorRT"
+             echo "installation the plugin library is built against, passed to CMake; default: CMake's own search)"
+             exit 0 ;;
   "") ;;
   *) echo "error: scripts/gpu_check.sh takes no arguments (got $1; see --help)" >&2; exit 2 ;;
 esac

@@ -65,7 +65,7 @@ def table(result: dict, title: str = "") -> str:
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m beamtrt.bench.backends", description=description(__doc__))
     p.add_argument("runs", nargs="+", help="NAME=PATH of a runtime/run.py --json report; the first is the reference")
-    p.add_argument("--title", default="", help="heading of the markdown table")
+    p.add_argument("--title", default="", help="heading of the markdown table (default: none)")
     p.add_argument("--json", help="also write the comparison to this file")
     args = p.parse_args(argv)
 

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES),
                    help="compute dtypes (default: %s)" % " ".join(DTYPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16], help="batch sizes (default: %(default)s)")
-    p.add_argument("--context", type=int, default=64, help="prefill length before decoding (default: %(default)s)")
+    p.add_argument("--context", type=int, default=64,
+                   help="prefill length in tokens before decoding (default: %(default)s)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point (default: %(default)s)")
     p.add_argument("--paths", nargs="+", choices=("native", "torch"), default=["native", "torch"],
                    help="step paths to measure side by side: the fused host kernel and eager PyTorch, each run with "

@@ -41,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter", help="DFlash2 (or DFlash v1) drafter checkpoint directory for --model's target "
                    "(default: the trained beam-mini drafter if present, else a deterministic random one, whose "
                    "acceptance length is ~1); with an engine directory its drafter is used")
-    p.add_argument("--prompt", action="append", help="a user message, sent through the chat template (repeatable)")
+    p.add_argument("--prompt", action="append",
+                   help="a user message, sent through the chat template (repeatable; without it or --prompts, three "
+                        "built-in example prompts)")
     p.add_argument("--prompts", help='JSONL file: one {"prompt": "..."} or {"messages": [...]} object per line '
                                       '(other fields are ignored)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")

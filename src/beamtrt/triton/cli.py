@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "target's context and the build's --max-seq-len "
                         f"(default: {MAX_SEQ_LEN}, or the lower of those)")
     p.add_argument("--seed", type=int, default=0, help="a request sent without random_seed samples from a stream "
-                   "seeded by this and its arrival number (default: %(default)s)")
+                   "seeded by this and its arrival number, in [0, 2**63) (default: %(default)s)")
     p.add_argument("--raw-prompts", action="store_true",
                    help="send text_input to the model as raw text instead of a user message in the chat template")
     return p.parse_args(argv)
