@@ -268,12 +268,19 @@ def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needle
 
 def test_an_all_zero_expert_builds_with_a_warning(sources, tmp_path):
     """A pruned expert (all-zero weights) is quantized to zeros with modelopt's zero-range scale and named in a
-    warning (a zero scale failed the build after calibration, naming no tensor)."""
-    name = "model.layers.2.mlp.experts.1.down_proj.weight"
-    src = _corrupt_copy(sources, tmp_path, lambda d: _rewrite(d / "target", name, lambda t, n: t[n].zero_()))
+    warning (a zero scale failed the build after calibration, naming no tensor); so is an activation calibration
+    never saw non-zero, the input of a dense down_proj whose gate_proj is zeros (it failed the build)."""
+    name, gate = "model.layers.2.mlp.experts.1.down_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+
+    def zero(d: Path) -> None:
+        for n in (name, gate):
+            _rewrite(d / "target", n, lambda t, n: t[n].zero_())
+
+    src = _corrupt_copy(sources, tmp_path, zero)
     proc = build(src, tmp_path / "out", "--precision", "fp8", "--calib-samples", "2")
     assert proc.returncode == 0, proc.stderr
     assert f"warning: {name}: all zeros; quantized to zeros with the scale of amax 448" in proc.stderr
+    assert "warning: calibration never saw transformer.layers.0.mlp.proj non-zero; its scale" in proc.stderr
 
 
 @pytest.mark.parametrize("field, value, needles", [

@@ -63,12 +63,14 @@ def _our_ranges(cfg: BeamConfig, amax: dict[str, torch.Tensor]) -> dict[str, flo
     ("nvfp4", "NVFP4_DEFAULT_CFG", 4, False), ("fp8", "FP8_DEFAULT_CFG", 2, True)])
 def test_rank_files_equal_modelopt_export(tmp_path, precision, cfg_name, tp, zero):
     """zero: an expert's down_proj is all zeros (a pruned expert); its scale is modelopt's too, 1.0 (modelopt's NVFP4
-    export writes NaN block scales for it: tests/test_trtllm.py checks ours)."""
+    export writes NaN block scales for it: tests/test_trtllm.py checks ours); and a dense layer's gate_proj, so that
+    calibration never sees its down_proj's input non-zero: that input's scale is modelopt's too."""
     from modelopt_ref import tiny_qwen3_moe
 
     model = tiny_qwen3_moe(seed=3, mlp_only_layers=[1], moe_intermediate_size=64)  # NVFP4 at TP 4: 16 per rank
     if zero:
         model.model.layers[0].mlp.experts[1].down_proj.weight.data.zero_()
+        model.model.layers[1].mlp.gate_proj.weight.data.zero_()
     source = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = BeamConfig.from_dict(model.config.to_dict())
     amax, theirs = _quantize_and_export_trtllm(model, cfg_name, tp, tmp_path)
@@ -76,6 +78,7 @@ def test_rank_files_equal_modelopt_export(tmp_path, precision, cfg_name, tp, zer
     mapping = trtllm.Mapping(tp)
     units = trtllm.target_units(cfg, mapping)
     ranges = _our_ranges(cfg, amax)
+    assert (ranges["transformer.layers.1.mlp.proj"] == 0) == zero
     ours: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     specs = trtllm.unit_specs(units, precision, torch.bfloat16, "fp8", cfg.num_hidden_layers)
     for r, name, t, slot in trtllm.produce(units, source.__getitem__, mapping, precision, torch.bfloat16, ranges):

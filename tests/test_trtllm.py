@@ -116,6 +116,22 @@ def test_an_all_zero_expert_quantizes_to_zeros(tmp_path, precision):
     assert not model.layers[1].mlp.gate_up.weight.any()
 
 
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_ranges_at_the_edges_of_fp32(precision):
+    """modelopt's export rules for ranges: a zero activation range takes the format's largest value (fp8 scale 1.0,
+    NVFP4 1/448: it was a zero scale), a positive range is at least fp32's smallest normal (a weight of 1e-44 made a
+    zero scale, refused by the quantizer with no tensor named), and a NaN weight is refused by name (it was warned of
+    as all zeros)."""
+    assert float(trtllm.act_scale(precision, 0.0)) == float(torch.tensor(1.0 if precision == "fp8" else 1 / 448))
+    tiny = torch.finfo(torch.float32).tiny
+    assert float(trtllm.act_scale(precision, 1e-44)) == float(trtllm.act_scale(precision, tiny)) > 0
+    weight = torch.full((4, 32), 1e-44)
+    assert float(trtllm._weight_amax([weight], ["w.weight"], precision, None)) == tiny
+    weight[1, 3] = float("nan")
+    with pytest.raises(CheckpointError, match=r"^v.weight, w.weight: NaN or Inf values cannot be quantized$"):
+        trtllm._weight_amax([torch.ones(2, 32), weight], ["v.weight", "w.weight"], precision, None)
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_drafter_round_trip_bit_exact(tmp_path, tp):
     cfg = DrafterConfig.for_target(SPLITTABLE, num_hidden_layers=2, target_layer_ids=(0, 1), mask_token_id=0)

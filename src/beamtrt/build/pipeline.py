@@ -289,10 +289,14 @@ def _calibrate(plan: Plan, tmp: Path, progress: bool) -> list[Path]:
         record["drafter_amax"] = cal.calibrate_drafter(bc.drafter, bc.model, plan.target_cfg, sequences, result.taps,
                                                        bc.engine.block_size)
     for ranges in (record["amax"], record.get("drafter_amax", {})):
-        bad = [k for k, v in ranges.items() if not (v > 0 and v < float("inf"))]
+        bad = [k for k, v in ranges.items() if not (v >= 0 and v < float("inf"))]
         if bad:
             raise CheckpointError(f"calibration produced no usable range for {bad[0]} (amax {ranges[bad[0]]}); "
                                   "check the model's weights")
+        if zero := [k for k, v in ranges.items() if v == 0]:  # e.g. after a pruned (all-zero) layer
+            log(f"warning: calibration never saw {zero[0]} non-zero" + (f" (nor {len(zero) - 1} more)" if zero[1:]
+                else "") + "; its scale is the format's largest value's, as modelopt's export does (more or other "
+                "calibration prompts may reach it)")
     out = tmp / "calibration.json"
     write_json(out, record)
     return [out]

@@ -444,9 +444,11 @@ def _quantize(precision: str, w: torch.Tensor, weight_amax: torch.Tensor | None,
     return {"weight": packed, "weights_scaling_factor": block, "weights_scaling_factor_2": scale_2.reshape(())}
 
 
-# what an all-zero weight group's amax becomes: the quantizer's largest value, as modelopt's export does for a zero
-# amax, so that its scale stays positive (its weights quantize to zeros whatever the scale: a pruned expert)
-ZERO_WEIGHT_AMAX = {"fp8": fp8.E4M3_MAX, "nvfp4": nvfp4.E2M1_MAX}
+# what a zero amax becomes, as modelopt's export does, so that its scale stays positive: the quantizer's largest value
+# (an all-zero weight group, a pruned expert, quantizes to zeros whatever the scale; so does an activation that
+# calibration never saw non-zero); a positive one is at least fp32's smallest normal (modelopt's clamp)
+ZERO_AMAX = {"fp8": fp8.E4M3_MAX, "nvfp4": nvfp4.E2M1_MAX}
+TINY_AMAX = torch.finfo(torch.float32).tiny
 
 
 def _weight_amax(weights: list[torch.Tensor], names: list[str], precision: str, warn: Warn) -> torch.Tensor | None:
@@ -456,16 +458,19 @@ def _weight_amax(weights: list[torch.Tensor], names: list[str], precision: str, 
     if precision == "bf16":
         return None
     amax = torch.stack([w.abs().amax().float() for w in weights]).amax()
+    if not torch.isfinite(amax):  # the checkpoint reader refuses these first; never quantized into a scale
+        raise CheckpointError(f"{', '.join(names)}: NaN or Inf values cannot be quantized")
     if amax > 0:
-        return amax
+        return amax.clamp(min=TINY_AMAX)
     if warn is not None:
         warn(f"warning: {', '.join(names)}: all zeros; quantized to zeros with the scale of amax "
-             f"{ZERO_WEIGHT_AMAX[precision]:g}, as modelopt's export does")
-    return torch.tensor(ZERO_WEIGHT_AMAX[precision])
+             f"{ZERO_AMAX[precision]:g}, as modelopt's export does")
+    return torch.tensor(ZERO_AMAX[precision])
 
 
 def act_scale(precision: str, amax: float) -> torch.Tensor:
-    a = torch.tensor(float(amax), dtype=torch.float32)
+    """An activation's scale from its calibrated range (ZERO_AMAX and TINY_AMAX as for weights)."""
+    a = torch.tensor(float(amax) or ZERO_AMAX[precision], dtype=torch.float32).clamp(min=TINY_AMAX)
     return fp8.scale_from_amax(a) if precision == "fp8" else nvfp4.global_scale(a)
 
 
