@@ -710,6 +710,31 @@ def test_streaming_writer_writes_on_after_a_partial_write(tmp_path, monkeypatch)
     assert not (tmp_path / "b.safetensors").exists()
 
 
+def test_streaming_writer_counts_rows_not_bytes(tmp_path):
+    """A row written twice made up, in the byte count, for a row never written, and a row past the tensor's end went
+    into the next tensor: close() passed both files (a quantization review's cases)."""
+    from beamtrt.checkpoint.stream import StreamingSafetensors
+
+    specs = {"a": ((2, 4), torch.float32), "b": ((4,), torch.float32)}
+    f = StreamingSafetensors(tmp_path / "a.safetensors", specs)
+    f.write("a", torch.ones(4), 0)
+    with pytest.raises(CheckpointError, match=r"internal error: a\[0\] written twice$"):
+        f.write("a", torch.ones(4), 0)
+    with pytest.raises(CheckpointError, match=r"internal error: a\[2\] is outside its \(2, 4\)$"):
+        f.write("a", torch.ones(4), 2)
+    f.write("b", torch.ones(4))
+    with pytest.raises(CheckpointError, match=r"internal error: b written twice$"):
+        f.write("b", torch.ones(4))
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) not fully written, first 'a'$"):
+        f.close()
+    f = StreamingSafetensors(tmp_path / "b.safetensors", specs)
+    for row in (1, 0):
+        f.write("a", torch.full((4,), float(row)), row)
+    f.write("b", torch.ones(4))
+    f.close()
+    assert torch.equal(safetensors.torch.load_file(tmp_path / "b.safetensors")["a"], torch.tensor([[0.0] * 4, [1.0] * 4]))
+
+
 def test_a_refused_safetensors_write_is_one_line(tmp_path):
     """safetensors reports a write the OS refuses as its own SafetensorError, not an OSError: a full disk (or, here, a
     folder that is a file) was a traceback."""

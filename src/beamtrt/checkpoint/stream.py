@@ -108,7 +108,8 @@ def nbytes(spec: Spec) -> int:
 class StreamingSafetensors:
     """Write the header for `specs` first, then each tensor (or each slice along its first dim) at its offset.
 
-    Peak memory is one piece, whatever the file's size. close() fails if any byte was never written.
+    Peak memory is one piece, whatever the file's size. close() fails if any piece was never written, and write()
+    if a piece is written twice or lies outside its tensor.
     """
 
     def __init__(self, path: str | Path, specs: dict[str, Spec], metadata: dict[str, str] | None = None):
@@ -125,7 +126,8 @@ class StreamingSafetensors:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
         self._base = 8 + len(raw)
-        self._pending = {name: nbytes(spec) for name, spec in self.specs.items()}
+        self._rows = {name: shape[0] if shape else 1 for name, (shape, _) in self.specs.items()}
+        self._written: dict[str, set[int]] = {name: set() for name in self.specs}  # rows of the first dim
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(self._fd, len(raw).to_bytes(8, "little") + raw)
         os.ftruncate(self._fd, self._base + offset)
@@ -134,9 +136,15 @@ class StreamingSafetensors:
         """Write the whole tensor, or row `index` of its first dim (e.g. one expert of a stacked weight)."""
         shape, dtype = self.specs[name]
         want = shape if index is None else shape[1:]
+        what = f"{name}{'' if index is None else f'[{index}]'}"
         if tuple(tensor.shape) != tuple(want) or tensor.dtype != dtype:
-            raise CheckpointError(f"{self.path}: internal error: {name}{'' if index is None else f'[{index}]'} is "
-                                  f"{tuple(tensor.shape)} {tensor.dtype}, declared {tuple(want)} {dtype}")
+            raise CheckpointError(f"{self.path}: internal error: {what} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                  f"declared {tuple(want)} {dtype}")
+        rows = set(range(self._rows[name])) if index is None else {index}
+        if index is not None and not (shape and 0 <= index < shape[0]):
+            raise CheckpointError(f"{self.path}: internal error: {what} is outside its {tuple(shape)}")
+        if rows & self._written[name]:
+            raise CheckpointError(f"{self.path}: internal error: {what} written twice")
         data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()  # no copy
         start = self._offset[name] + (0 if index is None else index * data.nbytes)
         view, done = data.data, 0
@@ -148,7 +156,7 @@ class StreamingSafetensors:
                 done += wrote
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot write {name!r} ({e.strerror or e})") from None
-        self._pending[name] -= data.nbytes
+        self._written[name] |= rows
 
     def close(self) -> None:
         fd, self._fd = self._fd, None  # closed once, however close() ends (abort() after it must not close it again)
@@ -156,7 +164,7 @@ class StreamingSafetensors:
             os.fsync(fd)
         finally:
             os.close(fd)
-        unwritten = [name for name, left in self._pending.items() if left]
+        unwritten = [name for name, rows in self._rows.items() if len(self._written[name]) != rows]
         if unwritten:
             raise CheckpointError(f"{self.path}: internal error: {len(unwritten)} tensor(s) not fully written, "
                                   f"first {unwritten[0]!r}")
