@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.manifest import read_manifest
 from beamtrt.checkpoint.trtllm_files import TrtllmCheckpoint
 from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSettings
-from beamtrt.errors import ConfigError
+from beamtrt.errors import BeamtrtError, ConfigError
 from beamtrt.models.beam import load_beam
 from beamtrt.models.dflash2 import random_drafter, save_drafter
 from beamtrt.models.random_beam import write_random_beam
@@ -249,6 +250,30 @@ def test_backend_comparison_report(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(other))
     assert main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'b.json'}", "--json", str(tmp_path / "b.json")]) == 2
     assert json.loads((tmp_path / "b.json").read_text()) == other  # a report it compares: it was replaced
+
+
+def test_backend_comparison_refuses_runs_of_other_prompts_or_settings():
+    """Runs of other prompts or sampling settings were compared as if they were one experiment (their outputs
+    'differ'); what a report does not record is not held against it."""
+    from beamtrt.bench.backends import compare
+
+    def report(prompts, **settings):
+        return {"requests": [{"output_ids": [1], "messages": [{"role": "user", "content": p}]} for p in prompts],
+                "summary": {"acceptance_length": 2.0, "tokens_per_s": 1.0},
+                "settings": {"seed": 0, "temperature": 0.0, "max_new_tokens": 8, "stop": [], **settings}}
+
+    ref = report(["a", "b"])
+    assert compare({"torch": ref, "trt": report(["a", "b"], backend="trt", model="elsewhere")})["trt"]["identical"]
+    with pytest.raises(BeamtrtError, match=r"^run 'trt' asked other prompts than 'torch' \(request 1 first\)"):
+        compare({"torch": ref, "trt": report(["a", "c"])})
+    for key, value, flag in (("temperature", 0.7, "--temperature 0.7"), ("max_new_tokens", 9, "--max-new-tokens 9"),
+                             ("stop", ["x"], "--stop ['x']"), ("seed", 1, "--seed 1")):
+        with pytest.raises(BeamtrtError, match=f"^run 'trt' ran with {re.escape(flag)}, 'torch' with"):
+            compare({"torch": ref, "trt": report(["a", "b"], **{key: value})})
+    older = {k: v for k, v in report(["a", "c"]).items() if k != "settings"}
+    for r in older["requests"]:
+        del r["messages"]
+    assert compare({"torch": ref, "old": older})["old"]["identical"]
 
 
 def test_target_step_packing():

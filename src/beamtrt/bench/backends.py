@@ -4,7 +4,8 @@
 
 Greedy token identity is judged against the first run, request by request (the whole output_ids); acceptance
 length and tokens/s come from each run's summary. Different backends run different kernels, so a greedy output
-may legitimately diverge at a near-tie of two logits: the table reports identity, it does not fail on it.
+may legitimately diverge at a near-tie of two logits: the table reports identity, it does not fail on it. Runs of
+other prompts or sampling settings (seed, temperature, top-p, top-k, new tokens, stops) are refused.
 scripts/gpu_host_check.sh calls it per precision.
 """
 
@@ -36,15 +37,31 @@ def load_run(path: Path) -> dict:
     return run
 
 
+# the settings two runs must share to be compared (run.py --json's "settings"; the model and backend may differ)
+SHARED_SETTINGS = ("seed", "temperature", "top_p", "top_k", "max_new_tokens", "stop")
+
+
 def compare(runs: dict[str, dict]) -> dict:
-    """{name: run report} (first = reference) -> {name: {identical, first_mismatch, acceptance_length, ...}}."""
+    """{name: run report} (first = reference) -> {name: {identical, first_mismatch, acceptance_length, ...}}. Runs of
+    other prompts or sampling settings than the reference's are refused (where their reports record them)."""
     names = list(runs)
-    ref = [r["output_ids"] for r in runs[names[0]]["requests"]]
+    first = runs[names[0]]
+    ref = [r["output_ids"] for r in first["requests"]]
     out = {}
     for name, run in runs.items():
         ids = [r["output_ids"] for r in run["requests"]]
         if len(ids) != len(ref):
             raise BeamtrtError(f"run {name!r} has {len(ids)} requests, {names[0]!r} has {len(ref)}")
+        asked = [i for i, (a, b) in enumerate(zip(run["requests"], first["requests"]))
+                 if "messages" in a and "messages" in b and a["messages"] != b["messages"]]
+        if asked:
+            raise BeamtrtError(f"run {name!r} asked other prompts than {names[0]!r} (request {asked[0]} first): "
+                               "compare runs of the same prompts")
+        settings, ref_settings = run.get("settings") or {}, first.get("settings") or {}
+        for key in SHARED_SETTINGS:
+            if key in settings and key in ref_settings and settings[key] != ref_settings[key]:
+                raise BeamtrtError(f"run {name!r} ran with --{key.replace('_', '-')} {settings[key]}, {names[0]!r} "
+                                   f"with {ref_settings[key]}: compare runs of the same settings")
         differ = [i for i, (a, b) in enumerate(zip(ids, ref)) if a != b]
         out[name] = {"identical": not differ, "first_mismatch": differ[0] if differ else None,
                      "acceptance_length": run["summary"]["acceptance_length"],
