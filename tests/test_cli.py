@@ -225,6 +225,9 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     for bad in ("-0.1", "1.5", "nan"):
         assert_one_line_error(run("runtime/run.py", "--draft-threshold", bad), "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl")
+    # '-' is no standard stream here: --json - wrote a file named '-' at the end of the run
+    assert_one_line_error(run("runtime/run.py", "--json", "-"), "--json -: give a file path")
+    assert_one_line_error(run("runtime/run.py", "--prompts", "-"), "for standard input give /dev/stdin")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "bad.jsonl")), "bad.jsonl:2")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "hi"\n')

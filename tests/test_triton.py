@@ -762,6 +762,7 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
                          (["--backend", "trt"], "--backend trt: the build has no engines"),
                          (["--out", str(builds[1] / "repo")], "inside the engine directory"),
                          (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
+                         (["--out", "-"], "error: --out -: give a folder path"),  # it wrote a folder named '-'
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
                          (["--seed", str(2**70)], "error: --seed must be in [0, 2**63)"),
                          (["--max-seq-len", str(10**9)], "above the build's --max-seq-len of 32768"),

@@ -126,8 +126,9 @@ def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tupl
     official set's task_id, canonical_solution, ...). With a `layout`, its lines too (Layout.holds)."""
     try:
         data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise BeamtrtError(f"{path}: cannot read the prompts file (no such file)") from None
+    except FileNotFoundError:  # '-' is no file either: standard input has its own path
+        raise BeamtrtError(f"{path}: cannot read the prompts file (no such file" + (
+            "; for standard input give /dev/stdin)" if str(path) == "-" else ")")) from None
     except OSError as e:
         raise BeamtrtError(f"{path}: cannot read the prompts file ({e.strerror})") from None
     try:

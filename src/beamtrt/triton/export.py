@@ -220,7 +220,7 @@ def export(cfg: ExportConfig) -> list[str]:
     if holds(out, package) or holds(package, out):
         raise ExportError(f"--out {out}: is or holds the beamtrt package the repository's models import "
                           f"({package}); choose another place")
-    output_path(out, "--out", directory=True)  # a file is refused, --force or not; the parent must be writable
+    output_path(cfg.out, "--out", directory=True)  # a file is refused, --force or not; the parent must be writable
     if out.exists() and any(out.iterdir()):  # --force replaces an export, never a folder of anything else
         ours = {"README.md", "ensemble", *(m.name for m in MODELS)}
         stray = sorted(p.name for p in out.iterdir() if p.name not in ours)
