@@ -257,7 +257,10 @@ def _overflowing_float16(tensors: dict, name: str) -> None:
      ["o_proj.weight: values up to 1e+05 overflow float16, the dtype the build writes"]),
     (lambda d: _rewrite(d / "target", "model.embed_tokens.weight", lambda t, n: t.__setitem__(n, t[n].double())),
      ["unsupported weight dtype torch.float64 (its embedding's; a build reads bfloat16, float16, float32)"]),
-], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8", "generation-config", "overflow", "float64"])
+    (lambda d: _rewrite(d / "drafter", "fc.weight", lambda t, n: t.__setitem__(n, t[n].double())),  # was cast to bf16
+     ["drafter: unsupported weight dtype torch.float64 (its fc's; a build reads bfloat16, float16, float32)"]),
+], ids=["missing", "mis-shaped", "nan", "corrupt-json", "fp8", "generation-config", "overflow", "float64",
+        "drafter-float64"])
 def test_bad_target_gives_one_line_and_no_output(sources, tmp_path, edit, needles):
     src = _corrupt_copy(sources, tmp_path, edit)
     out = tmp_path / "out"

@@ -62,10 +62,7 @@ class Plan:
         hf_specs = hf_tensor_specs(self.target_cfg)
         self.target_reader.validate({n: (shape, None) for n, (shape, _, _) in hf_specs.items()},
                                     allow_unexpected=("lm_head.weight",) if self.target_cfg.tie_word_embeddings else ())
-        self.dtype = self.target_reader.dtype("model.embed_tokens.weight")
-        if self.dtype not in trtllm.DTYPE_NAMES:
-            raise CheckpointError(f"{bc.model}: unsupported weight dtype {self.dtype} (its embedding's; a build "
-                                  f"reads {', '.join(trtllm.DTYPE_NAMES.values())})")
+        self.dtype = _read_dtype(self.target_reader, bc.model, "model.embed_tokens.weight", "its embedding's")
         # the drafter against a target whose config its own weights confirmed (not blamed for the target's config)
         self.drafter_cfg = DrafterConfig.from_file(bc.drafter / "config.json")
         try:
@@ -79,8 +76,7 @@ class Plan:
         d_specs = drafter_tensor_specs(self.drafter_cfg, v1=self.drafter_cfg.version == 1)
         self.drafter_reader.validate({n: (shape, None) for n, (shape, _, _) in d_specs.items()})
         read_draft_vocab(bc.drafter, self.drafter_cfg)  # a bad one fails here, before any output exists
-        self.drafter_dtype = self.drafter_reader.dtype("fc.weight")
-        self.drafter_dtype = self.drafter_dtype if self.drafter_dtype in trtllm.DTYPE_NAMES else torch.bfloat16
+        self.drafter_dtype = _read_dtype(self.drafter_reader, bc.drafter, "fc.weight", "its fc's")
         self.target_specs = trtllm.unit_specs(self.target_units, bc.precision, self.dtype, bc.kv_cache,
                                               self.target_cfg.num_hidden_layers)  # each rank file's tensors
         self.drafter_specs = trtllm.unit_specs(self.drafter_units, bc.drafter_precision, self.drafter_dtype)
@@ -120,6 +116,16 @@ class Plan:
         self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"],
                                               bc.engine.to_json(), engine.trtllm_version(),
                                               files=engine.plugin_sources())
+
+
+def _read_dtype(reader: CheckpointReader, path: Path, name: str, whose: str) -> torch.dtype:
+    """The dtype a checkpoint's rank files are written in: its tensor `name`'s (a float64 one was refused for the
+    target and written in bf16 for the drafter)."""
+    dtype = reader.dtype(name)
+    if dtype not in trtllm.DTYPE_NAMES:
+        raise CheckpointError(f"{path}: unsupported weight dtype {dtype} ({whose}; a build reads "
+                              f"{', '.join(trtllm.DTYPE_NAMES.values())})")
+    return dtype
 
 
 def _default_prompts() -> Path:
