@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             outside_inputs(args.json, "--json", [("the target", model_dir)])
         result = {"model": str(model_dir), "threads": torch.get_num_threads(), "context": args.context,
-                  "device": "cpu", "results": []}
+                  "steps": args.steps, "device": "cpu", "results": []}
         bar = progress(len(args.dtypes) * len(args.batches), "bench_decode")
         for name in args.dtypes:
             model = load_beam(model_dir, dtype=DTYPES[name], cfg=cfg)

@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.get('eval_tau_top1', float('nan')):.2f} | {r.get('eval_tau_every_anchor', float('nan')):.2f} | "
                   f"{r.get('eval_recall', float('nan')):.2f} |")
         if args.json:
-            write_json(args.json, {"drafter": str(drafter_dir), "data": args.data, "block_size": args.block_size,
-                                   "kinds": rows})
+            write_json(args.json, {"drafter": str(drafter_dir), "target": str(target_dir), "data": args.data,
+                                   "block_size": args.block_size, "per_kind": args.per_kind, "kinds": rows})
         print(f"drafter {drafter_dir} on {len(args.data)} cache(s) at block {args.block_size}", file=sys.stderr)
 
     return run_cli(run)
