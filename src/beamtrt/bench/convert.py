@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                    "threads": torch.get_num_threads(), "precisions": {}}
         for precision in args.precisions:
             out = args.work / f"out-{precision}"
+            print(f"{precision}: building at TP {args.tp} (minutes on a large --size-gb) ...", flush=True)
             r = run_build(target, drafter, out, precision, args.tp)
             shutil.rmtree(out, ignore_errors=True)
             r["convert_mb_per_s"] = round(weights / 1e6 / r["stage_seconds"]["target"], 1)
