@@ -732,7 +732,8 @@ def test_streaming_writer_counts_rows_not_bytes(tmp_path):
         f.write("a", torch.full((4,), float(row)), row)
     f.write("b", torch.ones(4))
     f.close()
-    assert torch.equal(safetensors.torch.load_file(tmp_path / "b.safetensors")["a"], torch.tensor([[0.0] * 4, [1.0] * 4]))
+    rows = safetensors.torch.load_file(tmp_path / "b.safetensors")["a"]
+    assert torch.equal(rows, torch.tensor([[0.0] * 4, [1.0] * 4]))
 
 
 def test_a_refused_safetensors_write_is_one_line(tmp_path):

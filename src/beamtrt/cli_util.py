@@ -206,7 +206,8 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False, replace
 
     p = Path(path)
     if str(path) == "-":  # not standard output: a file named '-' was written
-        raise BeamtrtError(f"{flag} -: give a {'folder' if directory else 'file'} path (this writes no standard output)")
+        what = "folder" if directory else "file"
+        raise BeamtrtError(f"{flag} -: give a {what} path (this writes no standard output)")
     if directory and replaced and holds_cwd(p):
         raise BeamtrtError(f"{flag} {p}: is the current directory or holds it; an output directory is written beside "
                            "and renamed into place, so choose another")
