@@ -1014,6 +1014,26 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
 
+def test_bench_decode_measures_a_tiny_model(tmp_path, run):
+    """bench_decode.py to its end: its --json (also what it prints) records the settings and a positive rate per
+    point."""
+    from beamtrt.models.random_beam import write_random_beam
+
+    model, out = write_random_beam(tmp_path / "m", TINY, dtype=torch.float32), tmp_path / "r.json"
+    proc = run("scripts/bench_decode.py", "--model", str(model), "--dtypes", "float32", "--batches", "1", "2",
+               "--context", "4", "--steps", "4", "--paths", "torch", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == data
+    assert (data["model"], data["context"], data["steps"], data["device"]) == (str(model), 4, 4, "cpu")
+    assert [(r["dtype"], r["batch"], r["path"]) for r in data["results"]] == [("float32", 1, "torch"),
+                                                                                ("float32", 2, "torch")]
+    for r in data["results"]:
+        assert r["tokens_per_s"] > 0 and r["weight_streaming_bound_tokens_per_s"] > 0, r
+        assert r["active_weight_mb_per_step"] > 0 and r["gemv_bandwidth_gb_s"]["torch"] > 0, r
+        assert ("fraction_of_bound" in r) == (r["batch"] == 1) and r.get("fraction_of_bound", 1) > 0, r
+
+
 def test_bench_tp_passes_its_commands_the_paths_the_user_gave(tmp_path, run, monkeypatch):
     """bench_tp.py's builds and runs start in the repository: a relative --model, --drafter or --work was read from
     there (a build went into <repo>/<work>, outside the folder the user named)."""
