@@ -1034,6 +1034,25 @@ def test_bench_decode_measures_a_tiny_model(tmp_path, run):
         assert ("fraction_of_bound" in r) == (r["batch"] == 1) and r.get("fraction_of_bound", 1) > 0, r
 
 
+def test_bench_spec_profiles_a_small_model(mini_vocab_sources, tmp_path, run):
+    """bench_spec.py to its end: its --json (also what it prints) records the settings and, per batch, both decoders'
+    tokens (the same greedy answers), rates and acceptance length."""
+    src, out = mini_vocab_sources, tmp_path / "r.json"
+    proc = run("scripts/bench_spec.py", "--model", str(src / "target"), "--drafter", str(src / "drafter"),
+               "--batches", "1", "2", "--block-size", "4", "--max-new-tokens", "6", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == data
+    assert (data["model"], data["drafter"]) == (str(src / "target"), str(src / "drafter"))
+    assert (data["block_size"], data["max_new_tokens"], data["dtype"], data["draft_threshold"]) == (4, 6, "float32", 0)
+    assert [r["batch"] for r in data["results"]] == [1, 2]
+    for r in data["results"]:
+        spec, plain = r["spec"], r["no_spec"]
+        assert r["batch"] <= spec["tokens"] == plain["tokens"] <= 6 * r["batch"], r
+        assert spec["tokens_per_s"] > 0 and plain["tokens_per_s"] > 0 and spec["steps"] > 0, r
+        assert spec["acceptance_length"] >= 1 and spec["steps"] <= plain["steps"], r
+
+
 def test_bench_tp_passes_its_commands_the_paths_the_user_gave(tmp_path, run, monkeypatch):
     """bench_tp.py's builds and runs start in the repository: a relative --model, --drafter or --work was read from
     there (a build went into <repo>/<work>, outside the folder the user named)."""
