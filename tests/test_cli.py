@@ -1300,7 +1300,7 @@ def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path,
 
 def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it(tmp_path, run, mini_vocab_sources):
     """It used to rebuild and write the taps of every sequence of a cache (12 minutes and 932 MB for beam-mini's
-    cache 13) to score a few; it computes those of the answers it scores, in memory."""
+    cache 13) to score a few; it computes those of the answers it scores, in memory. Its --json holds the table."""
     pytest.importorskip("reasoning_gym")
     from beamtrt.config import DrafterConfig
     from beamtrt.models.beam import load_beam
@@ -1324,10 +1324,21 @@ def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it
     drafter = tmp_path / "drafter"
     shutil.copytree(src / "drafter", drafter)
     (drafter / "training.json").write_text(json.dumps({"data": {"prompts": 3}, "extra_data": [str(tmp_path / "no")]}))
+    report = tmp_path / "eval.json"
     result = run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(src / "target"), "--drafter",
-                 str(drafter), "--per-kind", "1", "--block-size", "4")
+                 str(drafter), "--per-kind", "1", "--block-size", "4", "--json", str(report))
     assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
     assert "| all | " in result.stdout and sorted(p.name for p in cache.iterdir()) == before
+    data = json.loads(report.read_text())  # what reproduces the table, and the table
+    assert (data["target"], data["drafter"], data["data"]) == (str(src / "target"), str(drafter), [str(cache)])
+    assert (data["block_size"], data["per_kind"]) == (4, 1) and "all" in data["kinds"]
+    kinds = {kind: r for kind, r in data["kinds"].items() if kind != "all"}
+    assert kinds and all(r["scored"] == 1 <= r["answers"] for r in kinds.values()), data["kinds"]
+    assert data["kinds"]["all"]["scored"] == len(kinds)
+    assert data["kinds"]["all"]["answers"] == sum(r["answers"] for r in kinds.values())
+    for kind, r in data["kinds"].items():
+        assert 1 <= r["eval_tau"] <= 4 and 1 <= r["eval_tau_top1"] <= 4 and 0 <= r["eval_recall"] <= 1, r
+        assert f"| {kind} | {r['answers']} | {r['scored']} | {r['eval_tau']:.2f} |" in result.stdout
     (drafter / "training.json").write_text(json.dumps({"data": {"prompts": 3}, "extra_data": [str(cache)]}))
     result = run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(src / "target"), "--drafter",
                  str(drafter), "--per-kind", "1", "--block-size", "4")  # it scored a cache trained on without a word
