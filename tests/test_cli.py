@@ -1053,6 +1053,30 @@ def test_bench_spec_profiles_a_small_model(mini_vocab_sources, tmp_path, run):
         assert spec["acceptance_length"] >= 1 and spec["steps"] <= plain["steps"], r
 
 
+def test_bench_convert_measures_a_build(tmp_path, run, monkeypatch):
+    """bench_convert.py to its end: its --json records the sources' size and, per precision, the build's time, stages,
+    rates and peak memory; the builds are removed and the sources kept. Sources of the tiny config, not of
+    --size-gb's smallest (0.36 GB, a quarter of a minute here): the build child process and the report are the
+    same."""
+    from beamtrt.bench import convert
+    from beamtrt.cli_util import WORK_MARK
+
+    monkeypatch.setattr(convert, "source_config", lambda size_gb: TINY)
+    work, out = tmp_path / "w", tmp_path / "r.json"
+    proc = run("scripts/bench_convert.py", "--work", str(work), "--size-gb", "0.01", "--precisions", "bf16",
+               "--tp", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    weights = sum(f.stat().st_size for f in (work / "target").glob("*.safetensors"))
+    assert (data["source_bytes"], data["tp"], list(data["precisions"])) == (weights, 1, ["bf16"]) and weights > 0
+    r = data["precisions"]["bf16"]
+    assert r["seconds"] > r["stage_seconds"]["target"] > 0 and r["peak_rss_mb"] > 0, r
+    assert (r["convert_mb_per_s"], r["end_to_end_mb_per_s"]) == (
+        round(weights / 1e6 / r["stage_seconds"]["target"], 1), round(weights / 1e6 / r["seconds"], 1)), r
+    assert f"bf16: convert {r['convert_mb_per_s']} MB/s" in proc.stdout
+    assert sorted(p.name for p in work.iterdir()) == sorted([WORK_MARK, "drafter", "target"])  # no build left
+
+
 def test_bench_tp_passes_its_commands_the_paths_the_user_gave(tmp_path, run, monkeypatch):
     """bench_tp.py's builds and runs start in the repository: a relative --model, --drafter or --work was read from
     there (a build went into <repo>/<work>, outside the folder the user named)."""
