@@ -1020,12 +1020,17 @@ def test_bench_decode_measures_a_tiny_model(tmp_path, run):
     from beamtrt.models.random_beam import write_random_beam
 
     model, out = write_random_beam(tmp_path / "m", TINY, dtype=torch.float32), tmp_path / "r.json"
-    proc = run("scripts/bench_decode.py", "--model", str(model), "--dtypes", "float32", "--batches", "1", "2",
-               "--context", "4", "--steps", "4", "--paths", "torch", "--json", str(out))
+    threads = torch.get_num_threads()
+    try:  # one thread: OpenMP's spin-waits make tiny steps slow on a busy 2-core host
+        proc = run("scripts/bench_decode.py", "--model", str(model), "--dtypes", "float32", "--batches", "1", "2",
+                   "--context", "4", "--steps", "4", "--paths", "torch", "--threads", "1", "--json", str(out))
+    finally:
+        torch.set_num_threads(threads)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert json.loads(proc.stdout) == data
-    assert (data["model"], data["context"], data["steps"], data["device"]) == (str(model), 4, 4, "cpu")
+    assert (data["model"], data["context"], data["steps"], data["device"], data["threads"]) == (
+        str(model), 4, 4, "cpu", 1)
     assert [(r["dtype"], r["batch"], r["path"]) for r in data["results"]] == [("float32", 1, "torch"),
                                                                                 ("float32", 2, "torch")]
     for r in data["results"]:
@@ -1038,12 +1043,17 @@ def test_bench_spec_profiles_a_small_model(mini_vocab_sources, tmp_path, run):
     """bench_spec.py to its end: its --json (also what it prints) records the settings and, per batch, both decoders'
     tokens (the same greedy answers), rates and acceptance length."""
     src, out = mini_vocab_sources, tmp_path / "r.json"
-    proc = run("scripts/bench_spec.py", "--model", str(src / "target"), "--drafter", str(src / "drafter"),
-               "--batches", "1", "2", "--block-size", "4", "--max-new-tokens", "6", "--json", str(out))
+    threads = torch.get_num_threads()
+    try:  # one thread: OpenMP's spin-waits make tiny steps slow on a busy 2-core host
+        proc = run("scripts/bench_spec.py", "--model", str(src / "target"), "--drafter", str(src / "drafter"),
+                   "--batches", "1", "2", "--block-size", "4", "--max-new-tokens", "6", "--threads", "1", "--json",
+                   str(out))
+    finally:
+        torch.set_num_threads(threads)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert json.loads(proc.stdout) == data
-    assert (data["model"], data["drafter"]) == (str(src / "target"), str(src / "drafter"))
+    assert (data["model"], data["drafter"], data["threads"]) == (str(src / "target"), str(src / "drafter"), 1)
     assert (data["block_size"], data["max_new_tokens"], data["dtype"], data["draft_threshold"]) == (4, 6, "float32", 0)
     assert [r["batch"] for r in data["results"]] == [1, 2]
     for r in data["results"]:
