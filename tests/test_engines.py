@@ -397,6 +397,29 @@ def test_the_plugin_toolchain_is_checked_before_the_first_stage(sources, tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+def test_a_drafter_beyond_the_plugin_kernels_gets_no_engine(sources, tmp_path, monkeypatch):
+    """The drafter engine's plugins hold at most 64 selector candidates and head_dim 256: a drafter beyond them was
+    built into an engine that refused it at its first draft. On a TensorRT-LLM host its engines are now skipped,
+    saying why, and it runs on the torch backend (whose reference path takes any size)."""
+    from beamtrt.build import engine, pipeline
+
+    monkeypatch.setattr(engine, "engine_support", lambda: None)  # a TensorRT-LLM host's answers
+    monkeypatch.setattr(engine, "precision_unsupported", lambda *a: None)
+    src = tmp_path / "src"
+    shutil.copytree(sources["qwen3"], src)
+    bc = BuildConfig(model=src / "target", drafter=src / "drafter", out=tmp_path / "out", precision="bf16", tp=1)
+    assert pipeline.Plan(bc).engines_why is None
+    config = json.loads((src / "drafter" / "config.json").read_text())
+    (src / "drafter" / "config.json").write_text(json.dumps({**config, "selector_top_k": 100}))  # the weights fit
+    assert pipeline.Plan(bc).engines_why == ("the drafter does not fit the plugin kernels (its selector_top_k 100 is "
+                                             "above the kernels' 64 candidates; it runs on the torch backend)")
+    cfg = DrafterConfig.from_dict(config)
+    assert engine.drafter_unsupported(dataclasses.replace(cfg, head_dim=512)) == (
+        "the drafter does not fit the plugin kernels (its head_dim 512 is above the kernels' 256; it runs on the "
+        "torch backend)")
+    assert "DFlash v1" in engine.drafter_unsupported(dataclasses.replace(cfg, version=1))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
 def test_a_failed_plugin_build_names_its_first_error(tmp_path, monkeypatch):
     """build_engines.py builds the plugin library with CMake; a compile failure is reported by its first error line,

@@ -75,6 +75,17 @@ def unsupported(cfg: BeamConfig) -> str | None:
     return None
 
 
+def drafter_unsupported(cfg) -> str | None:
+    """Why the drafter engine cannot run the drafter of DrafterConfig `cfg` (it runs on the torch backend), or None:
+    a DFlash v1 drafter, or one beyond the plugin kernels' fixed arrays (the plugin refused it at its first draft)."""
+    from beamtrt.native.kernels import beyond_kernels
+
+    if cfg.version != 2:
+        return "a DFlash v1 drafter has no drafter engine (it runs on the torch backend)"
+    why = beyond_kernels(cfg)
+    return f"the drafter does not fit the plugin kernels ({why}; it runs on the torch backend)" if why else None
+
+
 def moe_block_scales(weights: dict, interleave) -> dict:
     """A `from_checkpoint` hook for NVFP4 targets: each expert stack's block scales [E, out, in / 16] become the
     `weights_block_scaling_factor` (+ `_interleaved`, by `interleave`, shape kept) that TensorRT-LLM's MoE layer

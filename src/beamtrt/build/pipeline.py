@@ -110,9 +110,7 @@ class Plan:
         from beamtrt.build import engine
 
         self.engines_why = engine.engine_support() or engine.unsupported(self.target_cfg) or (
-            engine.precision_unsupported(bc.precision, bc.kv_cache)) or (
-            "a DFlash v1 drafter has no drafter engine (it runs on the torch backend)"
-            if self.drafter_cfg.version != 2 else None)
+            engine.precision_unsupported(bc.precision, bc.kv_cache)) or engine.drafter_unsupported(self.drafter_cfg)
         self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"],
                                               bc.engine.to_json(), engine.trtllm_version(),
                                               files=engine.plugin_sources())
