@@ -115,6 +115,16 @@ def test_the_wrapper_reports_a_user_error_in_one_line(sources, tmp_path_factory)
         assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
 
 
+def test_the_wrapper_says_why_a_silent_status_2_failed():
+    """Status 2 from ranks that printed no `error:` line of their own (a program that is not beamtrt's) was passed on
+    without a word, Open MPI's closing banner dropped or not: it now ends with the wrapper's own line."""
+    proc = subprocess.run([str(ROOT / "scripts/mpirun"), "-n", "2", "sh", "-c", "exit 2"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+        "error: the MPI job failed with status 2 (a rank was killed or crashed, or mpirun refused its arguments: see "
+        "Open MPI's report above)"), proc.stderr
+
+
 def test_a_setup_error_on_some_ranks_only_ends_the_job(sources, tmp_path_factory, tmp_path):
     """A prompts file that only rank 0 can read (as on a node that lacks it): the other ranks' setup failed, each
     returned alone and waited in MPI_Finalize while rank 0 loaded and waited for them, without a word, forever."""
