@@ -37,3 +37,31 @@ def test_shims_only_import_the_package(path):
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported <= {"sys", "pathlib", "beamtrt"}
     assert ast.get_docstring(tree)
+
+
+def test_a_wheel_built_from_the_checkout_is_ignored():
+    """`pip install .` leaves setuptools' build/lib and build/bdist.* in the checkout (and `python -m build`, dist/):
+    they showed as untracked files beside build/build_engines.py."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("build/lib/beamtrt/config.py", "build/bdist.linux-x86_64/wheel", "dist/beamtrt-0.1.0.tar.gz"):
+        proc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
+        assert proc.returncode == 0, f"{path} is not ignored"
+
+
+def test_make_lists_its_targets_and_refuses_an_old_python_in_one_line():
+    """`make help` was no target; `make setup` with a PYTHON that is missing (or older than 3.10) printed shell
+    errors, or made a .venv of it and failed in pip's resolver."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    listed = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == [
+        "setup", "help", "run", "test", "test-fast", "bench-setup"], listed.stdout
+    # -B: the recipe runs even where .venv is up to date; its first line stops it before anything is made
+    proc = subprocess.run(["make", "-B", "setup", "PYTHON=/nonexistent/python3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
+        "error: make setup needs Python 3.10 or newer as PYTHON (/nonexistent/python3 is no Python): make setup "
+        "PYTHON=/path/to/python3.11"), proc.stderr
