@@ -21,7 +21,7 @@ N must be the world size the repository was exported with (the build's TP).
   --grpc-port P       rank 0's gRPC port, the one clients use (default 8001); rank r > 0 uses P + 10 r
   --metrics-port P    rank 0's metrics port (default 8002); rank r > 0 uses P + 10 r
   --log-file FILE     rank 0's verbose Triton log (default: none)
-  --dry-run           print the mpirun command instead of running it
+  --dry-run           print the mpirun command (with the environment it sets) instead of running it
   -h, --help          this help
 
 Open MPI as root and with more ranks than cores needs OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -33,6 +33,7 @@ fail() { echo "error: $*" >&2; exit 2; }
 
 world="" repo="" tritonserver="" mpirun="" http=8000 grpc=8001 metrics=8002 log="" dry=0
 while [ $# -gt 0 ]; do
+  case "$1" in --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;; esac  # --flag=value, as the Python commands take it
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --dry-run) dry=1; shift; continue ;;
@@ -107,7 +108,10 @@ for ((rank = 0; rank < world; rank++)); do
   fi
 done
 
-if [ "$dry" = 1 ]; then
+if [ "$dry" = 1 ]; then  # a command to paste: with the environment Open MPI needs here
+  for name in OMPI_ALLOW_RUN_AS_ROOT OMPI_ALLOW_RUN_AS_ROOT_CONFIRM PRTE_MCA_rmaps_default_mapping_policy; do
+    printf '%s=%q ' "$name" "${!name}"
+  done
   printf '%q ' "${cmd[@]}"
   echo
   exit 0

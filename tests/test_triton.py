@@ -1088,11 +1088,13 @@ def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
     bare = tmp_path / "bare"  # a config written by hand, without the world_size parameter
     (bare / "beam_dflash2").mkdir(parents=True)
     (bare / "beam_dflash2" / "config.pbtxt").write_text('name: "beam_dflash2"\n')
-    dry = subprocess.run([script, "--world-size", "2", "--model-repo", str(repo), "--dry-run"], capture_output=True,
-                         text=True, env=env, timeout=30)
-    assert dry.returncode == 0 and shlex.split(dry.stdout).count("-n") == 2
+    dry = subprocess.run([script, "--world-size=2", f"--model-repo={repo}", "--dry-run"], capture_output=True,
+                         text=True, env=env, timeout=30)  # --flag=value, as the Python commands take it (refused)
+    assert dry.returncode == 0 and shlex.split(dry.stdout).count("-n") == 2, dry.stderr
     venv_mpirun = ROOT / ".venv" / "bin" / "mpirun"  # make setup's Open MPI, as scripts/mpirun picks it (not on PATH)
-    assert shlex.split(dry.stdout)[0] == (str(venv_mpirun) if venv_mpirun.is_file() else "mpirun")
+    assert shlex.split(dry.stdout)[:4] == [  # a command to paste: with the environment it sets (it had none)
+        "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
+        "PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe", str(venv_mpirun) if venv_mpirun.is_file() else "mpirun"]
     for args, needle in ((["--world-size", "4", "--model-repo", str(repo)], "exported for world size 2"),
                          (["--model-repo", str(repo)], "--world-size is required"),
                          (["--world-size", "2", "--model-repo", str(tmp_path)], "not an exported model repository"),
