@@ -117,8 +117,8 @@ class Plan:
 
 
 def _read_dtype(reader: CheckpointReader, path: Path, name: str, whose: str) -> torch.dtype:
-    """The dtype a checkpoint's rank files are written in: its tensor `name`'s (a float64 one was refused for the
-    target and written in bf16 for the drafter)."""
+    """The dtype a checkpoint's rank files are written in: its tensor `name`'s, one of trtllm.DTYPE_NAMES (the
+    target's and the drafter's alike: a float64 drafter was written in bf16)."""
     dtype = reader.dtype(name)
     if dtype not in trtllm.DTYPE_NAMES:
         raise CheckpointError(f"{path}: unsupported weight dtype {dtype} ({whose}; a build reads "
