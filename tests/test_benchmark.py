@@ -54,6 +54,8 @@ def test_outputs_follow_the_published_format(result):
         assert point["speedup"] == pytest.approx(point["spec_tok_s"] / point["no_spec_tok_s"], rel=1e-2)
     assert 1 <= fam["tau_greedy"] <= 8 and 1 <= fam["tau_sampled"] <= 8 and 1 <= fam["tau_block16"] <= 16
     assert len(fam["per_position_acceptance"]) == 7
+    assert fam["tau_requests"] == {"greedy": 3, "sampled": 3}  # every request reached a verify step
+    assert all(point["tau_requests"] == point["requests"] for point in fam["concurrency"].values())
     table = result.with_suffix(".md").read_text()
     assert "| chat |" in table and "→" in table and "×)" in table and "5/5 |" in table
     assert fam["prompts_file"].endswith("prompts.jsonl") and f"Prompts: chat from {fam['prompts_file']}." in table
@@ -95,6 +97,31 @@ def test_a_column_says_when_fewer_requests_ran_at_once(result):
     data["concurrency"] = [1, 32]
     row = next(line for line in markdown(data).splitlines() if line.startswith("| chat |"))
     assert row.split(" | ")[4].endswith("×) at c=2") and "decode tok/s c=32" in markdown(data)
+
+
+def test_tau_over_fewer_requests_and_a_bar_at_fewer_at_once_say_so(result, monkeypatch, tmp_path):
+    """A request that ends at its first token has no verify step and no τ: the mean was over the others without a
+    word (the JSON kept no count). And the chart's bar for --concurrency 32 on a family of 2 prompts said c=32 where
+    the table's cell says 'at c=2'."""
+    import matplotlib.axes
+
+    from beamtrt.bench.benchmark import chart, markdown
+
+    data = json.loads(result.with_suffix(".json").read_text())
+    assert "τ is the mean over" not in markdown(data)
+    fam = data["families"][0]
+    fam["tau_requests"]["greedy"] = 2
+    assert ("τ is the mean over the requests that reached a verify step (the others ended at their first token): "
+            "chat greedy over 2 of 3.") in markdown(data)
+    fam["concurrency"]["32"] = fam["concurrency"].pop("2")
+    data["concurrency"] = [1, 32]
+    labels = []
+    bar_label = matplotlib.axes.Axes.bar_label
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar_label",
+                        lambda self, bars, **kw: labels.append(kw.get("labels")) or bar_label(self, bars, **kw))
+    chart(data, tmp_path / "b.png")
+    speedup = fam["concurrency"]["32"]["speedup"]
+    assert labels[1] == [f"{speedup:.2f}×\nat c=2"] and "\n" not in labels[0][0]
 
 
 def test_out_names_three_files_whatever_its_suffix():
@@ -148,10 +175,11 @@ def test_a_family_with_nothing_decoded_is_one_line():
     from beamtrt.bench.benchmark import Run, timed
     from beamtrt.errors import BeamtrtError
 
-    ran = Run(outputs=[[5, 7]], decode_tokens_per_s=12.5, acceptance_length=1.5, per_position=[])
+    ran = Run(outputs=[[5, 7]], decode_tokens_per_s=12.5, acceptance_length=1.5, per_position=[], tau_requests=1)
     assert timed(ran, "gsm8k") is ran
     with pytest.raises(BeamtrtError, match="^gsm8k: every request ended at its first token"):
-        timed(Run(outputs=[[2]], decode_tokens_per_s=0.0, acceptance_length=None, per_position=[]), "gsm8k")
+        timed(Run(outputs=[[2]], decode_tokens_per_s=0.0, acceptance_length=None, per_position=[], tau_requests=0),
+              "gsm8k")
 
 
 def test_a_failure_at_the_end_writes_none_of_the_three_files(mini_vocab_sources, tmp_path, monkeypatch, one_thread,
@@ -325,7 +353,7 @@ def test_the_table_rounds_each_value_once():
     shown as 1.12×)."""
     from beamtrt.bench.benchmark import Run, decode_point, speedup_cell
 
-    plain, spec = (Run([[1, 2, 3]], tok_s, 2.0, [0.5]) for tok_s in (100.0, 112.501))
+    plain, spec = (Run([[1, 2, 3]], tok_s, 2.0, [0.5], 1) for tok_s in (100.0, 112.501))
     point = decode_point(plain, spec, 1, spec_first=False)
     assert point["speedup"] == 1.12501 and point["greedy_identical"] == 1
     assert speedup_cell(point, 1) == "100.0 → 112.5 (1.13×)"

@@ -42,6 +42,7 @@ class Run:
     decode_tokens_per_s: float
     acceptance_length: float | None
     per_position: list[float | None]
+    tau_requests: int  # the requests acceptance_length averages over: those that reached a verify step
 
 
 def decode(target, drafter, block_size: int, requests, concurrency: int, params, draft_threshold: float = 0.0,
@@ -56,7 +57,7 @@ def decode(target, drafter, block_size: int, requests, concurrency: int, params,
     return Run(outputs=[c.output_ids for c in done],
                decode_tokens_per_s=tokens / decoder.times.total_s if decoder.times.total_s else 0.0,
                acceptance_length=summary["acceptance_length"] if drafter is not None else None,
-               per_position=summary["per_position_acceptance"])
+               per_position=summary["per_position_acceptance"], tau_requests=summary["requests_with_steps"])
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -71,6 +72,7 @@ def decode_point(plain: Run, spec: Run, c: int, spec_first: bool) -> dict:
             "first": "speculative" if spec_first else "plain",
             "no_spec_tok_s": plain.decode_tokens_per_s, "spec_tok_s": spec.decode_tokens_per_s,
             "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s, "tau": spec.acceptance_length,
+            "tau_requests": spec.tau_requests,
             "greedy_identical": sum(d is None for d in diverged),
             "first_divergence": [d for d in diverged if d is not None][:5]}
 
@@ -96,6 +98,11 @@ def markdown(result: dict) -> str:
         total = sum(p["requests"] for p in fam["concurrency"].values())
         lines.append(f"| {FAMILY_NAMES.get(fam['family'], fam['family'])} | {fam['tau_greedy']:.2f} / "
                      f"{fam['tau_sampled']:.2f} | {tau16} | " + " | ".join(cells) + f" | {same}/{total} |")
+    if short := [f"{FAMILY_NAMES.get(fam['family'], fam['family'])} {kind} over {n} of {fam['prompts']}"
+                 for fam in result["families"] for kind, n in fam.get("tau_requests", {}).items()
+                 if n < fam["prompts"]]:
+        lines.append(f"\nτ is the mean over the requests that reached a verify step (the others ended at their first "
+                     f"token): {'; '.join(short)}.")
     if result.get("draft_threshold"):
         lines.append(f"\nDecode columns: drafts cut at a draft threshold of {result['draft_threshold']:g}; the τ "
                      "columns verify whole blocks.")
@@ -120,9 +127,10 @@ def chart(result: dict, path: Path) -> None:
     width = 0.8 / (len(cs) + 1)
     for j, c in enumerate(cs):
         xs = [i + j * width for i in range(len(fams))]
-        ys = [f["concurrency"][str(c)]["speedup"] for f in fams]
-        bars = ax.bar(xs, ys, width, label=f"speedup c={c}")
-        ax.bar_label(bars, fmt="%.2f×", fontsize=7)
+        points = [f["concurrency"][str(c)] for f in fams]
+        bars = ax.bar(xs, [p["speedup"] for p in points], width, label=f"speedup c={c}")
+        ax.bar_label(bars, fontsize=7, labels=[f"{p['speedup']:.2f}×" + (  # as the table's cell says it
+            f"\nat c={p['effective_concurrency']}" if p.get("effective_concurrency", c) != c else "") for p in points])
     ax2 = ax.twinx()
     xs = [i + len(cs) * width for i in range(len(fams))]
     bars = ax2.bar(xs, [f["tau_greedy"] for f in fams], width, color="0.6", label="acceptance length τ")
@@ -366,10 +374,11 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
         else:  # τ is over every prompt in whole blocks: the speed runs cut blocks, or decoded only --c1-prompts
             widest = decode(target, drafter, args.block_size, requests, batch, greedy, on_finish=finished)
         row["tau_greedy"] = timed(widest, fam).acceptance_length
-        row["per_position_acceptance"] = [None if a is None else round(a, 4) for a in widest.per_position]
+        row["per_position_acceptance"] = widest.per_position
         samp = decode(target, drafter, args.block_size, requests, batch, sampled, on_finish=finished)
         row["tau_sampled"] = timed(samp, fam).acceptance_length
-        row["per_position_acceptance_sampled"] = [None if a is None else round(a, 4) for a in samp.per_position]
+        row["per_position_acceptance_sampled"] = samp.per_position
+        row["tau_requests"] = {"greedy": widest.tau_requests, "sampled": samp.tau_requests}  # of row["prompts"]
         if block16:
             row["tau_block16"] = timed(decode(target, drafter, 16, requests, batch, greedy, on_finish=finished),
                                        fam).acceptance_length
