@@ -355,7 +355,10 @@ def test_the_table_rounds_each_value_once():
 
     plain, spec = (Run([[1, 2, 3]], tok_s, 2.0, [0.5], 1) for tok_s in (100.0, 112.501))
     point = decode_point(plain, spec, 1, spec_first=False)
-    assert point["speedup"] == 1.12501 and point["greedy_identical"] == 1
+    assert point["speedup"] == 1.12501 and point["greedy_identical"] == 1 and point["first_divergence"] == {}
+    spec = Run([[1, 2, 3], [4, 5], [6]], 1.0, 2.0, [0.5], 3)  # which requests differed, and where (it kept the
+    plain = Run([[1, 2, 3], [4, 6], [6, 7]], 1.0, 2.0, [0.5], 3)  # positions of the first five alone)
+    assert decode_point(plain, spec, 1, spec_first=False)["first_divergence"] == {1: 1, 2: 1}
     assert speedup_cell(point, 1) == "100.0 → 112.5 (1.13×)"
 
 

@@ -74,7 +74,7 @@ def decode_point(plain: Run, spec: Run, c: int, spec_first: bool) -> dict:
             "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s, "tau": spec.acceptance_length,
             "tau_requests": spec.tau_requests,
             "greedy_identical": sum(d is None for d in diverged),
-            "first_divergence": [d for d in diverged if d is not None][:5]}
+            "first_divergence": {i: d for i, d in enumerate(diverged) if d is not None}}  # request -> token
 
 
 def speedup_cell(point: dict, c: int) -> str:
