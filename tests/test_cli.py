@@ -753,6 +753,8 @@ def test_run_names_the_prompt_a_message_is_about(beam_mini, tmp_path):
     assert_one_line_error(run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--stop",
                                      "Paris.<|im_end|>"), "--stop 'Paris.<|im_end|>' holds the special token "
                           "<|im_end|>, which the decoded text never shows")
+    assert_one_line_error(run_script("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--stop",
+                                     "\ufffd"), "--stop '\ufffd' holds U+FFFD, which the decoded text shows in place")
 
 
 @pytest.mark.slow

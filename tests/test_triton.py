@@ -231,6 +231,9 @@ def test_a_stop_word_that_is_a_special_token_stops_on_that_token(server):
     mixed = "x" + special[plain[at]]  # a special token among other text could never match: refused, not ignored
     with pytest.raises(protocol.RequestError, match=f"stop_words {mixed!r} holds the special token"):
         server.submit({"input_ids": [294, 35], "max_tokens": 4, "stop_words": [mixed]}, lambda d: None)
+    # U+FFFD stands for a character whose bytes have not all come: it stopped on the first byte token of an emoji
+    with pytest.raises(protocol.RequestError, match=r"^stop_words 'a\ufffd' holds U\+FFFD, which the decoded text"):
+        server.submit({"input_ids": [294, 35], "max_tokens": 4, "stop_words": ["a\ufffd"]}, lambda d: None)
 
 
 def test_stop_words_cut_the_text_and_postprocessing_rebuilds_every_delta(server):

@@ -74,7 +74,13 @@ def make_decode(tokenizer) -> Callable[[list[int]], str]:
 def special_stops(tokenizer, stops, what: str = "--stop") -> tuple[frozenset[int], tuple[str, ...]]:
     """Stop strings that are one special token (`<|im_start|>`) stop on that token: text is decoded without special
     tokens, where such a string never appears. Returns (their token ids, the other stop strings). A stop string that
-    holds a special token among other text could never match: a ValueError naming it (`what` names the field)."""
+    holds a special token among other text could never match, and one that holds U+FFFD would match the half of a
+    character that the text shows as U+FFFD until its last byte comes: a ValueError naming it (`what` names the
+    field)."""
+    for s in stops:
+        if "\ufffd" in s:
+            raise ValueError(f"{what} {s!r} holds U+FFFD, which the decoded text shows in place of a character whose "
+                             "bytes have not all come yet, so it would stop in the middle of one: leave it out")
     added = tokenizer.get_added_vocab()
     special = {t: i for t, i in added.items() if any(t in s for s in stops)  # decoded only when a stop holds it
                and tokenizer.decode([i], skip_special_tokens=True) == ""}
