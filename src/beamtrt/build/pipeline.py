@@ -27,7 +27,6 @@ from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig, EngineSetting
 from beamtrt.errors import CheckpointError, ConfigError
 from beamtrt.prompts import has_tokenizer, read_chat_lines
 
-
 OLD_SETTINGS = EngineSettings(max_seq_len=32768).to_json()  # a build's that predates recording them (the defaults)
 
 
