@@ -52,16 +52,19 @@ def test_a_wheel_built_from_the_checkout_is_ignored():
 def test_make_lists_its_targets_and_refuses_an_old_python_in_one_line():
     """`make help` was no target; `make setup` with a PYTHON that is missing (or older than 3.10) printed shell
     errors, or made a .venv of it and failed in pip's resolver."""
+    import os
     import shutil
 
     if shutil.which("make") is None:
         pytest.skip("no make")
-    listed = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # as from a shell: under `make test` the make it starts would say "Entering directory" (MAKELEVEL > 0)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    listed = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == [
         "setup", "help", "run", "test", "test-fast", "bench-setup"], listed.stdout
     # -B: the recipe runs even where .venv is up to date; its first line stops it before anything is made
     proc = subprocess.run(["make", "-B", "setup", "PYTHON=/nonexistent/python3"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, env=env)
     assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
         "error: make setup needs Python 3.10 or newer as PYTHON (/nonexistent/python3 is no Python): make setup "
         "PYTHON=/path/to/python3.11"), proc.stderr
