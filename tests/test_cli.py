@@ -1107,6 +1107,25 @@ def test_bench_tp_passes_its_commands_the_paths_the_user_gave(tmp_path, run, mon
     assert built == [(tmp_path / "w", str(tmp_path / "m"), str(tmp_path / "d"))]
 
 
+def test_bench_tp_measures_a_build(mini_vocab_sources, tmp_path, run):
+    """bench_tp.py to its end (only its errors and paths were tested): one build, its plain and speculative runs
+    through scripts/mpirun, and a --json that records the inputs and each run's rate, steps and time split."""
+    src, out = mini_vocab_sources, tmp_path / "tp.json"
+    proc = run("scripts/bench_tp.py", "--model", str(src / "target"), "--drafter", str(src / "drafter"), "--tp", "1",
+               "--concurrency", "1", "--max-new-tokens", "2", "--work", str(tmp_path / "w"), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["model"], data["drafter"], data["precision"], data["max_new_tokens"]) == (
+        str(src / "target"), str(src / "drafter"), "bf16", 2)
+    (row,) = data["runs"]
+    assert (row["tp"], row["concurrency"]) == (1, 1) and row["speedup"] > 0, row
+    for side in ("plain", "spec"):
+        assert row[side]["tokens_per_s"] > 0 and row[side]["steps"] >= 1, row
+        assert set(row[side]["step_s"]) == {"target", "drafter", "communication", "other"}, row
+    assert row["plain"]["acceptance_length"] is None or row["plain"]["acceptance_length"] == 1
+    assert row["spec"]["acceptance_length"] >= 1, row
+
+
 def test_bench_work_folders_of_other_files_are_refused(tmp_path, run):
     """bench_tp / bench_convert delete and replace what they find in --work (a build of other inputs, sources of
     another size): a folder they did not make is refused before anything in it is touched."""

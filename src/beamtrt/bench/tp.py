@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  ("the prompts", default_prompts_path()),
                                                  ("--work", args.work)])  # whose contents are replaced
         work_dir(args.work, "--work", "bench_tp.py")
-        results = {"precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
+        results = {"model": args.model or str(DEFAULT_DIR), "drafter": args.drafter,  # None: build_engines' default
+                   "precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
         bar = progress(len(args.tp) * (1 + 2 * len(args.concurrency)), "bench_tp", unit="command")
         for tp in args.tp:
             bar.set_postfix_str(f"tp {tp}: build")
