@@ -225,9 +225,11 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     for bad in ("-0.1", "1.5", "nan"):
         assert_one_line_error(run("runtime/run.py", "--draft-threshold", bad), "--draft-threshold", "[0, 1]")
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "missing.jsonl")), "missing.jsonl")
-    # '-' is no standard stream here: --json - wrote a file named '-' at the end of the run
-    assert_one_line_error(run("runtime/run.py", "--json", "-"), "--json -: give a file path")
-    assert_one_line_error(run("runtime/run.py", "--prompts", "-"), "for standard input give /dev/stdin")
+    # '-' is no standard stream here: --json - wrote a file named '-' at the end of the run (here, were it to again)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert_one_line_error(run("runtime/run.py", "--json", "-"), "--json -: give a file path")
+        assert_one_line_error(run("runtime/run.py", "--prompts", "-"), "for standard input give /dev/stdin")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
     assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / "bad.jsonl")), "bad.jsonl:2")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "hi"\n')
@@ -1038,12 +1040,12 @@ def test_bench_decode_measures_a_tiny_model(tmp_path, run):
     for r in data["results"]:
         assert r["tokens_per_s"] > 0 and r["weight_streaming_bound_tokens_per_s"] > 0, r
         assert r["active_weight_mb_per_step"] > 0 and r["gemv_bandwidth_gb_s"]["torch"] > 0, r
-        assert ("fraction_of_bound" in r) == (r["batch"] == 1) and r.get("fraction_of_bound", 1) > 0, r
+        assert ("fraction_of_bound" in r) == (r["batch"] == 1) and r.get("fraction_of_bound", 0) >= 0, r  # 3 places
 
 
 def test_bench_spec_profiles_a_small_model(mini_vocab_sources, tmp_path, run):
     """bench_spec.py to its end: its --json (also what it prints) records the settings and, per batch, both decoders'
-    tokens (the same greedy answers), rates and acceptance length."""
+    token counts (equal), rates and acceptance length."""
     src, out = mini_vocab_sources, tmp_path / "r.json"
     threads = torch.get_num_threads()
     try:  # one thread: OpenMP's spin-waits make tiny steps slow on a busy 2-core host
@@ -1109,7 +1111,8 @@ def test_bench_tp_passes_its_commands_the_paths_the_user_gave(tmp_path, run, mon
 
 def test_bench_tp_measures_a_build(mini_vocab_sources, tmp_path, run):
     """bench_tp.py to its end (only its errors and paths were tested): one build, its plain and speculative runs
-    through scripts/mpirun, and a --json that records the inputs and each run's rate, steps and time split."""
+    (run.py in one process at TP 1), and a --json that records the inputs and each run's rate, steps and time split,
+    unrounded."""
     src, out = mini_vocab_sources, tmp_path / "tp.json"
     proc = run("scripts/bench_tp.py", "--model", str(src / "target"), "--drafter", str(src / "drafter"), "--tp", "1",
                "--concurrency", "1", "--max-new-tokens", "2", "--work", str(tmp_path / "w"), "--json", str(out))
@@ -1122,6 +1125,7 @@ def test_bench_tp_measures_a_build(mini_vocab_sources, tmp_path, run):
     assert row["speedup"] == row["spec"]["tokens_per_s"] / row["plain"]["tokens_per_s"] > 0, row  # of unrounded rates
     for side in ("plain", "spec"):
         assert row[side]["tokens_per_s"] > 0 and row[side]["steps"] >= 1, row
+        assert row[side]["tokens_per_s"] != round(row[side]["tokens_per_s"], 2), row  # kept as measured
         assert set(row[side]["step_s"]) == {"target", "drafter", "communication", "other"}, row
     assert row["plain"]["acceptance_length"] is None or row["plain"]["acceptance_length"] == 1
     assert row["spec"]["acceptance_length"] >= 1, row

@@ -754,7 +754,8 @@ def test_export_refuses_a_bad_build_with_one_line(builds, tmp_path, capsys, brea
     assert not (tmp_path / "repo").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
-def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys):
+def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where a relative --out would go, were one written
     for args, needle in ((["--block-size", "1"], "error: --block-size must be in [2, 32], got 1"),
                          (["--block-size", "100"], "error: --block-size must be in [2, 32], got 100"),
                          (["--block-size", "32"], "--block-size 32 is above the drafter's own block"),
