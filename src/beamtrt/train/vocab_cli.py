@@ -8,7 +8,6 @@ New runs of scripts/train_drafter.py store it themselves; this is for drafters t
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -97,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BeamtrtError(f"--data holds token id {int(tokens.max())}, beyond the drafter's vocabulary of "
                                f"{cfg.vocab_size}: the caches are another target's answers")
         ids = check_draft_vocab(tokens, cfg.vocab_size, cfg.selector_top_k)
-        trained = {_key(r) for r in trained_recipes(drafter)}  # those found from here
-        if other := [str(d) for d in dirs if trained and _key(_recipe(d)) not in trained]:
+        trained = trained_recipes(drafter)  # those found from here
+        if other := [str(d) for d in dirs if trained and _recipe(d) not in trained]:
             print(f"warning: {drafter} did not train on --data {other[0]} (no recipe its training.json names): the "
                   "draft vocabulary is then not the tokens it learnt", file=sys.stderr)
         was = replaced(drafter, cfg)
@@ -115,7 +114,3 @@ def _recipe(data: Path) -> dict | None:
         return read_meta(data).get("recipe")
     except (BeamtrtError, AttributeError):  # no meta.json (a cache of committed answers files keeps one), or damaged
         return None
-
-
-def _key(recipe: dict | None) -> str:
-    return json.dumps(recipe, sort_keys=True)
