@@ -31,10 +31,10 @@ def extension():
     missing = [s for s in SOURCES if not (PLUGINS / s).is_file()]
     if missing:
         raise DeviceError(f"the plugins/ sources are not here ({PLUGINS}): {', '.join(missing)}")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # arch-specific (CMakeLists.txt: sm_100a, sm_103a, sm_90)
+    arch = _arch()
     build = cache_dir() / "cuda" / f"sm_{arch}"
     build.mkdir(parents=True, exist_ok=True)
+    build_log().unlink(missing_ok=True)
     if not any(build.glob("*.so")):
         print(f"beamtrt: building the CUDA kernels for sm_{arch} into {build} (a minute or two, once)", file=sys.stderr,
               flush=True)
@@ -44,8 +44,22 @@ def extension():
                     extra_cuda_cflags=["-O3", "-std=c++17", "--threads=0",  # torch's own target and this one at once
                                        f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:  # no nvcc or ninja, a compile error
-        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise DeviceError(f"building the CUDA kernels failed ({why.strip()}; the build's log is in {build})") from None
+        build_log().write_text(f"{type(e).__name__}: {e}\n")  # the compiler's output: ninja's command lines first
+        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__).strip()
+        raise DeviceError(f"building the CUDA kernels failed ({why[:200]}{' ...' if len(why) > 200 else ''}); the "
+                          f"compiler's output is in {build_log()}") from None
+
+
+def _arch() -> str:
+    """The current CUDA device's architecture as the build names it: arch-specific from Hopper on (CMakeLists.txt:
+    sm_90a, sm_100a, sm_103a)."""
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def build_log():
+    """Where a failed build of the extension for the current device leaves the compiler's output (None: no device)."""
+    return cache_dir() / "cuda" / f"sm_{_arch()}" / "build.log" if torch.cuda.is_available() else None
 
 
 def _launch(kernel, *args):
