@@ -393,14 +393,18 @@ def test_the_torch_extension_sources_have_names_of_their_own():
 
 def test_a_failed_extension_build_is_one_line(tmp_path, monkeypatch):
     """torch's load() raises RuntimeError on a compile error (or no ninja): bench_kernels.py passed it on as a
-    traceback. Its first line is kept, with where the build's log is; the first build says it takes a while."""
+    traceback. Then the line kept was its first, ninja's command line, and the error named a log that nothing wrote:
+    now the compiler's first error, and the whole output in build.log (gpu_check.sh prints it)."""
     from torch.utils import cpp_extension
 
     from beamtrt.errors import DeviceError
     from beamtrt.native import cuda
 
+    output = ("Error building extension 'beamtrt_cuda': [1/3] nvcc -c block_selector.cu\nFAILED: block_selector.o\n"
+              'kernel.cu(3): error: identifier "y" is undefined\nninja: build stopped: subcommand failed.')
+
     def fail(**kwargs):
-        raise RuntimeError("Error building extension 'beamtrt_cuda'\nninja: build stopped: subcommand failed.")
+        raise RuntimeError(output)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host's answers
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
@@ -408,9 +412,15 @@ def test_a_failed_extension_build_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", fail)
     cuda.extension.cache_clear()
     try:
-        with pytest.raises(DeviceError, match=r"^building the CUDA kernels failed \(Error building extension "
-                                              rf"'beamtrt_cuda'; the build's log is in {tmp_path}/cuda/sm_90a\)$"):
+        with pytest.raises(DeviceError) as failed:
             cuda.extension()
+        log = tmp_path / "cuda" / "sm_90a" / "build.log"
+        assert str(failed.value) == ('building the CUDA kernels failed (kernel.cu(3): error: identifier "y" is '
+                                     f"undefined); the compiler's output is in {log}")
+        assert cuda.build_log() == log and log.read_text() == f"RuntimeError: {output}\n"
+        monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "built")
+        cuda.extension.cache_clear()
+        assert cuda.extension() == "built" and not log.exists()  # a later build's success leaves no old log
     finally:
         cuda.extension.cache_clear()
 

@@ -45,7 +45,8 @@ def extension():
                                        f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:  # no nvcc or ninja, a compile error
         build_log().write_text(f"{type(e).__name__}: {e}\n")  # the compiler's output: ninja's command lines first
-        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__).strip()
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        why = next((line for line in lines[1:] if "error" in line.lower()), lines[0])  # the compiler's first error
         raise DeviceError(f"building the CUDA kernels failed ({why[:200]}{' ...' if len(why) > 200 else ''}); the "
                           f"compiler's output is in {build_log()}") from None
 
