@@ -274,12 +274,21 @@ def test_the_official_sets_lines_are_read_as_the_built_in_sets_prompts(tmp_path)
                "mbpp": MBPP_PREFIX + "Add.\nIt must pass these tests:\nassert add(1) == 2"}
     for fam, line in lines.items():
         (path := tmp_path / f"{fam}.jsonl").write_text(json.dumps(line) + "\n" + json.dumps({"prompt": "as is"}) + "\n")
-        assert load_chats(fam, 9, {fam: str(path)}) == [(f"{path}:1", [{"role": "user", "content": prompts[fam]}]),
-                                                        (f"{path}:2", [{"role": "user", "content": "as is"}])]
+        later = ("Again.",) if fam == "mtbench" else ()  # MT-Bench's second turn, asked after the first's answer
+        assert load_chats(fam, 9, {fam: str(path)}) == [
+            (f"{path}:1", [{"role": "user", "content": prompts[fam]}], later),
+            (f"{path}:2", [{"role": "user", "content": "as is"}], ())]
     with pytest.raises(BeamtrtError, match=r"gsm8k.jsonl:1: expected .* \(its fields: question, answer\)"):
         load_chats("chat", 9, {"chat": str(tmp_path / "gsm8k.jsonl")})  # a family of no official layout
     (bad := tmp_path / "bad.jsonl").write_text(json.dumps({"turns": []}) + "\n")
     with pytest.raises(BeamtrtError, match=r"bad.jsonl:1: this MT-Bench line \(it has 'turns'\) needs \"turns\""):
+        load_chats("mtbench", 9, {"mtbench": str(bad)})
+    for turns in (["Write.", " "], ["Write.", 2]):  # a second turn of nothing, or not text
+        bad.write_text(json.dumps({"turns": turns}) + "\n")
+        with pytest.raises(BeamtrtError, match=r"bad.jsonl:1: this MT-Bench line \(it has 'turns'\) needs"):
+            load_chats("mtbench", 9, {"mtbench": str(bad)})
+    bad.write_text(json.dumps({"turns": ["Write.", "caf\ud800"]}) + "\n")  # a lone surrogate, as in a first turn
+    with pytest.raises(BeamtrtError, match=r"bad.jsonl:1: not valid UTF-8 text"):
         load_chats("mtbench", 9, {"mtbench": str(bad)})
     bad.write_text(json.dumps({"text": "Add.", "test_list": "assert add(1) == 2"}) + "\n")  # a str, not a list
     with pytest.raises(BeamtrtError, match=r"this MBPP line \(it has 'test_list'\) needs"):
@@ -292,7 +301,7 @@ def test_the_official_sets_lines_are_read_as_the_built_in_sets_prompts(tmp_path)
            {"task_id": "Mbpp/2", "prompt": "Write f.", "test_list": ["assert f()"]}]  # MBPP sanitized: no "text"
     bad.write_text("".join(json.dumps(line) + "\n" for line in own))
     for fam in ("gsm8k", "mbpp"):
-        read = [chat[0]["content"] for _, chat in load_chats(fam, 9, {fam: str(bad)})]
+        read = [chat[0]["content"] for _, chat, _ in load_chats(fam, 9, {fam: str(bad)})]
         assert read == ["mine", "my chat", "Write f."]
 
 
@@ -392,3 +401,58 @@ def test_a_warm_up_comes_first_and_links_are_written_through(mini_vocab_sources,
                            "--prompts", f"chat={src / 'prompts.jsonl'}", "--num-prompts", "1", "--concurrency", "1",
                            "--max-new-tokens", "2", "--no-block16", "--out", str(tmp_path / "short")]) == 0
     assert json.loads((tmp_path / "short.json").read_text())["warmup"] == {"requests": 1, "max_new_tokens": 2}  # not 4
+
+
+def test_mt_bench_second_turns_follow_the_targets_greedy_answer_to_the_first(mini_vocab_sources, tmp_path, monkeypatch,
+                                                                              one_thread):
+    """MT-Bench's second turns were never decoded (its first turns alone were the family). Now each conversation's
+    second turn is a request of its own, asked in the chat after the target's greedy answer to the first (as text,
+    through the chat template), right after its first turn; a line of one turn stays one request."""
+    import beamtrt.bench.benchmark as bench
+    from beamtrt.prompts import load_tokenizer, make_decode, render_chat
+
+    src = mini_vocab_sources
+    talks = [{"question_id": 81, "turns": ["Write a haiku.", "Now in French."]}, {"prompt": "Hi."},
+             {"question_id": 82, "turns": ["Name a color.", "And another?"]}]
+    (tmp_path / "mt.jsonl").write_text("".join(json.dumps(line) + "\n" for line in talks))
+    calls, decode = [], bench.decode
+    monkeypatch.setattr(bench, "decode", lambda target, drafter, block, requests, *a, **k: calls.append(
+        (drafter, requests, run := decode(target, drafter, block, requests, *a, **k))) or run)
+    monkeypatch.setattr("sys.stderr", progress := Terminal())
+    assert main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "mtbench",
+                 "--prompts", f"mtbench={tmp_path / 'mt.jsonl'}", "--num-prompts", "3", "--c1-prompts", "2",
+                 "--concurrency", "2", "--max-new-tokens", "5", "--no-block16", "--out", str(tmp_path / "b")]) == 0
+    tokenizer = load_tokenizer(src / "target")
+    (_, answered, answers), (_, requests, _) = calls[2:4]  # after the warm-up: the answers to the first turns
+    first = [render_chat(tokenizer, [{"role": "user", "content": t["turns"][0]}]) for t in (talks[0], talks[2])]
+    assert [list(r.prompt_ids) for r in answered] == first
+    second = [render_chat(tokenizer, [{"role": "user", "content": t["turns"][0]},
+                                      {"role": "assistant", "content": make_decode(tokenizer)(answer)},
+                                      {"role": "user", "content": t["turns"][1]}])
+              for t, answer in zip((talks[0], talks[2]), answers.outputs)]
+    hi = render_chat(tokenizer, [{"role": "user", "content": "Hi."}])
+    assert [list(r.prompt_ids) for r in requests] == [first[0], second[0], hi, first[1], second[1]]
+    assert all(len(s) > len(f) + 4 for f, s in zip(first, second))  # the answer sits between the two turns
+    fam = json.loads((tmp_path / "b.json").read_text())["families"][0]
+    assert (fam["prompts"], fam["conversations"], fam["concurrency"]["2"]["greedy_identical"]) == (5, 3, 5)
+    assert "MT-Bench's 5 requests are the turns of 3 conversations; each turn after the first follows the target's " \
+           "greedy answer to the turn before it." in (tmp_path / "b.md").read_text()
+    assert "17/17" in progress.getvalue().split("\r")[-1]  # 2 answers, then 5 each: plain, speculative (τ), sampled
+
+
+def test_a_second_turn_that_may_not_fit_is_refused_before_the_models_load(mini_vocab_sources, tmp_path, monkeypatch,
+                                                                           one_thread, capsys):
+    """A second turn's prompt holds the first turn's answer, up to --max-new-tokens: a conversation whose two turns
+    cannot fit the target's context with their answers is refused before anything loads, naming its turn."""
+    from beamtrt.runtime import loader
+
+    monkeypatch.setattr(loader, "load_hf", lambda *a, **k: pytest.fail("the models were loaded"))
+    src = mini_vocab_sources
+    (tmp_path / "mt.jsonl").write_text(json.dumps({"turns": ["Write.", "Again."]}) + "\n")
+    args = ["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "mtbench", "--prompts",
+            f"mtbench={tmp_path / 'mt.jsonl'}", "--concurrency", "1", "--no-block16", "--out", str(tmp_path / "b")]
+    assert main(args + ["--max-new-tokens", "16370"]) == 2  # the first turn fits with its answer, the second not
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"error: {tmp_path / 'mt.jsonl'}:1, turn 2 (after answers of up to --max-new-tokens each): "
+                          "its prompt ("), err
+    assert "more than the target's context of 32768 tokens" in err

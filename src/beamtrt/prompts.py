@@ -113,23 +113,32 @@ def _opens(messages, prompt) -> bool:
 class Layout:
     """An official set's line layout, read beside {"prompt"} and {"messages"} lines: a line holding `marker` is one,
     unless it holds "messages", or a "prompt" the layout does not read (those are taken as they are); `prompt` makes
-    its user prompt from it (None where its fields are not as `needs` says)."""
+    its user prompt from it and `later` its later user turns, each asked after the answer to the one before (both None
+    where its fields are not as `needs` says)."""
 
     name: str  # the set, for messages: "GSM8K"
     marker: str  # the field that marks the layout: "question"
     needs: str  # its fields as the message names them: '"question": a non-empty str'
     prompt: Callable[[dict], str | None]
     reads_prompt: bool = False  # its own text is in "prompt" (HumanEval)
+    later: Callable[[dict], tuple[str, ...] | None] = lambda obj: ()  # MT-Bench's second turn
 
     def holds(self, obj: dict) -> bool:
         return self.marker in obj and "messages" not in obj and ("prompt" not in obj or self.reads_prompt)
 
 
-def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tuple[int, list[dict]]]:
+def read_chat_lines(path: str | Path) -> list[tuple[int, list[dict]]]:
     """Chats from a JSONL file (UTF-8, a BOM allowed), each with the number of the line it is on (for messages about
     one of them); each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}: a line with both is read as
     its prompt when its messages open with it (a dataset export), and refused otherwise; other fields are ignored (an
-    official set's task_id, canonical_solution, ...). With a `layout`, its lines too (Layout.holds)."""
+    official set's task_id, canonical_solution, ...)."""
+    return [(n, chat) for n, chat, _ in read_conversations(path)]
+
+
+def read_conversations(path: str | Path, layout: Layout | None = None
+                       ) -> list[tuple[int, list[dict], tuple[str, ...]]]:
+    """read_chat_lines, and with a `layout` its lines too (Layout.holds), each chat with the user turns that follow
+    its answer (Layout.later; none for the other lines)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:  # '-' is no file either: standard input has its own path
@@ -144,7 +153,7 @@ def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tupl
         raise BeamtrtError(f"{path}:{line}: not UTF-8 text (byte offset {e.start}); a prompts file must be UTF-8"
                            ) from None
     one_per_line = "a prompts file is JSON Lines: one object per line"
-    chats, numbers = [], []
+    chats, numbers, later = [], [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -158,8 +167,9 @@ def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tupl
         if both and not _opens(obj["messages"], obj["prompt"]):
             raise BeamtrtError(f'{path}:{n}: holds both "prompt" and "messages", and the messages do not open with '
                                "that prompt; give one")  # which was meant? (a dataset export's two copies agree)
+        turns = ()
         if layout is not None and isinstance(obj, dict) and layout.holds(obj):
-            if (prompt := layout.prompt(obj)) is None:
+            if (prompt := layout.prompt(obj)) is None or (turns := layout.later(obj)) is None:
                 raise BeamtrtError(f"{path}:{n}: this {layout.name} line (it has {layout.marker!r}) needs "
                                    f"{layout.needs}")
             chats.append([{"role": "user", "content": prompt}])
@@ -175,8 +185,9 @@ def read_chat_lines(path: str | Path, layout: Layout | None = None) -> list[tupl
             keys = f" (its fields: {', '.join(map(str, obj))})" if isinstance(obj, dict) and obj else ""
             raise BeamtrtError(f"{path}:{n}: expected {expected}{keys}; {one_per_line}")
         numbers.append(n)
-        for message in chats[-1]:
-            utf8_text(message["content"], f"{path}:{n}")
+        later.append(turns)
+        for text in [message["content"] for message in chats[-1]] + list(turns):
+            utf8_text(text, f"{path}:{n}")
     if not chats:
         raise BeamtrtError(f"{path}: no prompts")
-    return list(zip(numbers, chats))
+    return list(zip(numbers, chats, later))

@@ -28,7 +28,7 @@ from beamtrt.cli_util import (ArgumentParser, check_threads, description, output
                               set_threads, signals_held, torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, render_chats, utf8_text
+from beamtrt.prompts import load_tokenizer, make_decode, render_chats, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, Sources
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
@@ -103,6 +103,10 @@ def markdown(result: dict) -> str:
                  if n < fam["prompts"]]:
         lines.append(f"\nτ is the mean over the requests that reached a verify step (the others ended at their first "
                      f"token): {'; '.join(short)}.")
+    if talks := [f"{FAMILY_NAMES.get(fam['family'], fam['family'])}'s {fam['prompts']} requests are the turns of "
+                 f"{fam['conversations']} conversations" for fam in result["families"] if fam.get("conversations")]:
+        lines.append(f"\n{'; '.join(talks)}; each turn after the first follows the target's greedy answer to the turn "
+                     "before it.")
     if result.get("draft_threshold"):
         lines.append(f"\nDecode columns: drafts cut at a draft threshold of {result['draft_threshold']:g}; the τ "
                      "columns verify whole blocks.")
@@ -170,15 +174,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", action="append", default=[], metavar="FAMILY=FILE",
                    help="use this prompts JSONL for a family: {\"prompt\"} or {\"messages\"} lines as they are, "
                         "and for gsm8k, math, humaneval, mbpp and mtbench the official set's own lines too (GSM8K's "
-                        "question, MATH's problem, HumanEval's prompt, MT-Bench's first turn, each with the built-in "
+                        "question, MATH's problem, HumanEval's prompt, MT-Bench's turns, each with the built-in "
                         "set's suffix or instruction line; MBPP's text and test_list with a line of their own); a new "
                         "family name adds a row (repeatable)")
     p.add_argument("--num-prompts", type=int, default=32,
                    help="prompts per family, the first of its set; a family stops at its set's end (GSM8K at 1,319, "
-                        "the test split's size) (default: %(default)s)")
+                        "the test split's size); an MT-Bench question is a prompt of two turns, each decoded, the "
+                        "second after the target's greedy answer to the first (default: %(default)s)")
     p.add_argument("--c1-prompts", type=int, default=8,
-                   help="prompts of the concurrency-1 runs, which are sequential: the first of each family's, at most "
-                        "--num-prompts (default: %(default)s)")
+                   help="requests of the concurrency-1 runs, which are sequential: the first of each family's, at most "
+                        "as many as it has (an MT-Bench question's turns are two) (default: %(default)s)")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 32],
                    help="concurrency levels (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
@@ -207,6 +212,9 @@ class Plan:
 
     prompt_ids: dict[str, list[list[int]]]  # family -> its prompts through the target's chat template
     labels: dict[str, list[str]]  # family -> what messages call each prompt: FILE:LINE, or "family: prompt N"
+    chats: dict[str, list[list[dict]]]  # family -> its prompts' chats
+    later: dict[str, list[tuple[str, ...]]]  # family -> the user turns after each prompt's answer (MT-Bench's second)
+    tokenizer: object  # the target's, for the later turns' prompts
     files: dict[str, str]  # family -> the --prompts file it was read from (the others: their package)
     engine_dir: Path | None
     manifest: dict | None
@@ -259,24 +267,37 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     for ext in OUT_EXTS:
         outside_inputs(args.out + ext, "--out", reads)
     tokenizer = load_tokenizer(sources.tokenizer_dir)
-    labels = {fam: [label for label, _ in c] for fam, c in chats.items()}
-    prompt_ids = {fam: render_chats(tokenizer, [chat for _, chat in c], labels[fam])
-                  for fam, c in chats.items()}  # every prompt rendered before the models load
+    labels = {fam: [label for label, _, _ in c] for fam, c in chats.items()}
+    later = {fam: [more for _, _, more in c] for fam, c in chats.items()}
+    chats = {fam: [chat for _, chat, _ in c] for fam, c in chats.items()}
+    prompt_ids = {fam: render_chats(tokenizer, chats[fam], labels[fam])
+                  for fam in chats}  # every prompt rendered before the models load
+    lengths = {fam: [len(ids) for ids in fam_ids] for fam, fam_ids in prompt_ids.items()}
+    where = {fam: list(fam_labels) for fam, fam_labels in labels.items()}
+    for fam, fam_later in later.items():  # a later turn's prompt holds the answers before it: at most their budget
+        if ends := [i for i, more in enumerate(fam_later) if more]:
+            skeletons = render_chats(tokenizer, [chats[fam][i] + [m for turn in fam_later[i] for m in (
+                {"role": "assistant", "content": ""}, {"role": "user", "content": turn})] for i in ends],
+                [f"{labels[fam][i]}, turn {len(fam_later[i]) + 1}" for i in ends])
+            for i, ids in zip(ends, skeletons):
+                lengths[fam][i] = len(ids) + len(fam_later[i]) * args.max_new_tokens
+                where[fam][i] = (f"{labels[fam][i]}, turn {len(fam_later[i]) + 1} (after answers of up to "
+                                 "--max-new-tokens each)")
     block16 = not args.no_block16 and (sources.drafter_block or 0) >= 16  # as benchmark() decides it
-    check_fit(prompt_ids, labels, args.max_new_tokens, max(args.block_size, 16 * block16), sources.context)
-    return Plan(prompt_ids, labels, files, engine_dir, manifest, backend, sources)
+    check_fit(lengths, where, args.max_new_tokens, max(args.block_size, 16 * block16), sources.context)
+    return Plan(prompt_ids, labels, chats, later, tokenizer, files, engine_dir, manifest, backend, sources)
 
 
-def check_fit(prompt_ids: dict[str, list[list[int]]], labels: dict[str, list[str]], max_new_tokens: int,
-              verified: int, context: int | None) -> None:
-    """Every prompt fits the target's context with `max_new_tokens` and a last block of `verified` (the widest the
-    run verifies), before the first family is measured: checked on the sources' context before the models load,
-    and on the loaded target's."""
+def check_fit(lengths: dict[str, list[int]], labels: dict[str, list[str]], max_new_tokens: int, verified: int,
+              context: int | None) -> None:
+    """Every prompt (of `lengths` tokens) fits the target's context with `max_new_tokens` and a last block of
+    `verified` (the widest the run verifies), before the first family is measured: checked on the sources' context
+    before the models load, and on the loaded target's."""
     from beamtrt.spec.decoder import too_long
 
-    for fam, ids in prompt_ids.items():
-        for label, one in zip(labels[fam], ids):
-            if why := too_long(len(one), max_new_tokens, verified, context, "--max-new-tokens"):
+    for fam, fam_lengths in lengths.items():
+        for label, length in zip(labels[fam], fam_lengths):
+            if why := too_long(length, max_new_tokens, verified, context, "--max-new-tokens"):
                 raise BeamtrtError(f"{label}: {why}; leave it out or lower --max-new-tokens")
 
 
@@ -300,6 +321,29 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
     if plan.manifest:
         result["build_tp"] = plan.manifest["mapping"]["tp_size"]
     benchmark(args, plan, *driven, result)
+
+
+def conversation_turns(target, plan: Plan, fam: str, ask, batch: int,
+                       on_finish=None) -> tuple[list[list[int]], list[str]]:
+    """A family's requests and their labels, each conversation's turns in order: its prompt, then each later user
+    turn (MT-Bench's second) in the chat after the target's greedy answer to the turn before it, as text, as FastChat's
+    MT-Bench answer generation asks it; `ask` makes a request of prompt ids."""
+    from beamtrt.spec.sampling import SamplingParams
+
+    text = make_decode(plan.tokenizer)
+    chats, later, labels = [list(chat) for chat in plan.chats[fam]], plan.later[fam], plan.labels[fam]
+    asked = [[ids] for ids in plan.prompt_ids[fam]]  # conversation -> its turns' prompt ids
+    for k in range(max(map(len, later), default=0)):
+        going = [i for i, more in enumerate(later) if len(more) > k]
+        answers = decode(target, None, 1, [ask(asked[i][-1]) for i in going], batch, SamplingParams(),
+                         on_finish=on_finish).outputs
+        for i, answer in zip(going, answers):
+            chats[i] += [{"role": "assistant", "content": text(answer)}, {"role": "user", "content": later[i][k]}]
+        prompts = render_chats(plan.tokenizer, [chats[i] for i in going], [f"{labels[i]}, turn {k + 2}" for i in going])
+        for i, ids in zip(going, prompts):
+            asked[i].append(ids)
+    named = [label + (f", turn {k + 1}" if k else "") for label, turns in zip(labels, asked) for k in range(len(turns))]
+    return [ids for turns in asked for ids in turns], named
 
 
 def timed(run: Run, family: str) -> Run:
@@ -329,11 +373,11 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
     block16 = not args.no_block16 and drafter.block_size >= 16  # a drafter of a smaller block has no τ at 16
     if not args.no_block16 and not block16:
         print(f"benchmark: no block-16 column: the drafter's own block is {drafter.block_size}", file=sys.stderr)
-    prompt_ids = plan.prompt_ids
-    family_requests = {fam: [Request(tuple(ids), args.max_new_tokens, eos) for ids in fam_ids]
-                       for fam, fam_ids in prompt_ids.items()}
-    check_fit(prompt_ids, plan.labels, args.max_new_tokens, max(args.block_size, 16 * block16),
-              getattr(target, "max_seq_len", None))
+    context = getattr(target, "max_seq_len", None)
+    verified = max(args.block_size, 16 * block16)
+    check_fit({fam: list(map(len, ids)) for fam, ids in plan.prompt_ids.items()}, plan.labels, args.max_new_tokens,
+              verified, context)
+    ask = lambda ids: Request(tuple(ids), args.max_new_tokens, eos)  # noqa: E731
 
     def whole(n: int) -> list[int]:  # the concurrencies whose speculative run decodes all n prompts in whole blocks
         return [] if args.draft_threshold else [c for c in cs if c != 1 or n <= args.c1_prompts]
@@ -341,18 +385,29 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
     def requests_decoded(n: int) -> int:  # plain and speculative at each concurrency, sampled, whole blocks, block 16
         return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (1 + (not whole(n)) + block16)
 
-    bar = tqdm(total=sum(requests_decoded(len(ids)) for ids in prompt_ids.values()), desc="benchmark", unit="request",
-               file=sys.stderr, disable=None)  # on a terminal only: piped, stderr is its JSON lines
+    turns = {fam: len(ids) + sum(map(len, plan.later[fam])) for fam, ids in plan.prompt_ids.items()}  # requests
+    bar = tqdm(total=sum(requests_decoded(n) + n - len(plan.prompt_ids[fam]) for fam, n in turns.items()),
+               desc="benchmark", unit="request", file=sys.stderr,
+               disable=None)  # on a terminal only: piped, stderr is its JSON lines
     finished = lambda i, completion: bar.update()  # noqa: E731
     log = lambda line: bar.write(json.dumps(line), file=sys.stderr)  # noqa: E731  above the bar, not through it
     bar.set_postfix_str("warm-up")
-    warm = [dataclasses.replace(r, max_new_tokens=min(WARMUP_TOKENS, r.max_new_tokens))
-            for r in next(iter(family_requests.values()))[:max(cs)]]
+    warm = [dataclasses.replace(ask(ids), max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens))
+            for ids in next(iter(plan.prompt_ids.values()))[:max(cs)]]
     for warm_drafter in (None, drafter):  # untimed: one-time costs (a GPU's first kernels, caches) are paid here
         decode(target, warm_drafter, args.block_size, warm, max(cs), greedy, args.draft_threshold)
     result["warmup"] = {"requests": len(warm), "max_new_tokens": max(r.max_new_tokens for r in warm)}
+    family_requests = {}
+    for fam in plan.prompt_ids:  # each later turn after the target's answers to the turns before it
+        if any(plan.later[fam]):
+            bar.set_postfix_str(f"{fam}, answers to the turns before the last")
+        all_ids, labels = conversation_turns(target, plan, fam, ask, max(cs), on_finish=finished)
+        check_fit({fam: list(map(len, all_ids))}, {fam: labels}, args.max_new_tokens, verified, context)
+        family_requests[fam] = list(map(ask, all_ids))
     for f, (fam, requests) in enumerate(family_requests.items()):
         row = {"family": fam, "prompts": len(requests), "prompts_file": plan.files.get(fam), "concurrency": {}}
+        if len(requests) > len(plan.prompt_ids[fam]):  # their conversations, of more than one turn each
+            row["conversations"] = len(plan.prompt_ids[fam])
         spec_runs = {}
         for i, c in enumerate(cs):
             bar.set_postfix_str(f"{fam}, concurrency {c}")

