@@ -453,15 +453,22 @@ def benchmark(sources: Path, engine: Path, ranks: int, out: Path, *args: str) ->
 
 def test_benchmark_measures_a_build_on_its_ranks(sources, tmp_path_factory, tmp_path):
     """scripts/benchmark.py --engine-dir under mpirun: rank 0 alone measures and writes the table, speculative greedy
-    equals plain greedy on the TP ranks, and the acceptance lengths equal the same build's run in one process."""
+    equals plain greedy on the TP ranks, and the acceptance lengths equal the same build's run in one process; the
+    same for a family of two-turn conversations, whose answers to the first turns rank 0 decodes on every rank."""
     engine = build(sources, tmp_path_factory.getbasetemp() / "bf16-tp2-ep1", 2)
+    (talks := tmp_path / "mt.jsonl").write_text("".join(json.dumps({"turns": turns}) + "\n" for turns in (
+        ["Write a haiku.", "Now in French."], ["Name a color.", "And another?"])))
     one, two = (benchmark(sources, engine, ranks, tmp_path / f"bench-{ranks}", "--num-prompts", "3",
-                          "--concurrency", "1", "3", "--max-new-tokens", "8") for ranks in (0, 2))
+                          "--concurrency", "1", "3", "--max-new-tokens", "8", "--prompts", f"mtbench={talks}")
+                for ranks in (0, 2))
     assert (one["tp"], two["tp"], two["build_tp"], two["precision"], two["backend"]) == (1, 2, 2, "bf16", "torch")
     for data in (one, two):
-        assert all(p["greedy_identical"] == p["requests"] for p in data["families"][0]["concurrency"].values())
+        assert [(f["family"], f["prompts"], f.get("conversations")) for f in data["families"]] == [
+            ("chat", 3, None), ("mtbench", 4, 2)]
+        for fam in data["families"]:
+            assert all(p["greedy_identical"] == p["requests"] for p in fam["concurrency"].values())
     for key in ("tau_greedy", "per_position_acceptance"):
-        assert two["families"][0][key] == one["families"][0][key]
+        assert [f[key] for f in two["families"]] == [f[key] for f in one["families"]]
 
 
 def test_speculative_greedy_is_plain_greedy_on_an_nvfp4_build(sources, tmp_path_factory, tmp_path):
