@@ -416,23 +416,23 @@ def test_mt_bench_second_turns_follow_the_targets_greedy_answer_to_the_first(min
              {"question_id": 82, "turns": ["Name a color.", "And another?"]}]
     (tmp_path / "mt.jsonl").write_text("".join(json.dumps(line) + "\n" for line in talks))
     calls, decode = [], bench.decode
-    monkeypatch.setattr(bench, "decode", lambda target, drafter, block, requests, *a, **k: calls.append(
-        (drafter, requests, run := decode(target, drafter, block, requests, *a, **k))) or run)
+    monkeypatch.setattr(bench, "decode", lambda target, drafter, block, requests, c, params, *a, **k: calls.append(
+        (drafter, requests, params, run := decode(target, drafter, block, requests, c, params, *a, **k))) or run)
     monkeypatch.setattr("sys.stderr", progress := Terminal())
     assert main(["--model", str(src / "target"), "--drafter", str(src / "drafter"), "--families", "mtbench",
                  "--prompts", f"mtbench={tmp_path / 'mt.jsonl'}", "--num-prompts", "3", "--c1-prompts", "2",
                  "--concurrency", "2", "--max-new-tokens", "5", "--no-block16", "--out", str(tmp_path / "b")]) == 0
     tokenizer = load_tokenizer(src / "target")
-    (_, answered, answers), (_, requests, _) = calls[2:4]  # after the warm-up: the answers to the first turns
+    (drafter, answered, params, answers), (_, requests, _, _) = calls[2:4]  # after the warm-up: the first answers
     first = [render_chat(tokenizer, [{"role": "user", "content": t["turns"][0]}]) for t in (talks[0], talks[2])]
-    assert [list(r.prompt_ids) for r in answered] == first
+    assert [list(r.prompt_ids) for r in answered] == first and drafter is None and params.temperature == 0
+    assert all(make_decode(tokenizer)(answer) for answer in answers.outputs)  # text between the turns
     second = [render_chat(tokenizer, [{"role": "user", "content": t["turns"][0]},
                                       {"role": "assistant", "content": make_decode(tokenizer)(answer)},
                                       {"role": "user", "content": t["turns"][1]}])
               for t, answer in zip((talks[0], talks[2]), answers.outputs)]
     hi = render_chat(tokenizer, [{"role": "user", "content": "Hi."}])
     assert [list(r.prompt_ids) for r in requests] == [first[0], second[0], hi, first[1], second[1]]
-    assert all(len(s) > len(f) + 4 for f, s in zip(first, second))  # the answer sits between the two turns
     fam = json.loads((tmp_path / "b.json").read_text())["families"][0]
     assert (fam["prompts"], fam["conversations"], fam["concurrency"]["2"]["greedy_identical"]) == (5, 3, 5)
     assert "MT-Bench's 5 requests are the turns of 3 conversations; each turn after the first follows the target's " \
@@ -443,7 +443,8 @@ def test_mt_bench_second_turns_follow_the_targets_greedy_answer_to_the_first(min
 def test_a_second_turn_that_may_not_fit_is_refused_before_the_models_load(mini_vocab_sources, tmp_path, monkeypatch,
                                                                            one_thread, capsys):
     """A second turn's prompt holds the first turn's answer, up to --max-new-tokens: a conversation whose two turns
-    cannot fit the target's context with their answers is refused before anything loads, naming its turn."""
+    cannot fit the target's context with their answers is refused before anything loads, naming its turn; a first
+    turn that cannot fit itself is named alone."""
     from beamtrt.runtime import loader
 
     monkeypatch.setattr(loader, "load_hf", lambda *a, **k: pytest.fail("the models were loaded"))
@@ -453,6 +454,46 @@ def test_a_second_turn_that_may_not_fit_is_refused_before_the_models_load(mini_v
             f"mtbench={tmp_path / 'mt.jsonl'}", "--concurrency", "1", "--no-block16", "--out", str(tmp_path / "b")]
     assert main(args + ["--max-new-tokens", "16370"]) == 2  # the first turn fits with its answer, the second not
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith(f"error: {tmp_path / 'mt.jsonl'}:1, turn 2 (after answers of up to --max-new-tokens each): "
-                          "its prompt ("), err
+    assert err.startswith(f"error: {tmp_path / 'mt.jsonl'}:1, turn 2 (counted with answers of --max-new-tokens tokens "
+                          "before it): its prompt ("), err
     assert "more than the target's context of 32768 tokens" in err
+    assert main(args + ["--max-new-tokens", "32760"]) == 2  # nor does the first
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {tmp_path / 'mt.jsonl'}:1: its prompt (")
+
+
+def test_each_later_turn_follows_its_own_conversations_answer(mini_vocab_sources, monkeypatch):
+    """Lines of three, one and two turns mixed: each later turn is asked after its own conversation's greedy answer
+    (one decode per turn, of the conversations still going), an answer cut inside a character puts no U+FFFD into the
+    chat, and each turn's prompts are checked to fit, named by line and turn, before the next answers are decoded."""
+    import beamtrt.bench.benchmark as bench
+    from beamtrt.prompts import load_tokenizer, render_chat
+    from beamtrt.spec.decoder import Request
+
+    tok = load_tokenizer(mini_vocab_sources / "target")
+    chats = [[{"role": "user", "content": turn}] for turn in ("A?", "B?", "C?")]
+    later = [("A2?", "A3?"), (), ("C2?",)]
+    first = [render_chat(tok, chat) for chat in chats]
+    plan = bench.Plan({"f": first}, {"f": ["f:1", "f:2", "f:3"]}, {"f": chats}, {"f": later}, tok, {}, None, None,
+                      "torch", None)
+    cut = tok.encode("😀", add_special_tokens=False)[:1]  # the first byte of the emoji: decoded as U+FFFD
+    events = []
+
+    def decode(target, drafter, block, requests, batch, params, **kwargs):  # the answer to a prompt names its length
+        events.append(("decode", params.temperature, [list(r.prompt_ids) for r in requests]))
+        outputs = [tok.encode(f" answer {len(r.prompt_ids)}", add_special_tokens=False) + cut for r in requests]
+        return bench.Run(outputs, 1.0, None, [], len(requests))
+
+    monkeypatch.setattr(bench, "decode", decode)
+    got = bench.conversation_turns(None, plan, "f", lambda ids: Request(tuple(ids), 8), 4,
+                                   lambda prompts, labels: events.append(("fit", labels, prompts)))
+
+    def said(*turns: tuple[list[int], str]) -> list[dict]:  # each answer to a prompt, then the next question
+        return [m for prompt, q in turns for m in ({"role": "assistant", "content": f" answer {len(prompt)}"},
+                                                   {"role": "user", "content": q})]
+
+    a2, c2 = render_chat(tok, chats[0] + said((first[0], "A2?"))), render_chat(tok, chats[2] + said((first[2], "C2?")))
+    a3 = render_chat(tok, chats[0] + said((first[0], "A2?"), (a2, "A3?")))
+    assert got == [first[0], a2, a3, first[1], first[2], c2]
+    assert events == [("decode", 0.0, [first[0], first[2]]), ("fit", ["f:1, turn 2", "f:3, turn 2"], [a2, c2]),
+                      ("decode", 0.0, [a2]), ("fit", ["f:1, turn 3"], [a3])]
+    assert "\ufffd" not in tok.decode(a3)

@@ -28,7 +28,7 @@ from beamtrt.cli_util import (ArgumentParser, check_threads, description, output
                               set_threads, signals_held, torch_device)
 from beamtrt.config import check_block_size, check_draft_threshold
 from beamtrt.errors import BeamtrtError
-from beamtrt.prompts import load_tokenizer, make_decode, render_chats, utf8_text
+from beamtrt.prompts import load_tokenizer, make_decode, render_chat, render_chats, utf8_text
 from beamtrt.runtime.loader import BACKENDS, DTYPES, Sources
 
 SAMPLED = (0.7, 0.99)  # temperature, top-p of the published sampled column
@@ -274,15 +274,18 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
                   for fam in chats}  # every prompt rendered before the models load
     lengths = {fam: [len(ids) for ids in fam_ids] for fam, fam_ids in prompt_ids.items()}
     where = {fam: list(fam_labels) for fam, fam_labels in labels.items()}
-    for fam, fam_later in later.items():  # a later turn's prompt holds the answers before it: at most their budget
-        if ends := [i for i, more in enumerate(fam_later) if more]:
-            skeletons = render_chats(tokenizer, [chats[fam][i] + [m for turn in fam_later[i] for m in (
-                {"role": "assistant", "content": ""}, {"role": "user", "content": turn})] for i in ends],
-                [f"{labels[fam][i]}, turn {len(fam_later[i]) + 1}" for i in ends])
-            for i, ids in zip(ends, skeletons):
-                lengths[fam][i] = len(ids) + len(fam_later[i]) * args.max_new_tokens
-                where[fam][i] = (f"{labels[fam][i]}, turn {len(fam_later[i]) + 1} (after answers of up to "
-                                 "--max-new-tokens each)")
+    for fam, fam_later in later.items():  # a conversation's last turn holds the answers before it, each at most
+        for i, more in enumerate(fam_later):  # --max-new-tokens tokens (checked exactly once they are decoded)
+            if not more:
+                continue
+            try:  # each answer a placeholder of a token or so; a template that rejects it is left to that check
+                ids = render_chat(tokenizer, chats[fam][i] + [m for turn in more for m in (
+                    {"role": "assistant", "content": "x"}, {"role": "user", "content": turn})])
+            except ValueError:
+                continue
+            lengths[fam].append(len(ids) + len(more) * args.max_new_tokens)
+            where[fam].append(f"{labels[fam][i]}, turn {len(more) + 1} (counted with answers of --max-new-tokens "
+                              "tokens before it)")
     block16 = not args.no_block16 and (sources.drafter_block or 0) >= 16  # as benchmark() decides it
     check_fit(lengths, where, args.max_new_tokens, max(args.block_size, 16 * block16), sources.context)
     return Plan(prompt_ids, labels, chats, later, tokenizer, files, engine_dir, manifest, backend, sources)
@@ -323,11 +326,11 @@ def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
     benchmark(args, plan, *driven, result)
 
 
-def conversation_turns(target, plan: Plan, fam: str, ask, batch: int,
-                       on_finish=None) -> tuple[list[list[int]], list[str]]:
-    """A family's requests and their labels, each conversation's turns in order: its prompt, then each later user
-    turn (MT-Bench's second) in the chat after the target's greedy answer to the turn before it, as text, as FastChat's
-    MT-Bench answer generation asks it; `ask` makes a request of prompt ids."""
+def conversation_turns(target, plan: Plan, fam: str, ask, batch: int, fit, on_finish=None) -> list[list[int]]:
+    """A family's prompts, each conversation's turns in order: its prompt, then each later user turn (MT-Bench's
+    second) in the chat after the target's greedy answer to the turn before it, as text (as the MT-Bench evaluator's
+    mt_inference.py asks it; an answer ends at --max-new-tokens, as there at its --max_tokens); `ask` makes a request
+    of prompt ids, `fit(prompts, labels)` refuses prompts the target cannot decode."""
     from beamtrt.spec.sampling import SamplingParams
 
     text = make_decode(plan.tokenizer)
@@ -338,12 +341,13 @@ def conversation_turns(target, plan: Plan, fam: str, ask, batch: int,
         answers = decode(target, None, 1, [ask(asked[i][-1]) for i in going], batch, SamplingParams(),
                          on_finish=on_finish).outputs
         for i, answer in zip(going, answers):
-            chats[i] += [{"role": "assistant", "content": text(answer)}, {"role": "user", "content": later[i][k]}]
-        prompts = render_chats(plan.tokenizer, [chats[i] for i in going], [f"{labels[i]}, turn {k + 2}" for i in going])
+            chats[i] += [{"role": "assistant", "content": text(answer).rstrip("\ufffd")},  # no half of a cut character
+                         {"role": "user", "content": later[i][k]}]
+        named = [f"{labels[i]}, turn {k + 2}" for i in going]
+        fit(prompts := render_chats(plan.tokenizer, [chats[i] for i in going], named), named)
         for i, ids in zip(going, prompts):
             asked[i].append(ids)
-    named = [label + (f", turn {k + 1}" if k else "") for label, turns in zip(labels, asked) for k in range(len(turns))]
-    return [ids for turns in asked for ids in turns], named
+    return [ids for turns in asked for ids in turns]
 
 
 def timed(run: Run, family: str) -> Run:
@@ -373,10 +377,11 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
     block16 = not args.no_block16 and drafter.block_size >= 16  # a drafter of a smaller block has no τ at 16
     if not args.no_block16 and not block16:
         print(f"benchmark: no block-16 column: the drafter's own block is {drafter.block_size}", file=sys.stderr)
-    context = getattr(target, "max_seq_len", None)
-    verified = max(args.block_size, 16 * block16)
-    check_fit({fam: list(map(len, ids)) for fam, ids in plan.prompt_ids.items()}, plan.labels, args.max_new_tokens,
-              verified, context)
+    fit = lambda prompts, labels: check_fit(  # noqa: E731  on the loaded target's context
+        {"": list(map(len, prompts))}, {"": labels}, args.max_new_tokens, max(args.block_size, 16 * block16),
+        getattr(target, "max_seq_len", None))
+    for fam, ids in plan.prompt_ids.items():
+        fit(ids, plan.labels[fam])
     ask = lambda ids: Request(tuple(ids), args.max_new_tokens, eos)  # noqa: E731
 
     def whole(n: int) -> list[int]:  # the concurrencies whose speculative run decodes all n prompts in whole blocks
@@ -401,9 +406,7 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
     for fam in plan.prompt_ids:  # each later turn after the target's answers to the turns before it
         if any(plan.later[fam]):
             bar.set_postfix_str(f"{fam}, answers to the turns before the last")
-        all_ids, labels = conversation_turns(target, plan, fam, ask, max(cs), on_finish=finished)
-        check_fit({fam: list(map(len, all_ids))}, {fam: labels}, args.max_new_tokens, verified, context)
-        family_requests[fam] = list(map(ask, all_ids))
+        family_requests[fam] = list(map(ask, conversation_turns(target, plan, fam, ask, max(cs), fit, finished)))
     for f, (fam, requests) in enumerate(family_requests.items()):
         row = {"family": fam, "prompts": len(requests), "prompts_file": plan.files.get(fam), "concurrency": {}}
         if len(requests) > len(plan.prompt_ids[fam]):  # their conversations, of more than one turn each
