@@ -19,7 +19,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -412,8 +411,7 @@ def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimize
     return state["step"], state["log"]
 
 
-def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Path,
-          on_log: Callable[[dict], None] = lambda row: None, quiet: bool = False,
+def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Path, quiet: bool = False,
           stop_after: int | None = None, digest: str | None = None) -> list[dict]:
     """Train `drafter` (fp32, in place) for cfg.steps, resuming from work/train_state.pt when it exists; its draft
     vocabulary becomes the head slice's tokens (`head_vocab` "seen") or the whole vocabulary ("full").
@@ -441,7 +439,6 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
     if held and step == 0 and cfg.init_from:  # the starting drafter's score on this held-out set: the baseline
         drafter.eval()
         log.append({"step": 0, "seconds": 0.0} | evaluate(drafter, data, held, cfg, head))
-        on_log(log[-1])
     bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", unit="step", disable=quiet, dynamic_ncols=True)
     drafter.train()
     while step < cfg.steps:
@@ -478,7 +475,6 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
             row.update(evaluate(drafter, data, held, cfg, head))
             drafter.train()
         log.append(row)
-        on_log(row)
         bar.update(1)
         bar.set_postfix({k: row[k] for k in ("loss", "acc", "tau_proxy") if k in row} |
                         ({"eval_tau": row["eval_tau"]} if "eval_tau" in row else {}))
