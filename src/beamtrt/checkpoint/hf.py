@@ -373,9 +373,9 @@ def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())
 
 
-def _name_list(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
+def _name_list(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5])
+    return shown + (f" ... and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
@@ -629,12 +629,11 @@ def save_state_dict(
     path: str | Path,
     tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    metadata: dict[str, str] | None = None,
     overwrite: bool = False,
 ) -> list[Path]:
     """Stream (name, tensor) pairs into a sharded HF checkpoint at `path`; return the files written."""
     items = tensors.items() if isinstance(tensors, dict) else tensors
-    with CheckpointWriter(path, max_shard_bytes, metadata, overwrite) as writer:
+    with CheckpointWriter(path, max_shard_bytes, overwrite=overwrite) as writer:
         for name, tensor in items:
             writer.add(name, tensor)
     return writer.files

@@ -287,8 +287,8 @@ def target_units(cfg: BeamConfig, mapping: Mapping) -> list[Unit]:
     return units
 
 
-def kv_sites(num_layers: int, prefix: str = "transformer.layers.") -> list[str]:
-    return [f"{prefix}{i}.attention" for i in range(num_layers)]
+def kv_sites(num_layers: int) -> list[str]:
+    return [f"transformer.layers.{i}.attention" for i in range(num_layers)]
 
 
 def target_config(cfg: BeamConfig, mapping: Mapping, precision: str, kv_cache: str, dtype: torch.dtype) -> dict:

@@ -531,13 +531,12 @@ def _build(cfg: DrafterConfig, target: BeamForCausalLM, dtype: torch.dtype, devi
 
 
 def random_drafter(cfg: DrafterConfig, target: BeamForCausalLM, seed: int = 0, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None, std: float = 0.02, conv_std: float | None = None,
-                   codebook_std: float = 0.02) -> DFlash2Drafter:
+                   std: float = 0.02, conv_std: float | None = None, codebook_std: float = 0.02) -> DFlash2Drafter:
     """A deterministic random drafter (same seed → same fp32 draws on any device): linears N(0, std), norms 1,
     identity conv base + projection N(0, conv_std, default 0.1/√H: δ ≈ 0.1), codebooks N(0, codebook_std)."""
     conv_std = 0.1 / cfg.hidden_size ** 0.5 if conv_std is None else conv_std
     gen = torch.Generator().manual_seed(seed)
-    model = _build(cfg, target, dtype or target.dtype, device or target.device)
+    model = _build(cfg, target, dtype or target.dtype, target.device)
 
     def draws() -> Iterator[tuple[str, torch.Tensor]]:
         for name, (shape, _, _) in drafter_tensor_specs(model.cfg).items():

@@ -186,7 +186,7 @@ def load_target_shard(path: str | Path, dist: Dist, dtype: torch.dtype = torch.f
     return model.eval()
 
 
-def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype | None = None):
+def load_drafter_shard(path: str | Path, target, dist: Dist):
     """This rank's shard of a TensorRT-LLM drafter checkpoint over the target's shard (its embedding / LM head)."""
     from beamtrt.models.dflash2 import DFlash2Drafter, read_draft_vocab
 
@@ -202,7 +202,7 @@ def load_drafter_shard(path: str | Path, target, dist: Dist, dtype: torch.dtype 
     local = drafter_shard_config(cfg, ckpt.mapping)
     with torch.device("meta"):
         model = DFlash2Drafter(local, target, shard=target.shard)
-    model = model.to_empty(device="cpu").to(dtype or target.dtype)
+    model = model.to_empty(device="cpu").to(target.dtype)
     _load(model, _DRAFTER_TABLE, rank_tensors(ckpt, dist.rank), dist.rank)
     model.set_draft_vocab(read_draft_vocab(ckpt.path, cfg))
     install_emulation(model, ckpt, rank=dist.rank)

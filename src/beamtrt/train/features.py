@@ -447,9 +447,9 @@ def check_cache(target: BeamForCausalLM, taps: Sequence[int], data: Path, digest
 
 
 def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, quiet: bool = False,
-                     rows: int = 8, digest: str | None = None) -> None:
+                     digest: str | None = None) -> None:
     """Give every answers file in `data` without a feature shard its taps (one teacher-forced forward per sequence,
-    `rows` sequences at a time), and every feature shard without an answers file its answers file. digest: the
+    8 sequences at a time), and every feature shard without an answers file its answers file. digest: the
     target's `target_digest` (computed when the cache records one and it is not given)."""
     from tqdm import tqdm
 
@@ -473,7 +473,7 @@ def rebuild_features(target: BeamForCausalLM, taps: Sequence[int], data: Path, q
     for features, shard in shards:
         start = shard["seq_start"].tolist()
         seqs = [shard["ids"][a:b].long() for a, b in zip(start[:-1], start[1:])]
-        _save({"ids": shard["ids"].long(), "taps": torch.cat(sequence_taps(target, taps, seqs, rows, bar)).cpu(),
+        _save({"ids": shard["ids"].long(), "taps": torch.cat(sequence_taps(target, taps, seqs, bar=bar)).cpu(),
                "seq_start": shard["seq_start"], "prompt_len": shard["prompt_len"], "greedy": shard["greedy"]},
               features)
     bar.close()
