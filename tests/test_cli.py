@@ -1145,14 +1145,14 @@ def test_bench_work_folders_of_other_files_are_refused(tmp_path, run):
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(mine)), "bench_tp.py did not make")
     assert sorted(p.name for p in mine.rglob("*")) == ["config.json", "target"]
 
-    work = work_dir(tmp_path / "new" / "w", "--work", "bench_tp.py")  # made, and marked as the benchmark's
+    work = work_dir(tmp_path / "new" / "w", "bench_tp.py")  # made, and marked as the benchmark's
     (work / "bf16-tp1").mkdir()
-    assert work_dir(work, "--work", "bench_tp.py") == work  # its own earlier folder: reused
+    assert work_dir(work, "bench_tp.py") == work  # its own earlier folder: reused
     with pytest.raises(BeamtrtError, match="bench_convert.py did not make"):
-        work_dir(work, "--work", "bench_convert.py")
+        work_dir(work, "bench_convert.py")
     assert (work / WORK_MARK).read_text() == "bench_tp.py\n"
     with pytest.raises(BeamtrtError, match="is a file"):
-        work_dir(work / WORK_MARK, "--work", "bench_tp.py")
+        work_dir(work / WORK_MARK, "bench_tp.py")
 
 
 @pytest.mark.parametrize("sampled", [False, True])

@@ -70,22 +70,22 @@ def say(bar, line: str, file) -> None:
     file.flush()
 
 
-def torch_device(name: str, flag: str = "--device"):
+def torch_device(name: str):
     """A --device value -> torch.device on this host, or a one-line error (a bad name, no CUDA, no such GPU)."""
     import torch
 
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise BeamtrtError(f"{flag} {name}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        raise BeamtrtError(f"--device {name}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise BeamtrtError(f"{flag} {name}: this host has no usable CUDA device (torch {torch.__version__}, "
+            raise BeamtrtError(f"--device {name}: this host has no usable CUDA device (torch {torch.__version__}, "
                                f"CUDA build: {torch.version.cuda or 'no'})")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise BeamtrtError(f"{flag} {name}: this host has {torch.cuda.device_count()} CUDA device(s)")
+            raise BeamtrtError(f"--device {name}: this host has {torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
-        raise BeamtrtError(f"{flag} {name}: only cpu and cuda devices are supported")
+        raise BeamtrtError(f"--device {name}: only cpu and cuda devices are supported")
     return device
 
 
@@ -94,11 +94,11 @@ def description(doc: str) -> str:
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
-def check_threads(n: int, flag: str = "--threads") -> None:
+def check_threads(n: int) -> None:
     """A --threads value: 0 (torch's default) or a thread count, at most 4 per core (torch crashes far above)."""
     cores = os.cpu_count() or 1
     if not 0 <= n <= 4 * cores:
-        raise BeamtrtError(f"{flag} must be in [0, {4 * cores}] (0 = torch's default; this host has {cores} cores), "
+        raise BeamtrtError(f"--threads must be in [0, {4 * cores}] (0 = torch's default; this host has {cores} cores), "
                            f"got {n}")
 
 
@@ -188,11 +188,11 @@ def child_error(stderr: str, returncode: int) -> str:
     return f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}, no output"
 
 
-def set_threads(n: int, flag: str = "--threads") -> None:
+def set_threads(n: int) -> None:
     """--threads N: torch's CPU threads; 0 keeps torch's default."""
     import torch
 
-    check_threads(n, flag)
+    check_threads(n)
     if n:
         torch.set_num_threads(n)
 
@@ -248,15 +248,15 @@ def outside_inputs(path: str | Path, flag: str, reads: Iterable[tuple[str, str |
 WORK_MARK = ".beamtrt-work"  # names the benchmark whose scratch folder this is
 
 
-def work_dir(path: str | Path, flag: str, owner: str) -> Path:
+def work_dir(path: str | Path, owner: str) -> Path:
     """A benchmark's scratch folder, whose contents it deletes and replaces: a new or empty folder, or one this
     benchmark marked before (a user's --work ~/models would otherwise lose its models)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise BeamtrtError(f"{flag} {p}: is a file; expected a directory path")
+        raise BeamtrtError(f"--work {p}: is a file; expected a directory path")
     mark = p / WORK_MARK
     if p.is_dir() and any(p.iterdir()) and not (mark.is_file() and mark.read_text(errors="replace").strip() == owner):
-        raise BeamtrtError(f"{flag} {p}: holds files that {owner} did not make there, and it replaces what it "
+        raise BeamtrtError(f"--work {p}: holds files that {owner} did not make there, and it replaces what it "
                            "finds in its folder; give a new or empty one")
     p.mkdir(parents=True, exist_ok=True)
     mark.write_text(owner + "\n")

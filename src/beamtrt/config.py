@@ -485,11 +485,11 @@ MAX_CALIB_SAMPLES = 4096  # modelopt's LLM quantization examples default to 512
 MAX_BLOCK_SIZE = 32  # the selector plugin walks at most 31 drafts
 
 
-def check_block_size(block_size: int, flag: str = "--block-size") -> None:
+def check_block_size(block_size: int) -> None:
     """A verification block: the anchor and 1 to MAX_BLOCK_SIZE - 1 drafts."""
     if not 2 <= block_size <= MAX_BLOCK_SIZE:
-        _fail(f"{flag} must be in [2, {MAX_BLOCK_SIZE}] (1 anchor + 1 to {MAX_BLOCK_SIZE - 1} drafts; the selector "
-              f"plugin walks at most {MAX_BLOCK_SIZE - 1}), got {block_size}")
+        _fail(f"--block-size must be in [2, {MAX_BLOCK_SIZE}] (1 anchor + 1 to {MAX_BLOCK_SIZE - 1} drafts; the "
+              f"selector plugin walks at most {MAX_BLOCK_SIZE - 1}), got {block_size}")
 
 
 def drafter_block_error(block_size: int, drafter_block: int) -> str | None:
@@ -501,10 +501,10 @@ def drafter_block_error(block_size: int, drafter_block: int) -> str | None:
     return None
 
 
-def check_draft_threshold(threshold: float, flag: str = "--draft-threshold") -> None:
+def check_draft_threshold(threshold: float) -> None:
     """A draft threshold: a probability (0 verifies whole blocks)."""
     if not 0 <= threshold <= 1:
-        _fail(f"{flag} must be in [0, 1] (0 verifies every draft of a block), got {threshold}")
+        _fail(f"--draft-threshold must be in [0, 1] (0 verifies every draft of a block), got {threshold}")
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             trtllm.target_units(source_config(args.size_gb), trtllm.Mapping(args.tp, 1))
         except ConfigError as e:
             raise BeamtrtError(f"--tp {args.tp}: {e}") from None
-        target, drafter = make_sources(work_dir(args.work, "--work", "bench_convert.py"), args.size_gb)
+        target, drafter = make_sources(work_dir(args.work, "bench_convert.py"), args.size_gb)
         weights = sum(f.stat().st_size for f in target.glob("*.safetensors"))
         results = {"source_bytes": weights, "source_gb": round(weights / 1e9, 2), "tp": args.tp,
                    "threads": torch.get_num_threads(), "precisions": {}}

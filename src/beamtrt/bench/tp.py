@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  *(("the drafter", d) for d in drafters),
                                                  ("the prompts", default_prompts_path()),
                                                  ("--work", args.work)])  # whose contents are replaced
-        work_dir(args.work, "--work", "bench_tp.py")
+        work_dir(args.work, "bench_tp.py")
         results = {"model": args.model or str(DEFAULT_DIR), "drafter": args.drafter,  # None: build_engines' default
                    "precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
         bar = progress(len(args.tp) * (1 + 2 * len(args.concurrency)), "bench_tp", unit="command")
