@@ -214,7 +214,6 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
 
 @dataclass(frozen=True)
 class Metrics:
-    output_tokens: int = 0
     steps: int = 0                  # verification steps
     accepted_draft_tokens: int = 0  # drafts accepted and kept
     draft_tokens: int = 0           # drafts verified: steps × (block_size - 1) unless a draft threshold cut some

@@ -349,8 +349,8 @@ class Server:
                 self._send(live, Delta(*taken, self._metrics(live.completion), final, live.completion.finish_reason))
 
     def _metrics(self, c: Completion) -> Metrics:
-        return Metrics(output_tokens=len(c.output_ids), steps=c.steps, accepted_draft_tokens=c.accepted,
-                       draft_tokens=c.drafted, committed=c.committed)
+        return Metrics(steps=c.steps, accepted_draft_tokens=c.accepted, draft_tokens=c.drafted,
+                       committed=c.committed)
 
     def _send(self, live: _Live, delta: Delta) -> None:
         if delta.finished:
