@@ -12,7 +12,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -643,23 +643,25 @@ def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
     return element_size * (base + n_dense * dense_layer + (cfg.num_hidden_layers - n_dense) * moe_layer)
 
 
-def load_state(model: BeamForCausalLM, tensors, only: str | None = None) -> None:
-    """Copy (hf_name, tensor) pairs into `model` through the name table; every table entry must be supplied
-    (only those whose name starts with `only`, when given: e.g. one layer's)."""
-    specs = hf_tensor_specs(model.cfg)
-    if only is not None:
-        specs = {name: spec for name, spec in specs.items() if name.startswith(only)}
+def copy_state(model: nn.Module, specs: dict[str, tuple], tensors: Iterable[tuple[str, torch.Tensor]], kind: str = "",
+               ignored: tuple[str, ...] = (), finite: bool = False) -> None:
+    """Copy (checkpoint name, tensor) pairs into `model` through a name table {name: (shape, parameter, slice)}, the
+    slice () for the whole parameter or (expert or None, row offset) into a fused one; every table entry must be
+    supplied, and nothing else but the `ignored` names. kind ("drafter "): named in the errors; finite: a NaN or Inf
+    in a floating-point tensor is an error."""
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
         for name, tensor in tensors:
             if name not in specs:
-                if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-                    continue  # tied: HF's state_dict still lists the LM head (it is the embedding), as load_beam allows
-                raise CheckpointError(f"unexpected tensor {name!r} for this config")
+                if name in ignored:
+                    continue
+                raise CheckpointError(f"unexpected tensor {name!r} for this {kind}config")
             shape, target, where = specs[name]
             if tuple(tensor.shape) != shape:
                 raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"tensor {name!r} contains NaN or Inf values")
             dest = params[target]
             if where:
                 expert, offset = where
@@ -669,8 +671,18 @@ def load_state(model: BeamForCausalLM, tensors, only: str | None = None) -> None
             seen.add(name)
     missing = [n for n in specs if n not in seen]
     if missing:
-        raise CheckpointError(f"missing tensor(s) {', '.join(missing[:5])}" +
+        raise CheckpointError(f"missing {kind}tensor(s) {', '.join(missing[:5])}" +
                               (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def load_state(model: BeamForCausalLM, tensors, only: str | None = None) -> None:
+    """Copy (hf_name, tensor) pairs into `model` through the name table; every table entry must be supplied
+    (only those whose name starts with `only`, when given: e.g. one layer's)."""
+    specs = hf_tensor_specs(model.cfg)
+    if only is not None:
+        specs = {name: spec for name, spec in specs.items() if name.startswith(only)}
+    # tied: HF's state_dict still lists the LM head (it is the embedding), as load_beam allows
+    copy_state(model, specs, tensors, ignored=("lm_head.weight",) if model.cfg.tie_word_embeddings else ())
 
 
 def load_beam(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

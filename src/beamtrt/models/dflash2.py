@@ -15,7 +15,8 @@ from torch import nn
 from beamtrt import native
 from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import CheckpointError, ConfigError
-from beamtrt.models.beam import MLP, ActHook, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _hook, _rotate, linear
+from beamtrt.models.beam import (MLP, ActHook, BeamForCausalLM, RMSNorm, Rotary, SlotCache, _hook, _rotate, copy_state,
+                                linear)
 
 CONV_SIDES = 2  # side 0 = before the sublayer ("prepare"), side 1 = after it ("finish")
 
@@ -486,33 +487,16 @@ def load_state(model: DFlash2Drafter, tensors: Iterable[tuple[str, torch.Tensor]
     v1=True: only the v1 subset is expected; convs become identity and the selector zero (it then ranks by the
     unary logits alone), so the model computes exactly DFlash v1.
     """
-    specs = drafter_tensor_specs(model.cfg, v1=v1)
-    params = dict(model.named_parameters())
-    seen = set()
-    with torch.no_grad():
-        if v1:
+    if v1:
+        with torch.no_grad():
             for layer in model.layers:
                 layer.attention_conv.reset_identity()
                 layer.mlp_conv.reset_identity()
             for p in model.candidate_selector.parameters():
                 p.zero_()
-        for name, tensor in tensors:
-            if name not in specs:
-                raise CheckpointError(f"unexpected tensor {name!r} for this drafter config")
-            shape, target, offset = specs[name]
-            if tuple(tensor.shape) != shape:
-                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise CheckpointError(f"tensor {name!r} contains NaN or Inf values")
-            dest = params[target]
-            if offset is not None:
-                dest = dest[offset:offset + shape[0]]
-            dest.copy_(tensor)
-            seen.add(name)
-    missing = [n for n in specs if n not in seen]
-    if missing:
-        raise CheckpointError(f"missing drafter tensor(s) {', '.join(missing[:5])}" +
-                              (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    specs = {name: (shape, target, () if offset is None else (None, offset))  # the slice form copy_state takes
+             for name, (shape, target, offset) in drafter_tensor_specs(model.cfg, v1=v1).items()}
+    copy_state(model, specs, tensors, "drafter ", finite=True)
 
 
 def state_tensors(model: DFlash2Drafter, v1: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
