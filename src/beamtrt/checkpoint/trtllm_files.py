@@ -12,7 +12,7 @@ from beamtrt.checkpoint import trtllm
 from beamtrt.checkpoint.hf import read_json, write_json
 from beamtrt.checkpoint.stream import SafetensorsError, SafetensorsFile, StreamingSafetensors
 from beamtrt.config import BeamConfig, DrafterConfig
-from beamtrt.errors import CheckpointError, ConfigError
+from beamtrt.errors import CheckpointError
 from beamtrt.quant import fp8, nvfp4
 
 
@@ -206,14 +206,11 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 def load_drafter_checkpoint(path: str | Path, target, dtype: torch.dtype | None = None):
     """The reference DFlash2 drafter run from a TensorRT-LLM drafter checkpoint over `target` (whose embedding and
     LM head it borrows), with the checkpoint's quantization emulated."""
-    from beamtrt.models.dflash2 import _build, load_state, read_draft_vocab
+    from beamtrt.models.dflash2 import _build, check_drafter_target, load_state, read_draft_vocab
 
     ckpt = TrtllmCheckpoint(path)
     cfg = ckpt.drafter_config()
-    try:
-        cfg.check_target(target.cfg)
-    except ConfigError as err:
-        raise ConfigError(f"{ckpt.path / 'config.json'}: {err}") from None
+    check_drafter_target(cfg, target.cfg, ckpt.path)
     model = _build(cfg, target, dtype or target.dtype, target.device)
     load_state(model, ckpt.unshard(), v1=cfg.version == 1)
     model.set_draft_vocab(read_draft_vocab(ckpt.path, cfg))

@@ -584,11 +584,16 @@ def write_draft_vocab(directory: str | Path, ids: torch.Tensor) -> None:
 def drafter_config_for(path: str | Path, target_cfg: BeamConfig) -> DrafterConfig:
     """A drafter checkpoint's config, checked against the target it is to run on (a mismatch names the file)."""
     cfg = DrafterConfig.from_file(Path(path) / "config.json")
+    check_drafter_target(cfg, target_cfg, Path(path))
+    return cfg
+
+
+def check_drafter_target(cfg: DrafterConfig, target_cfg: BeamConfig, folder: Path) -> None:
+    """cfg.check_target(target_cfg), its error naming the drafter checkpoint's config.json in `folder`."""
     try:
         cfg.check_target(target_cfg)
     except ConfigError as err:
-        raise ConfigError(f"{Path(path) / 'config.json'}: {err}") from None
-    return cfg
+        raise ConfigError(f"{folder / 'config.json'}: {err}") from None
 
 
 def load_drafter(path: str | Path, target: BeamForCausalLM, dtype: torch.dtype | None = None,

@@ -188,15 +188,12 @@ def load_target_shard(path: str | Path, dist: Dist, dtype: torch.dtype = torch.f
 
 def load_drafter_shard(path: str | Path, target, dist: Dist):
     """This rank's shard of a TensorRT-LLM drafter checkpoint over the target's shard (its embedding / LM head)."""
-    from beamtrt.models.dflash2 import DFlash2Drafter, read_draft_vocab
+    from beamtrt.models.dflash2 import DFlash2Drafter, check_drafter_target, read_draft_vocab
 
     ckpt = TrtllmCheckpoint(path)
     _check_world(ckpt, dist)
     cfg = ckpt.drafter_config()
-    try:
-        cfg.check_target(target.full_cfg)
-    except ConfigError as err:
-        raise ConfigError(f"{ckpt.path / 'config.json'}: {err}") from None
+    check_drafter_target(cfg, target.full_cfg, ckpt.path)
     if cfg.version == 1:
         raise CheckpointError(f"{ckpt.path}: DFlash v1 drafters are not supported by the tensor-parallel runtime")
     local = drafter_shard_config(cfg, ckpt.mapping)
