@@ -25,8 +25,7 @@ from beamtrt.cli_util import (ArgumentParser, description, output_path, outside_
 from beamtrt.config import BeamConfig
 from beamtrt.errors import DeviceError
 from beamtrt.models.beam import BeamForCausalLM, load_beam
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from beamtrt.runtime.loader import DTYPES
 
 
 def active_weight_bytes(model: BeamForCausalLM) -> int:
