@@ -39,8 +39,8 @@ fi
 if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true; fi
 # one line and exit status 2 where this cannot run: no torch for $PY, or no CUDA device it can see
 why=$("$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda',
-  torch.version.cuda)" 2>&1) || { echo "error: $PY has no torch ($(tail -n 1 <<<"$why")): set PY to a python with a CUDA" \
-  "build of torch" >&2; exit 2; }
+  torch.version.cuda)" 2>&1) || { echo "error: $PY has no torch ($(tail -n 1 <<<"$why")): set PY to a python with" \
+  "a CUDA build of torch" >&2; exit 2; }
 echo "$why"
 why=$("$PY" -c "import torch; raise SystemExit(0 if torch.cuda.is_available() else 1)" 2>&1) \
   || { echo "error: $PY's torch sees no CUDA device${why:+ ($(tail -n 1 <<<"$why"))}: this check needs a GPU host" >&2
@@ -55,7 +55,7 @@ cmake_args=(-S plugins -B plugins/_build ${TensorRT_ROOT:+-DTensorRT_ROOT=$Tenso
 stage 60 "CMake configure and the host kernels (the tests' reference)" bash -c \
   "cmake ${cmake_args[*]} && cmake --build plugins/_build -j $(nproc) --target beamtrt_kernels_host"
 stage 120 "CMake build of the rest of plugins/" cmake --build plugins/_build -j "$(nproc)"
-stage 180 "torch extension" "$PY" -c "from beamtrt.native import cuda; cuda.extension(); print('torch extension: built')"
+stage 180 "torch extension" "$PY" -c "from beamtrt.native import cuda; cuda.extension(); print('extension: built')"
 log=$("$PY" -c "from beamtrt.native import cuda; print(cuda.build_log())" || true)  # a failed build's compiler output
 if [[ -f "$log" ]]; then echo "== the extension's build log, last 80 lines ($log)"; tail -n 80 "$log"; fi
 for file in tests/test_plugins.py tests/test_drafter_kernels.py tests/test_train_drafter.py; do  # a process each: a
