@@ -50,7 +50,7 @@ def _made_layers(target: Path) -> int | None:
 
 
 def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
-    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, staging
+    from beamtrt.checkpoint.hf import save_checkpoint
     from beamtrt.models.dflash2 import drafter_tensor_specs
     from beamtrt.models.random_beam import write_random_beam
 
@@ -66,11 +66,8 @@ def make_sources(work: Path, size_gb: float) -> tuple[Path, Path]:
     if not (drafter / "config.json").is_file():  # written beside, then renamed: an interruption leaves nothing
         dcfg = drafter_config(cfg)
         gen = torch.Generator().manual_seed(0)
-        with staging(drafter) as tmp:
-            save_state_dict(tmp, ((n, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
-                                  for n, (shape, _, _) in drafter_tensor_specs(dcfg).items()), overwrite=True)
-            dcfg.save(tmp / "config.json")
-            replace_dir(tmp, drafter)
+        save_checkpoint(drafter, ((n, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+                                  for n, (shape, _, _) in drafter_tensor_specs(dcfg).items()), dcfg)
     return target, drafter
 
 

@@ -12,7 +12,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from beamtrt.checkpoint.stream import DTYPES, SafetensorsError, SafetensorsFile
 from beamtrt.cli_util import error_line
+from beamtrt.config import BeamConfig, DrafterConfig
 from beamtrt.errors import BeamtrtError, CheckpointError
 
 SINGLE_FILE = "model.safetensors"
@@ -637,3 +638,19 @@ def save_state_dict(
         for name, tensor in items:
             writer.add(name, tensor)
     return writer.files
+
+
+def save_checkpoint(out: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], cfg: BeamConfig | DrafterConfig,
+                    absent: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    also: Callable[[Path], None] | None = None) -> Path:
+    """Write a checkpoint folder to `out` atomically: `tensors` (save_state_dict) and `cfg` as config.json into a
+    `staging` folder (`absent` as there), then also(folder) for the caller's own files, then `replace_dir`. A
+    generator's tensors (and a progress bar it starts) are made only once the staging folder is held."""
+    out = Path(out)
+    with staging(out, absent) as tmp:
+        save_state_dict(tmp, tensors, max_shard_bytes)
+        cfg.save(tmp / "config.json")
+        if also is not None:
+            also(tmp)
+        replace_dir(tmp, out)  # through a symbolic link at out, as every output is written
+    return out

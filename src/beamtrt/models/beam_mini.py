@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import CheckpointReader, CheckpointWriter, read_json, replace_dir, staging, write_json
+from beamtrt.checkpoint.hf import CheckpointReader, read_json, save_checkpoint, write_json
 from beamtrt.cli_util import check_room
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError, ConfigError
@@ -151,22 +151,23 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     check_room(checkpoint_bytes(cfg, dtype.itemsize), out,
                f"{out}: beam-mini with {recipe.num_experts} experts a layer")
     sd = model.state_dict()
-    with staging(out) as tmp:
-        with CheckpointWriter(tmp, max_shard_bytes=200 * 1024**2) as writer:
-            tensors = upcycled_tensors(sd, cfg, recipe)
-            if progress:
-                from tqdm import tqdm
 
-                n = 2 + cfg.num_hidden_layers * (7 + 3 * cfg.num_experts) + (0 if cfg.tie_word_embeddings else 1)
-                tensors = tqdm(tensors, total=n, desc="beam-mini: upcycling", unit="tensor")
-            for name, tensor in tensors:
-                writer.add(name, tensor.to(dtype))
-        cfg.save(tmp / "config.json")
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:  # a generator: its bar starts once out's staging is held
+        made = upcycled_tensors(sd, cfg, recipe)
+        if progress:
+            from tqdm import tqdm
+
+            n = 2 + cfg.num_hidden_layers * (7 + 3 * cfg.num_experts) + (0 if cfg.tie_word_embeddings else 1)
+            made = tqdm(made, total=n, desc="beam-mini: upcycling", unit="tensor")
+        for name, tensor in made:
+            yield name, tensor.to(dtype)
+
+    def also(tmp: Path) -> None:
         tokenizer.save_pretrained(tmp)
         write_json(tmp / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos_id})
         write_json(tmp / MARKER, recipe_json)
-        replace_dir(tmp, out)
-    return out
+
+    return save_checkpoint(out, tensors(), cfg, max_shard_bytes=200 * 1024**2, also=also)
 
 
 def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:

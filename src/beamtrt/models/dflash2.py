@@ -616,17 +616,17 @@ def save_drafter(model: DFlash2Drafter, path: str | Path, overwrite: bool = Fals
                  also: Callable[[Path], None] | None = None) -> Path:
     """Write config.json (DFlash2DraftModel) + safetensors (+ draft_vocab.json when the drafter has one) to `path`
     atomically (temp dir, then rename); also(folder) writes the caller's own files into it before the rename."""
-    from beamtrt.checkpoint.hf import replace_dir, save_state_dict, staging
+    from beamtrt.checkpoint.hf import save_checkpoint
 
     out = Path(path)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists: choose another output directory or pass overwrite=True")
-    with staging(out, None if overwrite else "choose another output directory or pass overwrite=True") as tmp:
-        save_state_dict(tmp, state_tensors(model), overwrite=True)
-        model.cfg.save(tmp / "config.json")
+
+    def extra(tmp: Path) -> None:
         if model.draft_vocab is not None:
             write_draft_vocab(tmp, model.draft_vocab)
         if also is not None:
             also(tmp)
-        replace_dir(tmp, out)
-    return out
+
+    return save_checkpoint(out, state_tensors(model), model.cfg,
+                           None if overwrite else "choose another output directory or pass overwrite=True", also=extra)

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, replace_dir, staging
+from beamtrt.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, save_checkpoint
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError
 from beamtrt.models.beam import hf_tensor_specs
@@ -30,15 +30,13 @@ def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: to
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another output directory or delete it")
-    with staging(out, "choose another output directory or delete it") as tmp:
-        tensors = random_tensors(cfg, seed, dtype)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:  # a generator: its bar starts once out's staging is held
+        made = random_tensors(cfg, seed, dtype)
         if progress:
             from tqdm import tqdm
 
-            tensors = tqdm(tensors, total=len(hf_tensor_specs(cfg)), desc="random Beam", unit="tensor")
-        with CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
-            for name, tensor in tensors:
-                writer.add(name, tensor)
-        cfg.save(tmp / "config.json")
-        replace_dir(tmp, out)  # through a symbolic link at out, as every output is written
-    return out
+            made = tqdm(made, total=len(hf_tensor_specs(cfg)), desc="random Beam", unit="tensor")
+        yield from made
+
+    return save_checkpoint(out, tensors(), cfg, "choose another output directory or delete it", max_shard_bytes)
