@@ -31,10 +31,9 @@ def extension():
     missing = [s for s in SOURCES if not (PLUGINS / s).is_file()]
     if missing:
         raise DeviceError(f"the plugins/ sources are not here ({PLUGINS}): {', '.join(missing)}")
-    arch = _arch()
-    build = cache_dir() / "cuda" / f"sm_{arch}"
+    arch, build, log = _arch(), _build_dir(), build_log()
     build.mkdir(parents=True, exist_ok=True)
-    build_log().unlink(missing_ok=True)
+    log.unlink(missing_ok=True)
     if not any(build.glob("*.so")):
         print(f"beamtrt: building the CUDA kernels for sm_{arch} into {build} (a minute or two, once)", file=sys.stderr,
               flush=True)
@@ -44,11 +43,11 @@ def extension():
                     extra_cuda_cflags=["-O3", "-std=c++17", "--threads=0",  # torch's own target and this one at once
                                        f"--generate-code=arch=compute_{arch},code=sm_{arch}"])
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:  # no nvcc or ninja, a compile error
-        build_log().write_text(f"{type(e).__name__}: {e}\n")  # the compiler's output: ninja's command lines first
+        log.write_text(f"{type(e).__name__}: {e}\n")  # the compiler's output: ninja's command lines first
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         why = next((line for line in lines[1:] if "error" in line.lower()), lines[0])  # the compiler's first error
         raise DeviceError(f"building the CUDA kernels failed ({why[:200]}{' ...' if len(why) > 200 else ''}); the "
-                          f"compiler's output is in {build_log()}") from None
+                          f"compiler's output is in {log}") from None
 
 
 def _arch() -> str:
@@ -58,9 +57,14 @@ def _arch() -> str:
     return f"{major}{minor}" + ("a" if major >= 9 else "")
 
 
+def _build_dir():
+    """The extension's build folder for the current device's architecture."""
+    return cache_dir() / "cuda" / f"sm_{_arch()}"
+
+
 def build_log():
     """Where a failed build of the extension for the current device leaves the compiler's output (None: no device)."""
-    return cache_dir() / "cuda" / f"sm_{_arch()}" / "build.log" if torch.cuda.is_available() else None
+    return _build_dir() / "build.log" if torch.cuda.is_available() else None
 
 
 def _launch(kernel, *args):
