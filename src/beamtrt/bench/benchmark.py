@@ -272,36 +272,35 @@ def _setup(args: argparse.Namespace, dist) -> Plan:
     chats = {fam: [chat for _, chat, _ in c] for fam, c in chats.items()}
     prompt_ids = {fam: render_chats(tokenizer, chats[fam], labels[fam])
                   for fam in chats}  # every prompt rendered before the models load
-    lengths = {fam: [len(ids) for ids in fam_ids] for fam, fam_ids in prompt_ids.items()}
-    where = {fam: list(fam_labels) for fam, fam_labels in labels.items()}
-    for fam, fam_later in later.items():  # a conversation's last turn holds the answers before it, each at most
-        for i, more in enumerate(fam_later):  # --max-new-tokens tokens (checked exactly once they are decoded)
-            if not more:
+    lengths, where = [], []  # every prompt's tokens, and what a message calls it
+    for fam in chats:
+        lengths += map(len, prompt_ids[fam])
+        where += labels[fam]
+        for i, more in enumerate(later[fam]):  # a conversation's last turn holds the answers before it, each at most
+            if not more:                        # --max-new-tokens tokens (checked exactly once they are decoded)
                 continue
             try:  # each answer a placeholder of a token or so; a template that rejects it is left to that check
                 ids = render_chat(tokenizer, chats[fam][i] + [m for turn in more for m in (
                     {"role": "assistant", "content": "x"}, {"role": "user", "content": turn})])
             except ValueError:
                 continue
-            lengths[fam].append(len(ids) + len(more) * args.max_new_tokens)
-            where[fam].append(f"{labels[fam][i]}, turn {len(more) + 1} (counted with answers of --max-new-tokens "
-                              "tokens before it)")
+            lengths.append(len(ids) + len(more) * args.max_new_tokens)
+            where.append(f"{labels[fam][i]}, turn {len(more) + 1} (counted with answers of --max-new-tokens tokens "
+                         "before it)")
     block16 = not args.no_block16 and (sources.drafter_block or 0) >= 16  # as benchmark() decides it
     check_fit(lengths, where, args.max_new_tokens, max(args.block_size, 16 * block16), sources.context)
     return Plan(prompt_ids, labels, chats, later, tokenizer, files, engine_dir, manifest, backend, sources)
 
 
-def check_fit(lengths: dict[str, list[int]], labels: dict[str, list[str]], max_new_tokens: int, verified: int,
-              context: int | None) -> None:
-    """Every prompt (of `lengths` tokens) fits the target's context with `max_new_tokens` and a last block of
-    `verified` (the widest the run verifies), before the first family is measured: checked on the sources' context
-    before the models load, and on the loaded target's."""
+def check_fit(lengths: list[int], labels: list[str], max_new_tokens: int, verified: int, context: int | None) -> None:
+    """Every prompt (of `lengths` tokens, called `labels`) fits the target's context with `max_new_tokens` and a last
+    block of `verified` (the widest the run verifies), before the first family is measured: checked on the sources'
+    context before the models load, and on the loaded target's."""
     from beamtrt.spec.decoder import too_long
 
-    for fam, fam_lengths in lengths.items():
-        for label, length in zip(labels[fam], fam_lengths):
-            if why := too_long(length, max_new_tokens, verified, context, "--max-new-tokens"):
-                raise BeamtrtError(f"{label}: {why}; leave it out or lower --max-new-tokens")
+    for label, length in zip(labels, lengths):
+        if why := too_long(length, max_new_tokens, verified, context, "--max-new-tokens"):
+            raise BeamtrtError(f"{label}: {why}; leave it out or lower --max-new-tokens")
 
 
 def _execute(args: argparse.Namespace, plan: Plan, dist) -> None:
@@ -378,7 +377,7 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
     if not args.no_block16 and not block16:
         print(f"benchmark: no block-16 column: the drafter's own block is {drafter.block_size}", file=sys.stderr)
     fit = lambda prompts, labels: check_fit(  # noqa: E731  on the loaded target's context
-        {"": list(map(len, prompts))}, {"": labels}, args.max_new_tokens, max(args.block_size, 16 * block16),
+        list(map(len, prompts)), labels, args.max_new_tokens, max(args.block_size, 16 * block16),
         getattr(target, "max_seq_len", None))
     for fam, ids in plan.prompt_ids.items():
         fit(ids, plan.labels[fam])
@@ -390,9 +389,9 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
     def requests_decoded(n: int) -> int:  # plain and speculative at each concurrency, sampled, whole blocks, block 16
         return sum(2 * (min(n, args.c1_prompts) if c == 1 else n) for c in cs) + n * (1 + (not whole(n)) + block16)
 
-    turns = {fam: len(ids) + sum(map(len, plan.later[fam])) for fam, ids in plan.prompt_ids.items()}  # requests
-    bar = tqdm(total=sum(requests_decoded(n) + n - len(plan.prompt_ids[fam]) for fam, n in turns.items()),
-               desc="benchmark", unit="request", file=sys.stderr,
+    answers = {fam: sum(map(len, later)) for fam, later in plan.later.items()}  # one decoded for each later turn
+    total = sum(answers[fam] + requests_decoded(len(ids) + answers[fam]) for fam, ids in plan.prompt_ids.items())
+    bar = tqdm(total=total, desc="benchmark", unit="request", file=sys.stderr,
                disable=None)  # on a terminal only: piped, stderr is its JSON lines
     finished = lambda i, completion: bar.update()  # noqa: E731
     log = lambda line: bar.write(json.dumps(line), file=sys.stderr)  # noqa: E731  above the bar, not through it
@@ -409,7 +408,7 @@ def benchmark(args: argparse.Namespace, plan: Plan, target, drafter, result: dic
         family_requests[fam] = list(map(ask, conversation_turns(target, plan, fam, ask, max(cs), fit, finished)))
     for f, (fam, requests) in enumerate(family_requests.items()):
         row = {"family": fam, "prompts": len(requests), "prompts_file": plan.files.get(fam), "concurrency": {}}
-        if len(requests) > len(plan.prompt_ids[fam]):  # their conversations, of more than one turn each
+        if answers[fam]:  # its requests are the turns of conversations
             row["conversations"] = len(plan.prompt_ids[fam])
         spec_runs = {}
         for i, c in enumerate(cs):
