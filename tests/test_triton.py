@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from beamtrt.checkpoint.manifest import read_manifest
+from beamtrt.checkpoint.manifest import read_manifest, sha256_file
 from beamtrt.prompts import load_tokenizer
 from beamtrt.triton import export, protocol, serving
 from beamtrt.triton.protocol import Delta, Metrics, RequestError, ServerClosed
@@ -675,14 +675,29 @@ def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, c
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--force")
     assert rc == 2 and "(it holds my_model, which an export does not write)" in stderr, stderr
     shutil.rmtree(out / "my_model")
-    (out / export.MODEL / "stale.txt").write_text("x")  # within the export: replaced whole
+    for added, stray in ((f"{export.MODEL}/2/model.py", f"{export.MODEL}/2"),  # within the models, at any depth
+                         ("ensemble/1/notes.txt", "ensemble/1/notes.txt"), ("preprocessing/NOTES.md",) * 2):
+        (out / added).parent.mkdir(exist_ok=True)
+        (out / added).write_text("x")
+        rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--force")
+        assert rc == 2 and f"(it holds {stray}, which an export does not write)" in stderr, stderr
+        if stray == added:
+            (out / added).unlink()
+        else:
+            shutil.rmtree(out / stray)
+    cache = out / export.MODEL / "1" / "__pycache__" / "model.cpython-311.pyc"  # Python's, from a server that ran it
+    cache.parent.mkdir()
+    cache.write_bytes(b"x")
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines")
     assert rc == 2 and stderr.count("\n") == 1 and "already holds a model repository: pass --force" in stderr
-    assert (out / export.MODEL / "stale.txt").exists()
+    assert cache.exists()
     rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines",
                                     "--force")
     assert rc == 0, stderr
-    assert not (out / export.MODEL / "stale.txt").exists() and (out / export.COPIED_ENGINE / "manifest.json").is_file()
+    assert not cache.parent.exists() and (out / export.COPIED_ENGINE / "manifest.json").is_file()
+    rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines",
+                                    "--force")  # the copied build is the export's: replaced with it
+    assert rc == 0, stderr
     assert ".tmp-" not in stdout and f"engines: {out / export.COPIED_ENGINE}" in stdout  # where it now is
     assert [p.name for p in tmp_path.iterdir()] == ["repo"]
     moved = tmp_path / "elsewhere"
@@ -793,6 +808,25 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys, monkey
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
     rc, _, stderr = run_export(capsys, "--engine-dir", str(bare), "--out", str(tmp_path / "repo"))
     assert rc == 2 and stderr.count("\n") == 1 and "has no chat template" in stderr and "--raw-prompts" in stderr
+    strict = tmp_path / "strict"  # a chat template that wants a system message first: every text_input is refused
+    shutil.copytree(builds[1], strict)
+    tokenizer = strict / read_manifest(strict)["target"]["tokenizer"]
+    (tokenizer / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') "
+                               "}}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+
+    def record(manifest: dict) -> None:  # the edit, in the manifest: the build is otherwise intact
+        files = manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.endswith(".jinja")}
+        files.update({p.relative_to(strict).as_posix(): sha256_file(p) for p in tokenizer.iterdir()})
+
+    _break_manifest(strict, record)
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(strict), "--out", str(tmp_path / "repo"))
+    assert rc == 0 and stderr == (f"warning: {tokenizer}: the chat template rejected it (a system message first) for "
+                                  "a chat of one user message, which is how the server renders a text_input request, "
+                                  "so it will refuse them; beam_dflash2's input_ids are served, and --raw-prompts "
+                                  "serves text without the template\n"), stderr
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer_config.json").write_text("{}")

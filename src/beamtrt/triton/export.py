@@ -10,6 +10,7 @@ renamed into place at the end, so a failure never leaves a half-written reposito
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -33,6 +34,7 @@ MODELS_SOURCE = Path(__file__).resolve().parent / "models"
 PYTHON_PATH = Path(serving.__file__).resolve().parents[2]  # the folder holding the beamtrt package
 COPIED_ENGINE = f"{MODEL}/1/engine"  # where --copy-engines puts the build, relative to the repository
 LAUNCH = "scripts/launch_triton.sh"
+ONE_MESSAGE = {"role": "user", "content": "x"}  # a text_input request's chat, the shortest
 # --max-slots and --max-seq-len left unset: these, or what the build serves where it serves less
 MAX_SLOTS, MAX_SEQ_LEN = ServeSettings.max_slots, ServeSettings.max_seq_len
 RAW_TEXT_INPUT = "the prompt, as raw text (no chat template)"  # text_input's help in a --raw-prompts repository
@@ -222,8 +224,7 @@ def export(cfg: ExportConfig) -> list[str]:
                           f"({package}); choose another place")
     output_path(cfg.out, "--out", directory=True)  # a file is refused, --force or not; the parent must be writable
     if out.exists() and any(out.iterdir()):  # --force replaces an export, never a folder of anything else
-        ours = {"README.md", "ensemble", *(m.name for m in MODELS)}
-        stray = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        stray = stray_paths(out)
         if stray or not (out / MODEL / "config.pbtxt").is_file():  # a repository a user added models to, say
             why = f"it holds {stray[0]}, which an export does not write" if stray else f"no {MODEL}/config.pbtxt"
             raise ExportError(f"{out} already exists and is not a model repository export_triton.py wrote ({why}): "
@@ -277,9 +278,14 @@ def export(cfg: ExportConfig) -> list[str]:
         from beamtrt.prompts import load_tokenizer, render_chat  # refuses every one (beam_dflash2's input_ids fit)
         from beamtrt.spec.decoder import headroom
 
-        template = len(render_chat(load_tokenizer(root / manifest["target"]["tokenizer"]),
-                                   [{"role": "user", "content": "x"}]))
-        if max_seq_len < (least := template + 1 + headroom(block)):
+        try:
+            template = len(render_chat(load_tokenizer(root / manifest["target"]["tokenizer"]), [ONE_MESSAGE]))
+        except ValueError as e:  # a template that wants a system prompt first, say: text_input requests would fail
+            template = None
+            print(f"warning: {root / manifest['target']['tokenizer']}: {e} for a chat of one user message, which "
+                  "is how the server renders a text_input request, so it will refuse them; beam_dflash2's input_ids "
+                  "are served, and --raw-prompts serves text without the template", file=sys.stderr)
+        if template is not None and max_seq_len < (least := template + 1 + headroom(block)):
             print(f"warning: --max-seq-len {max_seq_len} leaves no room for a text_input request, which the server "
                   f"will refuse: the chat template around a one-token message is {template} tokens, so at least "
                   f"{least} (one new token at --block-size {block}); beam_dflash2's input_ids fit, and "
@@ -307,6 +313,25 @@ def export(cfg: ExportConfig) -> list[str]:
         replace_dir(tmp, out)
     return [f"{out}: Triton model repository of {root}", *summary,
             f"launch: {LAUNCH} --world-size {settings.world_size} --model-repo {shlex.quote(str(out))}"]
+
+
+def stray_paths(repo: Path) -> list[str]:
+    """What `repo` holds that an export does not write (relative paths, sorted): --force replaces an export whole, so
+    it must hold nothing else, at any depth. A copied build (--copy-engines) and the bytecode Python writes beside a
+    model.py it imported (a server that ran the repository) count as the export's, whole."""
+    whole = {COPIED_ENGINE}
+    ours = {"README.md"}
+    for name in (*(m.name for m in MODELS), "ensemble"):
+        ours |= {name, f"{name}/config.pbtxt", f"{name}/1"}
+        if (MODELS_SOURCE / name / "1" / "model.py").is_file():
+            ours.add(f"{name}/1/model.py")
+            whole.add(f"{name}/1/__pycache__")
+    stray = []
+    for folder, dirs, files in os.walk(repo):
+        here = Path(folder).relative_to(repo)
+        stray += [path for name in dirs + files if (path := (here / name).as_posix()) not in ours | whole]
+        dirs[:] = [d for d in dirs if (here / d).as_posix() in ours]  # not into a stray folder, nor a whole one
+    return sorted(stray)
 
 
 def _write_model(repo: Path, name: str, config: str) -> None:
