@@ -69,11 +69,12 @@ for ((offset = 0; offset <= top; offset += 10)); do
 done
 if [ -n "$log" ]; then
   [ -d "$log" ] && fail "--log-file $log is a directory"
-  [ -d "$(dirname "$log")" ] || fail "--log-file $log: no folder $(dirname "$log")"
+  [ -d "$(dirname -- "$log")" ] || fail "--log-file $log: no folder $(dirname -- "$log")"
 fi
+[ -f "$repo/beam_dflash2/config.pbtxt" ] ||
+  fail "$repo is not an exported model repository (no beam_dflash2/config.pbtxt)"
+repo="$(cd -- "$repo" && pwd)"  # absolute: what every rank is given, and no path below starts with a dash
 config="$repo/beam_dflash2/config.pbtxt"
-[ -f "$config" ] || fail "$repo is not an exported model repository (no beam_dflash2/config.pbtxt)"
-repo="$(cd "$repo" && pwd)"
 # the world_size parameter: the line after key: "world_size" holds its string_value
 exported="$(grep -A 2 'key: "world_size"' "$config" | sed -n 's/.*string_value: "\([0-9]*\)".*/\1/p' || true)"
 [ "$exported" = "$world" ] || fail "$repo was exported for world size ${exported:-?} (the build's TP), not $world"

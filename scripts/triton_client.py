@@ -7,9 +7,9 @@ finish reason and the speculative metrics (acceptance length, accepted / drafted
 
 import argparse
 import importlib.util
-import math
 import queue
 import sys
+import threading
 
 import numpy as np
 
@@ -65,7 +65,8 @@ def check(args):
            (args.temperature == 0 and args.seed is not None,  # greedy draws no random number
             "--seed seeds sampling: give it with a --temperature > 0 (the default, 0, is greedy)"),
            (any(not s for s in args.stop), "--stop needs a non-empty string"),
-           (not 0 < args.timeout < math.inf, f"--timeout must be a finite number of seconds > 0, got {args.timeout}")]
+           (not 0 < args.timeout <= threading.TIMEOUT_MAX,  # what a queue's wait takes
+            f"--timeout must be a number of seconds in (0, {threading.TIMEOUT_MAX:.0f}], got {args.timeout}")]
     return next((why for failed, why in bad if failed), None)
 
 

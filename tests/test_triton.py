@@ -1079,7 +1079,8 @@ def test_client_sends_what_both_models_declare(builds, tmp_path, capsys):
                          (["--seed", "3"], "--seed seeds sampling: give it with a --temperature > 0")):
         assert client.main(["--url", "localhost:1", *args]) == 2
         assert capsys.readouterr().err.startswith(f"error: {needle}")
-    for flag, value in (("--timeout", "nan"), ("--timeout", "0"), ("--temperature", "nan"),  # refused before
+    for flag, value in (("--timeout", "nan"), ("--timeout", "0"), ("--timeout", "1e10"),  # past a wait's most
+                        ("--temperature", "nan"),  # refused before
                         ("--max-tokens", "99999999999"), ("--seed", "-1"), ("--seed", str(2**64))):  # connecting
         assert client.main(["--url", "localhost:1", flag, value]) == 2
         assert capsys.readouterr().err.startswith(f"error: {flag} must be")
@@ -1128,6 +1129,11 @@ def test_launch_script_starts_one_tritonserver_per_rank(builds, tmp_path):
     dry = subprocess.run([script, "--world-size=2", f"--model-repo={repo}", "--dry-run"], capture_output=True,
                          text=True, env=env, timeout=30)  # --flag=value, as the Python commands take it (refused)
     assert dry.returncode == 0 and shlex.split(dry.stdout).count("-n") == 2, dry.stderr
+    dashed = tmp_path / "-repo"  # a relative path that starts with a dash is a folder, not an option of cd's
+    shutil.copytree(repo, dashed)
+    dry = subprocess.run([script, "--world-size", "2", "--model-repo", "-repo", "--log-file", "-log", "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=30, cwd=tmp_path)
+    assert dry.returncode == 0 and f"--model-repository={dashed}" in shlex.split(dry.stdout), dry.stderr
     venv_mpirun = ROOT / ".venv" / "bin" / "mpirun"  # make setup's Open MPI, as scripts/mpirun picks it (not on PATH)
     assert shlex.split(dry.stdout)[:4] == [  # a command to paste: with the environment it sets (it had none)
         "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
