@@ -1440,6 +1440,12 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
     assert f"drafter: {out}  ({unscored}" in proc.stdout and "nan" not in proc.stdout
     assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), *small), "--force")
     assert run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small).returncode == 0
+    kept = out / "cache"  # a --skip-answered-in cache kept in the drafter's folder: --force replaced it with the folder
+    shutil.copytree(data, kept)
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(out), "--force", *small,
+                              "--skip-answered-in", str(kept)), f"--out {out}: overlaps --skip-answered-in {kept}")
+    assert (kept / "meta.json").is_file()
+    shutil.rmtree(kept)
     for inside in (data, work, target, tmp_path):  # an input, the training state, or a folder holding them
         assert_one_line_error(run("scripts/train_drafter.py", *paths, "--out", str(inside), "--force", *small),
                               "overlaps")

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.data_only:
             held.enter_context(writing(work, f"--work {work}: in use by another running train_drafter.py (it holds "
                                              "the folder's lock): wait for it to end, or choose another --work"))
-        inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + extra
+        inputs = [("--target", target_dir), ("--data", data_dir), ("--work", work)] + extra + skipped
         if not args.data_only:
             check_out(out, args.force, inputs, init)
 
