@@ -1464,6 +1464,8 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
                           f"--data {tmp_path / 'data3'}: has 1 shard(s) not answered yet, but --work {work} holds a "
                           "run to resume")
     assert not (tmp_path / "data3").exists()
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--prompts", "200"),  # 2 more shards:
+                          f"{data} holds features made with other settings (--prompts 6 (now 200))")  # not the cause
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--extra-data", str(data)),
                           "same cache twice")
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--skip-answered-in", str(data)),

@@ -280,7 +280,8 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     """Fill `out` with feature shards for `prompts` (answering only the shards not yet written); returns `out`.
     digest: the target's `target_digest` (computed when not given). skip: prompt ids (`answered_prompts` of other
     caches) left out, recorded in meta.json so that a resumed cache has the same prompts; None: nothing left out.
-    before_answering: called with the number of shards that have no answers yet, before anything is written."""
+    before_answering: called with the number of shards that have no answers yet, once a resumed cache's settings are
+    checked, before anything is written."""
     from tqdm import tqdm
 
     digest = digest or target_digest(target)
@@ -295,9 +296,6 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
             raise BeamtrtError(f"{out}: every one of the {len(left_out)} prompts was answered in the "
                                "--skip-answered-in caches already: choose another --data-seed or raise --prompts")
     shards = [encoded[i:i + recipe.shard_size] for i in range(0, len(encoded), recipe.shard_size)]
-    if before_answering is not None:
-        before_answering(sum(not (out / f"features-{i:05d}.safetensors").exists()
-                             and not (out / f"answers-{i:05d}.safetensors").exists() for i in range(len(shards))))
     made = any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].safetensors"))
     old = read_meta(out) if made else None  # a meta.json alone (stopped before its first shard): nothing to resume
     if not old and made:
@@ -316,7 +314,10 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
             raise BeamtrtError(f"{out} holds features made with other settings ({', '.join(diff)}): resume it with "
                                "those, or choose another --data")
         check_target(out, old, digest)
-    else:
+    if before_answering is not None:  # after the settings check: changed flags make shards missing, and it names them
+        before_answering(sum(not (out / f"features-{i:05d}.safetensors").exists()
+                             and not (out / f"answers-{i:05d}.safetensors").exists() for i in range(len(shards))))
+    if not old:
         write_json(out / "meta.json", meta | {"target": digest})
     if skip is not None:
         print(f"phase 1: {meta['skipped']['prompts']} of {len(encoded) + meta['skipped']['prompts']} prompts left out, "
