@@ -1480,6 +1480,11 @@ def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_so
                           "every one of the 6 prompts was answered")
     assert not (tmp_path / "data4").exists()
     assert run("scripts/train_drafter.py", *paths, *new, *small, *skipping, "--data-seed", "3").returncode == 0
+    extra = tmp_path / "extra"  # a resume on another --extra-data cache: refused before its taps are built (hours)
+    shutil.copytree(tmp_path / "data4", extra, ignore=shutil.ignore_patterns("features-*"))
+    assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, "--extra-data", str(extra)),
+                          f"{work / 'train_state.pt'} was trained on other data")
+    assert not list(extra.glob("features-*"))
     assert_one_line_error(run("scripts/train_drafter.py", *paths, *new, *small, *skipping[:2], "--data-seed", "3",
                               "--data-only"), "made leaving out")
     for flag, value, needle in (("--seed", "-1", "--seed"), ("--data-seed", str(2**63), "--data-seed"),

@@ -226,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
         from beamtrt.prompts import TOKENIZER_FILES, has_tokenizer, load_tokenizer
-        from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, check_cache, load_features,
-                                            rebuild_features, sequence_files, target_digest)
+        from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, check_cache, concat_features,
+                                            load_features, read_answers, rebuild_features, sequence_files,
+                                            target_digest)
         from beamtrt.train.prompts import training_prompts
-        from beamtrt.train.trainer import TrainConfig, check_state, split, train, write_log
+        from beamtrt.train.trainer import TrainConfig, check_data, check_state, fingerprint, split, train, write_log
 
         device = torch_device(args.device)
         set_threads(args.threads)
@@ -307,9 +308,10 @@ def main(argv: list[str] | None = None) -> int:
 
         target = load_beam(target_dir, dtype=torch.float32, device=device, quiet=args.quiet).requires_grad_(False)
         digest = target_digest(target)
+        trained_on = None  # the data fingerprint of a run to resume
         if not args.data_only:  # what training needs besides phase 1's cache, checked before phase 1
             if (work / "train_state.pt").exists():  # a run to resume: its settings, layout and target
-                check_state(work / "train_state.pt", cfg, dcfg, digest)
+                trained_on = check_state(work / "train_state.pt", cfg, dcfg, digest)["data"]
             for extra in map(Path, args.extra_data):
                 check_cache(target, dcfg.target_layer_ids, extra, digest)
             drafter = (start_from(init, dcfg, target, cfg.seed) if init else  # --init's weights read here
@@ -320,11 +322,15 @@ def main(argv: list[str] | None = None) -> int:
         skip = None if args.skip_answered_in is None else answered_prompts(*map(Path, args.skip_answered_in))
 
         def resumable(unanswered: int) -> None:  # a resume trains on the data it began with, all of it answered
-            if unanswered and not args.data_only and (work / "train_state.pt").exists():
+            if trained_on is None:
+                return
+            if unanswered:
                 raise BeamtrtError(f"--data {data_dir}: has {unanswered} shard(s) not answered yet, but --work "
                                    f"{work} holds a run to resume, which trained on complete data: this is another "
                                    "cache, or one that lost shards. Pass the --data it trained on, complete this one "
                                    "first (--data-only), or use another --work")
+            answers = [read_answers(d, target.cfg.vocab_size) for d in (*map(Path, args.extra_data), data_dir)]
+            check_data(work / "train_state.pt", trained_on, fingerprint(concat_features(answers)))  # before any taps
 
         with writing(data_dir):  # another run making or completing the same cache is waited for
             build_features(target, tokenizer, dcfg.target_layer_ids, prompts, data_dir, recipe, quiet=args.quiet,

@@ -203,8 +203,9 @@ def block_losses(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor,
 
 # ---- data split and anchor draws ------------------------------------------------------------------------------
 
-def _fingerprint(data: FeatureSet) -> dict:
-    """The training data's identity in a training state: its size and a digest of every sequence, in order."""
+def fingerprint(data: FeatureSet) -> dict:
+    """The training data's identity in a training state: its size and a digest of every sequence, in order (their
+    ids, not their taps: a cache's answers files give it)."""
     h = hashlib.sha256()
     for t in (data.ids, data.seq_start, data.prompt_len, data.greedy):
         h.update(t.to(torch.int64).contiguous().numpy())
@@ -356,7 +357,7 @@ _PERIODS = ("eval_every", "checkpoint_every")  # change no weight (the eval draw
 
 def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) -> dict:
     """A training state to resume (what train() saves), checked against this run's settings, drafter layout and
-    target digest: one line when it is not this run's. Its data is checked by train(), once the data is loaded."""
+    target digest: one line when it is not this run's. Its data: check_data."""
     try:
         state = torch.load(state_path, map_location="cpu", weights_only=False)  # any device's state
     except Exception as e:
@@ -394,14 +395,18 @@ def check_state(state_path: Path, cfg: TrainConfig, drafter_cfg, target: str) ->
     return state
 
 
+def check_data(state_path: Path, trained_on: dict, data: dict) -> None:
+    """A training state's data (`trained_on`, its fingerprint) is this run's (`data`): one line when it is not."""
+    if trained_on != data:
+        raise BeamtrtError(f"{state_path} was trained on other data ({_in_words(trained_on)}; now {_in_words(data)}): "
+                           "use the same feature caches in the same order, or another --work directory")
+
+
 def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimizer, cfg: TrainConfig, data: dict,
             target: str) -> tuple[int, list[dict]]:
     """Load a training state into drafter and opt -> (step, log); one line when it is not one of this run's."""
     state = check_state(state_path, cfg, drafter.cfg, target)
-    if state["data"] != data:
-        raise BeamtrtError(f"{state_path} was trained on other data ({_in_words(state['data'])}; now "
-                           f"{_in_words(data)}): use the same feature caches in the same order, or another --work "
-                           "directory")
+    check_data(state_path, state["data"], data)
     try:
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -429,9 +434,9 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, log = 0, []
-    fingerprint, target = _fingerprint(data), digest or target_digest(drafter.target)
+    identity, target = fingerprint(data), digest or target_digest(drafter.target)
     if state_path.exists():
-        step, log = _resume(state_path, drafter, opt, cfg, fingerprint, target)
+        step, log = _resume(state_path, drafter, opt, cfg, identity, target)
     train_ids, held = split(data, cfg)
     head = None
     if cfg.head_vocab == "seen":
@@ -479,7 +484,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         bar.set_postfix({k: row[k] for k in ("loss", "acc", "tau_proxy") if k in row} |
                         ({"eval_tau": row["eval_tau"]} if "eval_tau" in row else {}))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after:
-            _save_state(state_path, drafter, opt, step, cfg, log, fingerprint, target)
+            _save_state(state_path, drafter, opt, step, cfg, log, identity, target)
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
