@@ -1405,6 +1405,19 @@ def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it
     assert result.returncode == 0 and "| all | " in result.stdout, result.stderr
     assert f"warning: {cache}: the drafter trained on this cache (its recipe is one its training.json names)" in (
         result.stderr)
+    # the decoder drafts from the drafter's draft_vocab.json alone, and so does the eval (it drafted from all 49,152)
+    answers = read_answers(cache)
+    answered = {t for ids, _, n in map(answers.sequence, range(len(answers))) for t in ids[n:].tolist()}
+    scores = {}
+    for name, vocab in (("answered", sorted(answered)),
+                        ("others", [t for t in range(target.cfg.vocab_size) if t not in answered])):
+        (drafter / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
+        assert run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(src / "target"), "--drafter",
+                   str(drafter), "--per-kind", "1", "--block-size", "4", "--json", str(report)).returncode == 0
+        scores[name] = json.loads(report.read_text())["kinds"]["all"]
+    assert scores["answered"]["eval_recall"] > 0, scores  # the full head's top 16 held none of their tokens
+    assert scores["others"]["eval_tau"] == scores["others"]["eval_tau_top1"] == 1.0, scores
+    assert scores["others"]["eval_recall"] == 0, scores
 
 
 def test_train_drafter_guards_its_inputs_and_output(tmp_path, run, mini_vocab_sources, monkeypatch):

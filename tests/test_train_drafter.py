@@ -210,6 +210,10 @@ def test_eval_tau_is_the_decoders_acceptance_length(target, tmp_path):
     tau = sum(c.committed for c in done) / sum(c.steps for c in done)
     assert tau > 1.05 and got["eval_tau"] == round(tau, 4)
     assert got["eval_tau_every_anchor"] != got["eval_tau"]
+    answered = {t for s, _ in seqs for t in s}
+    drafter.set_draft_vocab([t for t in range(target.cfg.vocab_size) if t not in answered])  # none of their tokens
+    got = evaluate(drafter, data, [0, 1, 2], cfg, chunk=5)  # drafts as the decoder does (it drafted from all tokens)
+    assert got["eval_tau"] == got["eval_tau_top1"] == 1.0 and got["eval_recall"] == 0.0
 
 
 def test_head_slice_losses(target, tmp_path):
@@ -251,9 +255,11 @@ def test_head_slice_losses(target, tmp_path):
     assert float(sliced["base"]) < float(full["base"])  # fewer competitors: a lower cross-entropy on the same blocks
     with pytest.raises(ValueError, match="head vocabulary"):
         dataclasses.replace(TINY_RUN, head_vocab="some")
-    log = train(make_drafter(target), data, dataclasses.replace(TINY_RUN, head_vocab="seen", steps=3), tmp_path,
-                quiet=True)
-    assert 0.0 <= log[-1]["eval_outside_head"] <= 1.0 and "eval_tau" in log[-1]
+    trained, cfg = make_drafter(target), dataclasses.replace(TINY_RUN, head_vocab="seen", steps=3)
+    log = train(trained, data, cfg, tmp_path, quiet=True)
+    assert torch.equal(trained.draft_vocab, seen.ids)  # it drafts from the slice, and its last eval drafted so
+    assert {k: v for k, v in log[-1].items() if k.startswith("eval_")} == evaluate(trained, data, split(data, cfg)[1],
+                                                                                   cfg)
 
 
 def test_distillation_teacher_is_the_target_and_its_term_trains(target, tmp_path):
@@ -803,10 +809,12 @@ def test_init_grows_a_drafter_by_identity_layers(target, tmp_path):
     from beamtrt.train.cli import start_from
 
     saved = make_drafter(target, seed=3)
+    saved.set_draft_vocab(range(0, target.cfg.vocab_size, 2))
     save_drafter(saved, tmp_path / "d")
     depth = saved.cfg.num_hidden_layers
     grown = start_from(tmp_path / "d", dataclasses.replace(saved.cfg, num_hidden_layers=depth + 2), target, seed=1)
     assert len(grown.layers) == depth + 2 and all(p.requires_grad for p in grown.parameters())
+    assert torch.equal(grown.draft_vocab, saved.draft_vocab)  # it drafts from the checkpoint's vocabulary too
     data = _features(target)
     ids, taps = data.sequence(0)[:2]
     anchors = torch.arange(2, ids.shape[0] - 4, 3)

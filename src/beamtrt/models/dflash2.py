@@ -387,7 +387,7 @@ class DFlash2Drafter(nn.Module):
             cos, sin = self.rotary(positions, torch.float32)
             rings = torch.arange(N) if slots is None else slots
             z = native.draft_block(self, cache, ids, rings, start, cos, sin).to(self.dtype)
-            return self._head(z, anchor_ids, lattice, invariant=True)
+            return self.head(z, anchor_ids, lattice, invariant=True)
         h = target.embed_ids(ids).to(self.dtype)
         rope = self.rotary(positions, self.dtype)
         used = min(cache.window, int(start.max()))  # ring slots ever written: attend over those only
@@ -403,10 +403,11 @@ class DFlash2Drafter(nn.Module):
             if slots is not None:  # only the requested sequences (gathered)
                 k, v = k[slots], v[slots]
             h = layer(h, rope, k, v, mask, B, self.use_conv)
-        return self._head(self.norm(h[:, 1:]), anchor_ids, lattice)
+        return self.head(self.norm(h[:, 1:]), anchor_ids, lattice)
 
-    def _head(self, z: torch.Tensor, anchor_ids: torch.Tensor, lattice: bool, invariant: bool = False) -> DraftOutput:
-        """z: [N, B-1, H] final-normed block hidden -> the drafts' logits and, with `lattice`, the selector's.
+    def head(self, z: torch.Tensor, anchor_ids: torch.Tensor, lattice: bool, invariant: bool = False) -> DraftOutput:
+        """z: [N, B-1, H] final-normed block hidden -> the drafts' logits (from the draft vocabulary only, when there
+        is one) and, with `lattice`, the selector's.
         invariant: each row's products the same bits whatever the other rows (the fused host block's are, so a
         request's proposal then does not depend on the requests drafted beside it); else PyTorch's GEMMs past a few
         rows."""

@@ -39,6 +39,7 @@ def start_from(path: Path, cfg, target, seed: int = 0):
     if drafter.cfg == cfg:
         return drafter.requires_grad_(True)
     grown = init_drafter(cfg, target, seed)
+    grown.set_draft_vocab(drafter.draft_vocab)
     params = dict(grown.named_parameters())
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -186,8 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--head-vocab", choices=HEAD_VOCABS, default=t.head_vocab,
                     help="LM head rows the training loss scores: full = the whole vocabulary (the recipe); seen = only "
                          "the tokens in the training data (about 4x less head work on beam-mini, so ~2.5x faster "
-                         "steps; unseen tokens are no longer pushed down, and the eval reports how often a draft "
-                         "falls outside them) (default: %(default)s)")
+                         "steps; unseen tokens are no longer pushed down, so the drafter drafts from the seen ones "
+                         "alone, in the eval too, and is saved with them as its draft_vocab.json) (default: "
+                         "%(default)s)")
     tr.add_argument("--distill", type=float, default=t.distill,
                     help="weight of a distillation term: each slot also learns the target's whole next-token "
                          "distribution there (KL divergence, rebuilt from the cached taps through the target's "

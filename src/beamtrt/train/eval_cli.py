@@ -27,7 +27,8 @@ def last_greedy(kinds: list[str], greedy: torch.Tensor, per_kind: int) -> dict[s
 
 def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int) -> dict[str, dict]:
     """kinds[i]: the prompt kind of sequence i. Scores the last `per_kind` greedy answers of every kind (and all of
-    them together) with the training eval (trainer.evaluate: the decoder's τ at `block`, on the full LM head)."""
+    them together) with the training eval (trainer.evaluate: the decoder's τ at `block`, drafting from the drafter's
+    draft vocabulary when it has one)."""
     from tqdm import tqdm
 
     from beamtrt.train.trainer import TrainConfig, eval_ratios, eval_sums

@@ -80,7 +80,7 @@ class HeadSlice:
     """The frozen LM head's rows that the training loss scores (dflash.md §3: the head is frozen, so only the
     drafter's hidden z learns). Scoring only the tokens the training data contains makes the head 4x cheaper on
     beam-mini's caches; tokens never seen as a label are then no longer pushed down (the eval, on the full head,
-    reports how often a draft falls outside the slice)."""
+    drafts from the slice only: train() makes it the drafter's draft vocabulary)."""
 
     ids: torch.Tensor     # [V'] sorted token ids
     weight: torch.Tensor  # [V', H] their head rows
@@ -103,8 +103,17 @@ class HeadSlice:
 
 def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
                   block: int, head: HeadSlice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [T], taps [T, F] of one sequence; anchors [N] -> (logits [N, B−1, V] fp32, hidden [N, B−1, H]);
-    with a head slice the logits are over its V' tokens only.
+    """block_hidden's z [N, B−1, H] through the LM head -> (logits [N, B−1, V] fp32, z); with a head slice the logits
+    are over its V' tokens only."""
+    target = drafter.target
+    z = block_hidden(drafter, ids, taps, anchors, block)
+    return (target.lm_logits(z) if head is None else head.logits(target, z)), z
+
+
+def block_hidden(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
+                 block: int) -> torch.Tensor:
+    """ids [T], taps [T, F] of one sequence; anchors [N] -> the final-normed hidden [N, B−1, H] of the N blocks (in
+    the target's dtype), what the LM head and the selector read.
 
     The same computation as DFlash2Drafter.draft for N requests whose context is this sequence's prefix: context
     features are fused and projected once, and block n sees context positions [max(0, p_n − W), p_n). The inputs may
@@ -127,8 +136,7 @@ def block_forward(drafter: DFlash2Drafter, ids: torch.Tensor, taps: torch.Tensor
         k, v = layer.self_attn.context_kv(c, ctx_rope)  # [1, S, KV, D]
         k, v = (t.transpose(1, 2).expand(N, -1, -1, -1) for t in (k, v))  # [N, KV, S, D]
         h = layer(h, rope, k, v, mask, block, drafter.use_conv)
-    z = drafter.norm(h[:, 1:]).to(target.dtype)
-    return (target.lm_logits(z) if head is None else head.logits(target, z)), z
+    return drafter.norm(h[:, 1:]).to(target.dtype)
 
 
 @torch.no_grad()
@@ -272,22 +280,23 @@ def decode_steps(accepted: torch.Tensor) -> int:
 
 @torch.no_grad()
 def evaluate(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: TrainConfig,
-             head: HeadSlice | None = None, chunk: int = 64) -> dict[str, float]:
+             chunk: int = 64) -> dict[str, float]:
     """Greedy acceptance length at the serving block on held-out greedy answers. The labels are the target's own
     argmax path, so the accept length at every anchor is what speculative decoding would see there, and walking
     them as the decoder does (the next anchor is where a step ends) gives its τ exactly: eval_tau for the selector
     walk, eval_tau_top1 for the slots' argmax. eval_tau_every_anchor averages over every position instead; it is
     higher, because the decoder crosses easy stretches in few steps and spends a step on each hard token.
-    Always on the full LM head; with a training head slice, also the fraction of drafts outside it."""
-    return eval_ratios(eval_sums(drafter, data, held, cfg, head, chunk), head is not None)
+    The blocks are drafted through the drafter's own head (DFlash2Drafter.head), as the decoder drafts them: from its
+    draft vocabulary alone when it has one."""
+    return eval_ratios(eval_sums(drafter, data, held, cfg, chunk))
 
 
 @torch.no_grad()
 def eval_sums(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: TrainConfig,
-              head: HeadSlice | None = None, chunk: int = 64) -> dict[str, float]:
+              chunk: int = 64) -> dict[str, float]:
     """evaluate's counts (tokens, steps, ...), which add up over sets of answers."""
     block = cfg.eval_block_size
-    sums = dict.fromkeys(("tokens", "steps", "steps_top1", "every", "recall", "count", "outside"), 0.0)
+    sums = dict.fromkeys(("tokens", "steps", "steps_top1", "every", "recall", "count"), 0.0)
     for i in held:
         ids, taps, _ = data.sequence(i)
         lo, hi = _anchor_range(data, i)
@@ -296,18 +305,14 @@ def eval_sums(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: T
         ids, taps, accepted, accepted_top1 = ids.to(drafter.device), taps.to(drafter.device).float(), [], []
         for start in range(lo, hi, chunk):
             anchors = torch.arange(start, min(start + chunk, hi), device=drafter.device)
-            logits, z = block_forward(drafter, ids, taps, anchors, block)
+            out = drafter.head(block_hidden(drafter, ids, taps, anchors, block), ids[anchors], lattice=True)
             labels = block_labels(ids, anchors, block)
-            top_k = min(drafter.cfg.selector_top_k, logits.shape[-1])
-            cand, scores = drafter.candidate_selector.edge_scores(logits, z, ids[anchors], top_k)
-            drafts, _ = walk_greedy(cand, scores)
+            drafts, _ = walk_greedy(out.cand_ids, out.scores)
             accepted.append(accept_lengths(drafts, labels))
-            accepted_top1.append(accept_lengths(logits.argmax(-1), labels))
+            accepted_top1.append(accept_lengths(out.logits.argmax(-1), labels))
             valid = labels != IGNORE
-            sums["recall"] += float(((cand == labels[..., None]).any(-1) & valid).sum())
+            sums["recall"] += float(((out.cand_ids == labels[..., None]).any(-1) & valid).sum())
             sums["count"] += float(valid.sum())
-            if head is not None:
-                sums["outside"] += float(((head.index[drafts] < 0) & valid).sum())
         accepted, accepted_top1 = torch.cat(accepted), torch.cat(accepted_top1)
         sums["steps"] += decode_steps(accepted)
         sums["steps_top1"] += decode_steps(accepted_top1)
@@ -316,15 +321,14 @@ def eval_sums(drafter: DFlash2Drafter, data: FeatureSet, held: list[int], cfg: T
     return sums
 
 
-def eval_ratios(sums: dict[str, float], outside: bool = False) -> dict[str, float]:
-    """eval_sums -> evaluate's metrics ({} when nothing was scored); outside: report eval_outside_head."""
+def eval_ratios(sums: dict[str, float]) -> dict[str, float]:
+    """eval_sums -> evaluate's metrics ({} when nothing was scored)."""
     if not sums["steps"]:
         return {}
     return {"eval_tau": round(sums["tokens"] / sums["steps"], 4),
             "eval_tau_top1": round(sums["tokens"] / sums["steps_top1"], 4),
             "eval_tau_every_anchor": round(sums["every"] / sums["tokens"], 4),
-            "eval_recall": round(sums["recall"] / max(sums["count"], 1.0), 4)} | (
-        {"eval_outside_head": round(sums["outside"] / max(sums["count"], 1.0), 5)} if outside else {})
+            "eval_recall": round(sums["recall"] / max(sums["count"], 1.0), 4)}
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
@@ -419,7 +423,8 @@ def _resume(state_path: Path, drafter: DFlash2Drafter, opt: torch.optim.Optimize
 def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Path, quiet: bool = False,
           stop_after: int | None = None, digest: str | None = None) -> list[dict]:
     """Train `drafter` (fp32, in place) for cfg.steps, resuming from work/train_state.pt when it exists; its draft
-    vocabulary becomes the head slice's tokens (`head_vocab` "seen") or the whole vocabulary ("full").
+    vocabulary becomes the head slice's tokens (`head_vocab` "seen") or the whole vocabulary ("full") before the first
+    step (after an --init drafter's baseline eval, which drafts from its own), so that every eval drafts as it will.
 
     Returns the log: one row per step (losses, accuracy, τ proxy at the eval block, lr) plus eval rows.
     stop_after: end (after checkpointing) once this many steps are done in total (simulates an interruption).
@@ -443,7 +448,8 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
         head = HeadSlice.of(drafter.target, torch.cat([data.sequence(i)[0] for i in train_ids]))
     if held and step == 0 and cfg.init_from:  # the starting drafter's score on this held-out set: the baseline
         drafter.eval()
-        log.append({"step": 0, "seconds": 0.0} | evaluate(drafter, data, held, cfg, head))
+        log.append({"step": 0, "seconds": 0.0} | evaluate(drafter, data, held, cfg))
+    drafter.set_draft_vocab(None if head is None else head.ids)  # it drafts from the tokens its loss scores: evals too
     bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", unit="step", disable=quiet, dynamic_ncols=True)
     drafter.train()
     while step < cfg.steps:
@@ -477,7 +483,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
                "lr": lr_at(cfg, step - 1), "seconds": round(time.perf_counter() - t0, 3)}
         if held and (step % cfg.eval_every == 0 or step == cfg.steps):
             drafter.eval()
-            row.update(evaluate(drafter, data, held, cfg, head))
+            row.update(evaluate(drafter, data, held, cfg))
             drafter.train()
         log.append(row)
         bar.update(1)
@@ -489,7 +495,6 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
             break
     bar.close()
     drafter.eval()
-    drafter.set_draft_vocab(None if head is None else head.ids)  # it drafts from the tokens its loss scored
     return log
 
 
