@@ -1358,13 +1358,15 @@ def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path,
     assert not list(tmp_path.glob("features-*"))  # nothing written into the cache
 
 
-def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it(tmp_path, run, mini_vocab_sources):
+def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it(tmp_path, run, mini_vocab_sources,
+                                                                                  monkeypatch):
     """It used to rebuild and write the taps of every sequence of a cache (12 minutes and 932 MB for beam-mini's
     cache 13) to score a few; it computes those of the answers it scores, in memory. Its --json holds the table."""
     pytest.importorskip("reasoning_gym")
     from beamtrt.config import DrafterConfig
     from beamtrt.models.beam import load_beam
     from beamtrt.prompts import load_tokenizer
+    from beamtrt.train import features
     from beamtrt.train.features import DataRecipe, build_features, load_features, read_answers, with_taps
     from beamtrt.train.prompts import training_prompts
 
@@ -1405,6 +1407,23 @@ def test_eval_drafter_scores_a_cache_of_answers_files_and_writes_nothing_into_it
     assert result.returncode == 0 and "| all | " in result.stdout, result.stderr
     assert f"warning: {cache}: the drafter trained on this cache (its recipe is one its training.json names)" in (
         result.stderr)
+    # of several caches, the answers scored are picked before any taps are computed (it computed those of each cache's
+    # last answers of each kind, then kept the last of them all); the scores stay those of the answers picked
+    copy, computed, sequence_taps = tmp_path / "copy", [], features.sequence_taps
+    shutil.copytree(cache, copy)
+
+    def counted(target, taps, seqs, **kwargs):
+        computed.append(len(seqs))
+        return sequence_taps(target, taps, seqs, **kwargs)
+    monkeypatch.setattr(features, "sequence_taps", counted)
+    tables = []
+    for caches in ([copy], [cache, copy]):
+        assert run("scripts/eval_drafter.py", "--data", *map(str, caches), "--target", str(src / "target"), "--drafter",
+                   str(drafter), "--per-kind", "1", "--block-size", "4", "--json", str(report)).returncode == 0
+        tables.append(json.loads(report.read_text())["kinds"])
+    alone, both = tables
+    assert computed == [alone["all"]["scored"]] * 2
+    assert both == {kind: r | {"answers": 2 * r["answers"]} for kind, r in alone.items()}
     # the decoder drafts from the drafter's draft_vocab.json alone, and so does the eval (it drafted from all 49,152)
     answers = read_answers(cache)
     answered = {t for ids, _, n in map(answers.sequence, range(len(answers))) for t in ids[n:].tolist()}

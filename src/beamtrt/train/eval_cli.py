@@ -164,20 +164,19 @@ def main(argv: list[str] | None = None) -> int:
                       "its acceptance here is no held-out score", file=sys.stderr, flush=True)
         target = load_beam(target_dir, dtype=torch.float32, device=device).requires_grad_(False)
         drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
-        parts, kinds, answers = [], [], Counter()
+        parts, kinds = [], []
         digest = target_digest(target)
-        for d in map(Path, args.data):  # one cache in memory at a time; keep the answers that can be scored
+        for d in map(Path, args.data):
             check_cache(target, taps, d, digest)
-            part = read_answers(d, target.cfg.vocab_size)  # the answers alone: the taps of those scored come next
-            part_kinds = cache_kinds(d, tokenizer, part)
-            answers.update(kind for kind, greedy in zip(part_kinds, part.greedy.tolist()) if greedy)
-            keep = sorted(i for group in last_greedy(part_kinds, part.greedy, args.per_kind).values() for i in group)
-            if keep:
-                parts.append(with_taps(target, taps, part.select(keep)))  # in memory: the cache is only read
-                kinds += [part_kinds[i] for i in keep]
-        if not parts:
+            parts.append(read_answers(d, target.cfg.vocab_size))  # the answers alone: taps for those scored, later
+            kinds += cache_kinds(d, tokenizer, parts[-1])
+        every = concat_features(parts)
+        answers = Counter(kind for kind, greedy in zip(kinds, every.greedy.tolist()) if greedy)
+        keep = sorted(i for group in last_greedy(kinds, every.greedy, args.per_kind).values() for i in group)
+        if not keep:
             raise BeamtrtError("the caches hold no greedy answer to score")
-        rows = evaluate_by_kind(drafter, concat_features(parts), kinds, args.per_kind, args.block_size)
+        scored = with_taps(target, taps, every.select(keep))  # in memory: the caches are only read
+        rows = evaluate_by_kind(drafter, scored, [kinds[i] for i in keep], args.per_kind, args.block_size)
         answers["all"] = sum(answers.values())
         rows = {kind: {"answers": answers[kind]} | r for kind, r in rows.items()}
         top_k = dcfg.selector_top_k  # the selector's candidates per slot (at most the vocabulary: DrafterConfig)
