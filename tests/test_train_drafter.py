@@ -380,13 +380,22 @@ def test_feature_shards_round_trip_and_corruption(target, tmp_path):
     save_file({"ids": data.ids[:0], "taps": data.taps[:0], "seq_start": torch.zeros(1, dtype=torch.long),
                "prompt_len": data.prompt_len[:0], "greedy": data.greedy[:0]}, str(other / "features-00000.safetensors"))
     assert len(load_features(other, tmp_path)) == 6  # several caches, concatenated in order
-    (tmp_path / "meta.json").write_text('{"taps": [1, 2]}')
+    (tmp_path / "meta.json").write_text('{"taps": [1, 2], "hidden_size": 64}')
+    assert len(load_features(other, tmp_path)) == 6  # a cache made before meta.json: "the first cache has None"
     (other / "meta.json").write_text('{"taps": [0, 2]}')
-    with pytest.raises(BeamtrtError, match="target layers"):
-        load_features(tmp_path, other)
+    with pytest.raises(BeamtrtError, match=f"^{tmp_path}: features of target layers \\[1, 2\\], {other} has "
+                                           "\\[0, 2\\]$"):
+        load_features(other, tmp_path)
     (other / "meta.json").write_text('{"taps": [1, 2], "hidden_size": 32}')
-    with pytest.raises(BeamtrtError, match="a target hidden size of 32, the first cache has None"):
+    with pytest.raises(BeamtrtError, match=f"^{other}: a target hidden size of 32, {tmp_path} has 64$"):
         load_features(tmp_path, other)
+    (other / "meta.json").unlink()  # its taps unknown but for their width
+    save_file({"ids": data.ids[:0], "taps": data.taps[:0, :5], "seq_start": torch.zeros(1, dtype=torch.long),
+               "prompt_len": data.prompt_len[:0], "greedy": data.greedy[:0]}, str(other / "features-00000.safetensors"))
+    with pytest.raises(BeamtrtError, match=f"^{tmp_path / 'features-00000.safetensors'}: taps {data.taps.shape[1]} "
+                                           f"wide, {other / 'features-00000.safetensors'}'s 5 \\(features of other"):
+        load_features(other, tmp_path)
+    (tmp_path / "meta.json").write_text('{"taps": [1, 2]}')
     (tmp_path / "features-00001.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(BeamtrtError, match="corrupt feature shard"):
         load_features(tmp_path)

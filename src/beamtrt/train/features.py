@@ -522,8 +522,9 @@ def with_taps(target: BeamForCausalLM, taps: Sequence[int], part: FeatureSet, qu
 
 def load_features(*dirs: Path, digest: str | None = None, vocab_size: int | None = None) -> FeatureSet:
     """Read every shard of one or more feature caches (in the order given) into one FeatureSet; with a target's
-    digest and vocabulary size, caches of another target are refused."""
-    parts, first = [], None
+    digest and vocabulary size, caches of another target are refused. The caches' taps must be alike: as their
+    meta.json records them (a cache made before meta.json, which check_cache accepts, records none) and as wide."""
+    parts, recorded, first = [], {}, None  # recorded: meta.json key -> (the first cache with it, its value)
     for data in dirs:
         paths = sorted(data.glob("features-*.safetensors"))
         if not paths:
@@ -531,10 +532,17 @@ def load_features(*dirs: Path, digest: str | None = None, vocab_size: int | None
         meta = read_meta(data)
         check_target(data, meta, digest)
         for key, what in (("taps", "features of target layers"), ("hidden_size", "a target hidden size of")):
-            if first is not None and meta.get(key) != first.get(key):
-                raise BeamtrtError(f"{data}: {what} {meta.get(key)}, the first cache has {first.get(key)}")
-        first = first or meta
-        parts += [_shard(p, meta, vocab_size) for p in paths]
+            if key in meta:
+                had, value = recorded.setdefault(key, (data, meta[key]))
+                if meta[key] != value:
+                    raise BeamtrtError(f"{data}: {what} {meta[key]}, {had} has {value}")
+        for path in paths:
+            part = _shard(path, meta, vocab_size)
+            first = first or (path, part.taps.shape[1])  # (the first shard, its taps' width)
+            if part.taps.shape[1] != first[1]:
+                raise BeamtrtError(f"{path}: taps {part.taps.shape[1]} wide, {first[0]}'s {first[1]} (features of "
+                                   "other target layers)")
+            parts.append(part)
     return concat_features(parts)
 
 
