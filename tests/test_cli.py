@@ -1344,6 +1344,15 @@ def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
                           f"argument --data: {tmp_path} given twice")
 
 
+def test_a_flag_of_several_values_given_twice_is_one_line(run):
+    """draft_vocab.py's usage showed --data CACHE ... --data LAST_CACHE, and argparse kept the last list alone: it
+    wrote the vocabulary of one cache. A flag of several values is given once, on every command."""
+    for script, first, flag in (("scripts/draft_vocab.py", ["drafter"], "--data"),
+                                ("scripts/eval_drafter.py", [], "--data"), ("scripts/train_drafter.py", [], "--extra-data")):
+        assert_one_line_error(run(script, *first, flag, "a", flag, "b"),
+                              f"argument {flag}: given twice; give all its values after one {flag}")
+
+
 def test_eval_drafter_refuses_a_block_or_cache_the_drafter_cannot_read(tmp_path, run, beam_mini, monkeypatch):
     """From the configs, before any weight loads (beam-mini's take half a minute)."""
     from beamtrt.models import beam

@@ -34,15 +34,26 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse with this project's error form: a bad flag or value is one `error:` line and exit 2 (the usage stays
     in --help), printed once under mpirun (by rank 0: every rank parses the same arguments). An empty value (an unset
     shell variable: `--model "$MODEL"`) is refused for every flag but those named in `empty_ok`: as a path it would
-    mean the working directory, or the flag's default."""
+    mean the working directory, or the flag's default. A flag of several values given twice is refused too: the
+    second would replace the first's values."""
 
     def __init__(self, *args, empty_ok: tuple[str, ...] = (), **kwargs) -> None:
         super().__init__(*args, formatter_class=kwargs.pop("formatter_class", _HelpFormatter), **kwargs)
         self.empty_ok = frozenset(empty_ok)
+        self.given: set[argparse.Action] = set()  # the flags of several values given so far
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = set()
+        return super().parse_known_args(args, namespace)
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]):
         if "" in arg_strings and not self.empty_ok.intersection(action.option_strings):
             raise argparse.ArgumentError(action, "an empty value (an unset shell variable?)")
+        if action.nargs == "+" and action.option_strings:
+            if action in self.given:
+                raise argparse.ArgumentError(action, f"given twice; give all its values after one "
+                                                     f"{action.option_strings[-1]}")
+            self.given.add(action)
         values = super()._get_values(action, arg_strings)
         if action.nargs == "+" and (twice := next((v for i, v in enumerate(values) if v in values[:i]), None)):
             raise argparse.ArgumentError(action, f"{twice} given twice")  # measured twice, or the same data

@@ -1,7 +1,7 @@
 """Write a drafter's draft_vocab.json: the tokens of the training sequences it was trained on (a `--head-vocab seen`
 run scores exactly these), from the answer caches named, held-out answers excluded as the trainer excludes them.
 
-    python scripts/draft_vocab.py DRAFTER --data CACHE ... --data LAST_CACHE
+    python scripts/draft_vocab.py DRAFTER --data CACHE ... LAST_CACHE
 
 New runs of scripts/train_drafter.py store it themselves; this is for drafters trained before they did.
 """
