@@ -275,7 +275,8 @@ def test_a_moved_last_build_names_its_record(tmp_path, run, monkeypatch):
 
     record = tmp_path / ".last-build"
     monkeypatch.setattr(build_cli, "LAST_BUILD", record)
-    for recorded, shown in ((f"{tmp_path / 'bf16-tp2'}\n", "bf16-tp2"), ("garbage\n", "garbage"), ("\n", "(nothing)")):
+    for recorded, shown in ((f"{tmp_path / 'bf16-tp2'}\n", "bf16-tp2"), ("garbage\n", "garbage"), ("\n", "(nothing)"),
+                            ("0" * 300, "(not a path)"), ('{\n  "x": 1\n}\n', "(not a path)")):  # a name too long
         record.write_text(recorded)
         assert_one_line_error(run("runtime/run.py", "--prompt", "Hi"), f"{shown}: no such directory", str(record),
                               "--engine-dir DIR", "--model DIR", "build/build_engines.py")
@@ -932,11 +933,21 @@ def test_an_output_inside_what_the_command_reads_is_refused(mini_vocab_sources, 
     cache.mkdir()
     (cache / "meta.json").write_text("{}")
     pair = ["--model", str(target), "--drafter", str(drafter)]
+    from beamtrt.build import cli as build_cli
+
+    record = tmp_path / ".last-build"
+    record.write_text("/somewhere/nvfp4-tp4\n")
+    monkeypatch.setattr(build_cli, "LAST_BUILD", record)
+    from beamtrt.runtime.loader import Sources  # an older build's tokenizer is its source checkpoint's: read too
+
+    assert ("the tokenizer", target) in Sources(target, None).inputs(tmp_path / "build")
     for script, args, needle in (
             ("runtime/run.py", [*pair, "--json", str(target / "config.json")],
              f"--json {target / 'config.json'}: is inside the target {target}, which this command reads"),
             ("runtime/run.py", [*pair, "--prompts", str(prompts), "--json", str(prompts)],
              f"--json {prompts}: is --prompts {prompts}, which this command reads"),
+            ("runtime/run.py", [*pair, "--json", str(record)],  # engines/.last-build: the next run.py's default
+             f"--json {record}: is the last build's record {record}, which this command reads"),
             ("scripts/benchmark.py", [*pair, "--families", "chat", "--prompts", f"chat={prompts}", "--out",
                                       str(drafter / "bench")],
              f"--out {drafter / 'bench'}.json: is inside the drafter"),
@@ -951,6 +962,7 @@ def test_an_output_inside_what_the_command_reads_is_refused(mini_vocab_sources, 
              "is inside --work")):
         assert_one_line_error(run(script, *args), needle)
     assert {f: f.read_bytes() for f in before} == before and (cache / "meta.json").read_text() == "{}"
+    assert record.read_text() == "/somewhere/nvfp4-tp4\n"
     assert not (tmp_path / "w").exists() and not (drafter / "bench.json").exists()
     from beamtrt.bench import tp
     from beamtrt.models import beam_mini

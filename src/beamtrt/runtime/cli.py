@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from beamtrt.build import cli as build_cli  # its LAST_BUILD, looked up at each use (tests move it)
 from beamtrt.checkpoint.hf import write_json
 from beamtrt.checkpoint.manifest import MANIFEST
 from beamtrt.cli_util import (ArgumentParser, check_seed, check_threads, output_path, outside_inputs, run_ranks_cli,
@@ -145,18 +146,22 @@ class Setup:
 
 
 def resolve_engine_dir(args: argparse.Namespace) -> Path | None:
-    from beamtrt.build.cli import LAST_BUILD
-
     if args.engine_dir:
         return Path(args.engine_dir)
-    if args.model is None and args.drafter is None and LAST_BUILD.is_file():  # --drafter alone: beam-mini's
-        recorded = LAST_BUILD.read_text(errors="replace").strip()
-        if not recorded or not (Path(recorded) / MANIFEST).is_file():  # moved, deleted, or the record is garbled
-            found = "no such directory" if not recorded or not Path(recorded).is_dir() else f"no {MANIFEST} there"
-            raise BeamtrtError(f"{recorded or '(nothing)'}: {found} (the last build, recorded in {LAST_BUILD}); pass "
+    if args.model is None and args.drafter is None and build_cli.LAST_BUILD.is_file():  # --drafter alone: beam-mini's
+        recorded = build_cli.LAST_BUILD.read_text(errors="replace").strip()
+        path = Path(recorded) if recorded and "\n" not in recorded else None  # one line, as the build writes it
+        try:  # moved, deleted, or the record is garbled
+            found = ("no such directory" if path is None or not path.is_dir() else
+                     f"no {MANIFEST} there" if not (path / MANIFEST).is_file() else None)
+        except OSError:  # a name too long to be a path
+            path, found = None, "no such directory"
+        if found:
+            shown = recorded if path is not None else "(not a path)" if recorded else "(nothing)"
+            raise BeamtrtError(f"{shown}: {found} (the last build, recorded in {build_cli.LAST_BUILD}); pass "
                                "--engine-dir DIR, --model DIR (a Hugging Face checkpoint), or rebuild with "
                                "build/build_engines.py")
-        return Path(recorded)
+        return path
     return None
 
 
@@ -185,7 +190,8 @@ def _setup(args: argparse.Namespace, dist) -> Setup:
     sources = find_sources(engine_dir, manifest, backend, args.model, args.drafter, not args.no_spec, "--no-spec")
     sources.check_block(args.block_size)
     if args.json:
-        outside_inputs(args.json, "--json", [*sources.inputs(engine_dir), ("--prompts", args.prompts)])
+        outside_inputs(args.json, "--json", [*sources.inputs(engine_dir), ("--prompts", args.prompts),
+                                             ("the last build's record", build_cli.LAST_BUILD)])
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     prompt_ids = render_chats(tokenizer, chats, where)
     stop_ids, stop_strings = special_stops(tokenizer, args.stop, "--stop")

@@ -80,7 +80,8 @@ class Sources:
 
     def inputs(self, engine_dir: Path | None) -> list[tuple[str, Path | None]]:
         """(what, folder) of everything loaded from, for cli_util.outside_inputs (None: not one of these sources)."""
-        return [("the build", engine_dir), ("the target", self.model_dir), ("the drafter", self.drafter_dir)]
+        return [("the build", engine_dir), ("the target", self.model_dir), ("the drafter", self.drafter_dir),
+                ("the tokenizer", self.tokenizer_dir)]  # an older build's is its source checkpoint's
 
     def check_block(self, block_size: int) -> None:
         """A verification block the drafter can draft (at most the block it trained at), or a one-line ConfigError."""
