@@ -201,6 +201,8 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--max-new-tokens", "0"), "--max-new-tokens")
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
+    assert_one_line_error(run("runtime/run.py", "--temperature", "0.7", "--top-p", "1e-300"), "top_p=1e-300 (in (0, 1], "
+                          "at least 1e-45)")  # 0 as a float32: it sampled the last token id every time
     assert_one_line_error(run("runtime/run.py", "--top-k", "50"), "give them with a --temperature > 0")  # not greedy
     assert_one_line_error(run("runtime/run.py", "--block-size", "1"), "--block-size")
     assert_one_line_error(run("runtime/run.py", "--no-spec", "--draft-threshold", "0"), "drop --drafter / --draft")

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from beamtrt.spec.sampling import SamplingParams, target_probs
 from beamtrt.spec.selector import ANCHOR_ROW, draft_probs, walk_greedy, walk_sampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run best on one thread
@@ -172,5 +173,10 @@ def test_bad_settings_raise():
     cand_ids, scores = random_lattice(n=1, s=2, k=2, vocab=4, seed=9)
     with pytest.raises(ValueError, match="temperature"):
         walk_sampled(cand_ids, scores, 0.0, 1.0, torch.rand(1, 2))
+    for top_p in (0.0, 1e-300):  # 1e-300 is 0 as the float32 q is compared with: every candidate dropped, q NaN
+        with pytest.raises(ValueError, match="top_p"):
+            walk_sampled(cand_ids, scores, 1.0, top_p, torch.rand(1, 2))
     with pytest.raises(ValueError, match="top_p"):
-        walk_sampled(cand_ids, scores, 1.0, 0.0, torch.rand(1, 2))
+        SamplingParams(0.7, 1e-46)
+    probs = target_probs(torch.tensor([3.0, 1.0, 0.0]), SamplingParams(0.7, 1e-44))  # the least that is not 0: argmax
+    assert probs.tolist() == [1.0, 0.0, 0.0]

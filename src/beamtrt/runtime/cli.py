@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy; else finite and >= 1e-5 (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass, in (0, 1]; with --temperature > 0 (default: %(default)s)")
+                   help="nucleus sampling mass, in (0, 1] (at least 1e-45); with --temperature > 0 "
+                        "(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample from the k most likely tokens, 0 = all; with --temperature > 0 (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[],

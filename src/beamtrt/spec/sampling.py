@@ -11,6 +11,12 @@ import torch
 MIN_TEMPERATURE = 1e-5  # below it logits / T overflows to inf in fp32 and the distribution turns to NaN; 0 is greedy
 
 
+def top_p_ok(top_p: float) -> bool:
+    """In (0, 1], and not 0 as the float32 the probabilities are compared with (below ~1e-45 it would drop every
+    token, and the distribution turn to NaN)."""
+    return 0 < top_p <= 1 and torch.tensor(top_p, dtype=torch.float32).item() > 0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -18,10 +24,11 @@ class SamplingParams:
     top_k: int = 0            # 0 = no top-k cut
 
     def __post_init__(self) -> None:
-        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf) or not 0 < self.top_p <= 1 \
-                or self.top_k < 0:  # NaN fails too
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf) \
+                or not top_p_ok(self.top_p) or self.top_k < 0:  # NaN fails too
             raise ValueError(f"bad sampling settings: temperature={self.temperature} (0 = greedy, or finite and >= "
-                             f"{MIN_TEMPERATURE:g}), top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0)")
+                             f"{MIN_TEMPERATURE:g}), top_p={self.top_p} (in (0, 1], at least 1e-45), "
+                             f"top_k={self.top_k} (>= 0)")
 
     @property
     def greedy(self) -> bool:

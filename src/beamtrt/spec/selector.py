@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from beamtrt.spec.sampling import sample_from
+from beamtrt.spec.sampling import sample_from, top_p_ok
 
 ANCHOR_ROW = 0  # slot 0 has a single predecessor (the anchor); all its lattice rows are equal, use this one
 
@@ -89,8 +89,9 @@ def draft_probs(row_scores: torch.Tensor, temperature: float, top_p: float = 1.0
     Top-p keeps the smallest prefix of candidates (by decreasing q) whose mass reaches top_p, as the target's
     `sampling.target_probs` does, and renormalizes; top_p = 1 keeps every candidate.
     """
-    if not temperature > 0 or not 0 < top_p <= 1:
-        raise ValueError(f"bad draft sampling settings: temperature={temperature} (> 0), top_p={top_p} (in (0, 1])")
+    if not temperature > 0 or not top_p_ok(top_p):
+        raise ValueError(f"bad draft sampling settings: temperature={temperature} (> 0), top_p={top_p} (in (0, 1], at "
+                         "least 1e-45)")
     q = torch.softmax(row_scores.float() / temperature, dim=-1)
     if top_p < 1:
         sorted_q, order = torch.sort(q, dim=-1, descending=True, stable=True)
