@@ -163,6 +163,8 @@ def read_conversations(path: str | Path, layout: Layout | None = None
             raise BeamtrtError(f"{path}:{n}: not valid JSON ({e.msg}); {one_per_line}") from None
         except RecursionError:
             raise BeamtrtError(f"{path}:{n}: JSON nested too deeply") from None
+        except ValueError as e:  # valid JSON Python will not read: an integer of over 4,300 digits
+            raise BeamtrtError(f"{path}:{n}: {error_line(e)}") from None
         both = isinstance(obj, dict) and "prompt" in obj and "messages" in obj
         if both and not _opens(obj["messages"], obj["prompt"]):
             raise BeamtrtError(f'{path}:{n}: holds both "prompt" and "messages", and the messages do not open with '
