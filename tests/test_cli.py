@@ -160,6 +160,16 @@ def test_help_lists_every_flag(script, flags, run):
     assert description.endswith("."), description
 
 
+def test_help_and_errors_print_once_under_mpirun(run, monkeypatch):
+    """Every rank parses the same arguments: rank 0 alone prints --help (it printed once per rank) or an error."""
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", rank)
+        helped, refused = run("runtime/run.py", "--help"), run("runtime/run.py", "--top-k", "many")
+        assert (helped.returncode, refused.returncode) == (0, 2)
+        assert ("--engine-dir" in helped.stdout, "error: " in refused.stderr) == (printed, printed)
+        assert printed or helped.stdout == refused.stderr == ""
+
+
 def test_gpu_check_help_and_bad_argument():
     """gpu_check.sh takes no arguments: --help explains it without building anything, anything else is refused, and
     without a GPU it says so at once; gpu_host_check.sh's flags need values."""

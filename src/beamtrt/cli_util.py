@@ -32,9 +32,9 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with this project's error form: a bad flag or value is one `error:` line and exit 2 (the usage stays
-    in --help), printed once under mpirun (by rank 0: every rank parses the same arguments). An empty value (an unset
-    shell variable: `--model "$MODEL"`) is refused for every flag but those named in `empty_ok`: as a path it would
-    mean the working directory, or the flag's default. A flag of several values given twice is refused too: the
+    in --help), printed once under mpirun (by rank 0: every rank parses the same arguments), as --help is. An empty
+    value (an unset shell variable: `--model "$MODEL"`) is refused for every flag but those named in `empty_ok`: as a
+    path it would mean the working directory, or the flag's default. A flag of several values given twice is refused too: the
     second would replace the first's values."""
 
     def __init__(self, *args, empty_ok: tuple[str, ...] = (), **kwargs) -> None:
@@ -60,9 +60,18 @@ class ArgumentParser(argparse.ArgumentParser):
         return values
 
     def error(self, message: str) -> NoReturn:
-        if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")) == "0":
+        if _first_rank():
             sys.stderr.write(f"error: {message} (see {self.prog} --help)\n")
         sys.exit(2)
+
+    def print_help(self, file=None) -> None:  # --help
+        if _first_rank():
+            super().print_help(file)
+
+
+def _first_rank() -> bool:
+    """Not an mpirun rank, or its rank 0: the one that prints what every rank's parse of the same arguments says."""
+    return os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")) == "0"
 
 
 def progress(total: int, desc: str, unit: str = "point", quiet: bool = False, scale: bool = False):
