@@ -211,8 +211,8 @@ def test_run_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("runtime/run.py", "--max-new-tokens", "0"), "--max-new-tokens")
     assert_one_line_error(run("runtime/run.py", "--temperature", "-1"), "temperature")
     assert_one_line_error(run("runtime/run.py", "--top-p", "1.5"), "top_p")
-    assert_one_line_error(run("runtime/run.py", "--temperature", "0.7", "--top-p", "1e-300"), "top_p=1e-300 (in (0, 1], "
-                          "at least 1e-45)")  # 0 as a float32: it sampled the last token id every time
+    assert_one_line_error(run("runtime/run.py", "--temperature", "0.7", "--top-p", "1e-300"),  # 0 as a float32: it
+                          "top_p=1e-300 (in (0, 1], at least 1e-45)")  # sampled the last token id every time
     assert_one_line_error(run("runtime/run.py", "--top-k", "50"), "give them with a --temperature > 0")  # not greedy
     assert_one_line_error(run("runtime/run.py", "--block-size", "1"), "--block-size")
     assert_one_line_error(run("runtime/run.py", "--no-spec", "--draft-threshold", "0"), "drop --drafter / --draft")
@@ -1373,8 +1373,8 @@ def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
 def test_a_flag_of_several_values_given_twice_is_one_line(run):
     """draft_vocab.py's usage showed --data CACHE ... --data LAST_CACHE, and argparse kept the last list alone: it
     wrote the vocabulary of one cache. A flag of several values is given once, on every command."""
-    for script, first, flag in (("scripts/draft_vocab.py", ["drafter"], "--data"),
-                                ("scripts/eval_drafter.py", [], "--data"), ("scripts/train_drafter.py", [], "--extra-data")):
+    for script, first, flag in (("scripts/draft_vocab.py", ["drafter"], "--data"), ("scripts/eval_drafter.py", [], "--data"),
+                                ("scripts/train_drafter.py", [], "--extra-data")):
         assert_one_line_error(run(script, *first, flag, "a", flag, "b"),
                               f"argument {flag}: given twice; give all its values after one {flag}")
 

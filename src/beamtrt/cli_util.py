@@ -34,8 +34,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse with this project's error form: a bad flag or value is one `error:` line and exit 2 (the usage stays
     in --help), printed once under mpirun (by rank 0: every rank parses the same arguments), as --help is. An empty
     value (an unset shell variable: `--model "$MODEL"`) is refused for every flag but those named in `empty_ok`: as a
-    path it would mean the working directory, or the flag's default. A flag of several values given twice is refused too: the
-    second would replace the first's values."""
+    path it would mean the working directory, or the flag's default. A flag of several values given twice is refused
+    too: the second would replace the first's values."""
 
     def __init__(self, *args, empty_ok: tuple[str, ...] = (), **kwargs) -> None:
         super().__init__(*args, formatter_class=kwargs.pop("formatter_class", _HelpFormatter), **kwargs)
