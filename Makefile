@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c '$(PY_NEW_ENOUGH)' 2>/dev/null || { echo "error: make setup needs Python 3.10 or newer as" \
 	  "PYTHON ($(PYTHON) is $$($(PYTHON) -c '$(PY_NAME)' 2>/dev/null || echo no Python)): make setup" \
 	  "PYTHON=/path/to/python3.11" >&2; exit 2; }
+	@case '$(TORCH_INDEX)' in ''|-*) ;; *) echo "error: TORCH_INDEX is pip's options for torch's index, e.g." \
+	  "TORCH_INDEX=\"--index-url https://download.pytorch.org/whl/cpu\" (got '$(TORCH_INDEX)', which pip would" \
+	  "install as a package)" >&2; exit 2;; esac
 	$(PYTHON) -m venv $(if $(TRTLLM_HOST),--system-site-packages) $(VENV)
 # torch pinned first (not on a TensorRT-LLM host): an unpinned torch pulls a multi-GB CUDA build
 	$(if $(TRTLLM_HOST),,$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX))

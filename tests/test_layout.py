@@ -68,3 +68,7 @@ def test_make_lists_its_targets_and_refuses_an_old_python_in_one_line():
     assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
         "error: make setup needs Python 3.10 or newer as PYTHON (/nonexistent/python3 is no Python): make setup "
         "PYTHON=/path/to/python3.11"), proc.stderr
+    proc = subprocess.run(["make", "-B", "setup", "TORCH_INDEX=https://download.pytorch.org/whl/cpu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)  # the URL without its --index-url
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0].startswith(
+        "error: TORCH_INDEX is pip's options for torch's index, e.g. TORCH_INDEX=\"--index-url "), proc.stderr
