@@ -106,6 +106,10 @@ def test_build_is_idempotent_and_atomic(beam_mini, smollm2, monkeypatch):
         build_beam_mini(out, source=smollm2, progress=False)
     assert not out.exists()
     assert [p.name for p in beam_mini.parent.iterdir() if p.name.startswith(".")] == []
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.experts.0.gate_proj.weight is not finite in "
+                                              r"bfloat16 with --perturbation 1e\+300: give a smaller one"):
+        build_beam_mini(out, MiniRecipe(perturbation=1e300), source=smollm2, progress=False)  # it wrote inf, NaN
+    assert not out.exists()
     monkeypatch.setattr("beamtrt.cli_util.free_bytes", lambda path: 10**8)  # a disk with 100 MB free
     with pytest.raises(BeamtrtError, match=r"beam-mini with 4 experts a layer is a 0\.\d+ GB checkpoint; .* has "
                                             r"0\.1 GB free"):

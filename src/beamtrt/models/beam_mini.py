@@ -160,7 +160,11 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
             n = 2 + cfg.num_hidden_layers * (7 + 3 * cfg.num_experts) + (0 if cfg.tie_word_embeddings else 1)
             made = tqdm(made, total=n, desc="beam-mini: upcycling", unit="tensor")
         for name, tensor in made:
-            yield name, tensor.to(dtype)
+            stored = tensor.to(dtype)
+            if not torch.isfinite(stored).all():  # noise past the dtype's range: loaders would refuse the checkpoint
+                raise CheckpointError(f"{name} is not finite in {recipe.dtype} with --perturbation "
+                                      f"{recipe.perturbation:g}: give a smaller one")
+            yield name, stored
 
     def also(tmp: Path) -> None:
         tokenizer.save_pretrained(tmp)
