@@ -472,7 +472,7 @@ def test_sigterm_mid_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_random_beam_bad_values_are_one_line(tmp_path, run):
+def test_random_beam_bad_values_are_one_line(tmp_path, run, monkeypatch):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--top-k", "9"),
                           "num_experts_per_tok=9")
     # these two wrote num_experts 0 with num_experts_per_tok 2, and mlp_only_layers [0, 0]
@@ -490,6 +490,16 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--layers", "100000000"),
                           "num_hidden_layers=100000000", "beyond any real model")  # nor its layers listed
     assert not (tmp_path / "x").exists()
+    disk = tmp_path / "disk"  # a small disk that a link at --out points into: its free space counts, not the link's
+    disk.mkdir()
+    (tmp_path / "to-disk").symlink_to(disk / "rb")
+    usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=1000 if Path(path) == disk else
+                                                                                usage(path).free))
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "to-disk")),
+                          f"GB checkpoint; {disk} has 1e-06 GB free")  # it measured the link's folder, and wrote
+    assert not (disk / "rb").exists()
+    monkeypatch.undo()
     link = tmp_path / "link"  # dangling: its target is made, as for every output (it failed after the writing)
     link.symlink_to(tmp_path / "made")
     result = run("scripts/make_random_beam.py", "--out", str(link), "--layers", "1", "--hidden-size", "64",
@@ -1370,12 +1380,14 @@ def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
                           f"argument --data: {tmp_path} given twice")
 
 
-def test_a_flag_of_several_values_given_twice_is_one_line(run):
+def test_a_flag_of_several_values_given_twice_is_one_line(run, tmp_path):
     """draft_vocab.py's usage showed --data CACHE ... --data LAST_CACHE, and argparse kept the last list alone: it
     wrote the vocabulary of one cache. A flag of several values is given once, on every command."""
-    for script, first, flag in (("scripts/draft_vocab.py", ["drafter"], "--data"), ("scripts/eval_drafter.py", [], "--data"),
-                                ("scripts/train_drafter.py", [], "--extra-data")):
-        assert_one_line_error(run(script, *first, flag, "a", flag, "b"),
+    for script, first, flag in (("scripts/draft_vocab.py", ["drafter"], "--data"),
+                                ("scripts/eval_drafter.py", [], "--data"),
+                                ("scripts/train_drafter.py", [], "--extra-data"),
+                                ("scripts/make_random_beam.py", ["--out", str(tmp_path / "x")], "--dense-layers")):
+        assert_one_line_error(run(script, *first, flag, "1", flag, "2"),
                               f"argument {flag}: given twice; give all its values after one {flag}")
 
 

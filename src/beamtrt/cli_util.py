@@ -49,7 +49,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def _get_values(self, action: argparse.Action, arg_strings: list[str]):
         if "" in arg_strings and not self.empty_ok.intersection(action.option_strings):
             raise argparse.ArgumentError(action, "an empty value (an unset shell variable?)")
-        if action.nargs == "+" and action.option_strings:
+        if action.nargs in ("+", "*") and action.option_strings:
             if action in self.given:
                 raise argparse.ArgumentError(action, f"given twice; give all its values after one "
                                                      f"{action.option_strings[-1]}")
@@ -129,8 +129,9 @@ def check_seed(n: int, flag: str = "--seed", bits: int = 63) -> None:
 
 
 def existing(path: str | Path) -> Path:
-    """`path` (absolute) if it exists, else its nearest existing ancestor: where writing it would start."""
-    found = Path(path).absolute()
+    """`path` (absolute, symbolic links followed: an output is written through one) if it exists, else its nearest
+    existing ancestor: where writing it would start."""
+    found = Path(os.path.realpath(path))
     while not found.exists():
         found = found.parent
     return found
@@ -238,7 +239,7 @@ def output_path(path: str | Path, flag: str, *, directory: bool = False, replace
     if p.exists() and p.is_dir() != directory:
         what = "directory" if not directory else "file" if p.is_file() else "device, a pipe or a socket"
         raise BeamtrtError(f"{flag} {p}: is a {what}; expected a {'directory' if directory else 'file'} path")
-    ancestor = existing(p.absolute().parent)
+    ancestor = existing(Path(os.path.realpath(p)).parent)  # through a link at p, as outputs are written
     if not ancestor.is_dir():
         raise BeamtrtError(f"{flag} {p}: {ancestor} is a file, not a directory")
     try:
