@@ -92,6 +92,11 @@ def test_tensor_parallel_equals_one_process(sources, tmp_path_factory, one_proce
     assert set(summary["step_s"]) == {"target", "drafter", "communication", "other"}
     assert min(summary["step_s"].values()) >= 0  # collectives of prefill and bookkeeping are not steps' time
     assert summary["steps"] == sum(r["steps"] for r in report["requests"]) >= summary["decoder_steps"] > 0
+    from beamtrt.bench.tp import decode_rate  # bench_tp.py's rate: the tokens after each first, over the steps' time
+
+    steps_s = sum(summary[f"{part}_s"] for part in summary["step_s"])  # the prefill's time is not in it (it counted)
+    assert 0 < steps_s < summary["seconds"] and decode_rate(summary) == pytest.approx(
+        (summary["tokens"] - len(PROMPTS)) / steps_s)
 
 
 def test_world_size_must_match_the_build(sources, tmp_path_factory):
