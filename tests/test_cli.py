@@ -1050,6 +1050,16 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--tp", "0"), "--tp")
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path), "--max-new-tokens", "1"),
                           "--max-new-tokens must be >= 2")  # its speedup was the prefill's tokens/s
+    from beamtrt.models.random_beam import write_random_beam  # refused from its config before any build: they were
+
+    model = write_random_beam(tmp_path / "m", TINY, dtype=torch.float32)  # refused after the earlier --tp's runs
+    for args, needle in ((["--tp", "1", "3"], "--tp 3: TP 3 does not divide the target's"),
+                         (["--max-new-tokens", "100000000"], "--max-new-tokens 100000000 is more than the target's "
+                                                             f"context of {TINY.max_position_embeddings} tokens"),
+                         (["--model", str(tmp_path / "nosuch")], f"{tmp_path / 'nosuch'}")):
+        model_args = [] if "--model" in args else ["--model", str(model)]
+        assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path / "w"), *model_args, *args), needle)
+    assert not (tmp_path / "w").exists()
     if not torch.cuda.is_available():
         assert_one_line_error(run("scripts/bench_kernels.py"), "no CUDA device here")
 
@@ -1140,6 +1150,9 @@ def test_bench_tp_passes_its_commands_the_paths_the_user_gave(tmp_path, run, mon
         raise BeamtrtError("stop here")
     monkeypatch.setattr(tp, "build", build)
     monkeypatch.chdir(tmp_path)
+    from beamtrt.models.random_beam import write_random_beam  # its config is read first
+
+    write_random_beam(tmp_path / "m", TINY, dtype=torch.float32)
     assert_one_line_error(run("scripts/bench_tp.py", "--model", "m", "--drafter", "d", "--work", "w", "--tp", "1"),
                           "stop here")
     assert built == [(tmp_path / "w", str(tmp_path / "m"), str(tmp_path / "d"))]
@@ -1158,10 +1171,11 @@ def test_bench_tp_measures_a_build(mini_vocab_sources, tmp_path, run):
         str(src / "target"), str(src / "drafter"), "bf16", 2)
     (row,) = data["runs"]
     assert (row["tp"], row["concurrency"]) == (1, 1), row
-    assert row["speedup"] == row["spec"]["tokens_per_s"] / row["plain"]["tokens_per_s"] > 0, row  # of unrounded rates
+    rates = row["spec"]["decode_tokens_per_s"], row["plain"]["decode_tokens_per_s"]  # after each first token
+    assert row["speedup"] == rates[0] / rates[1] > 0, row  # of unrounded rates
     for side in ("plain", "spec"):
-        assert row[side]["tokens_per_s"] > 0 and row[side]["steps"] >= 1, row
-        assert row[side]["tokens_per_s"] != round(row[side]["tokens_per_s"], 2), row  # kept as measured
+        assert row[side]["decode_tokens_per_s"] > 0 and row[side]["steps"] >= 1, row
+        assert row[side]["decode_tokens_per_s"] != round(row[side]["decode_tokens_per_s"], 2), row  # as measured
         assert set(row[side]["step_s"]) == {"target", "drafter", "communication", "other"}, row
     assert row["plain"]["acceptance_length"] is None or row["plain"]["acceptance_length"] == 1
     assert row["spec"]["acceptance_length"] >= 1, row

@@ -58,6 +58,26 @@ def decode_rate(summary: dict) -> float | None:
     return (summary["tokens"] - summary["requests"]) / seconds if seconds else None
 
 
+def check_target(model: Path, tps: list[int], max_new_tokens: int) -> None:
+    """What the builds and runs would refuse minutes in (after the earlier --tp's were built and measured), from the
+    target's config.json: a --tp that does not split it, a --max-new-tokens past its context. beam-mini is made here
+    where it is not yet (the first build would make it)."""
+    from beamtrt.checkpoint import trtllm
+    from beamtrt.config import BeamConfig
+    from beamtrt.errors import ConfigError
+    from beamtrt.models.beam_mini import DEFAULT_DIR, ensure_beam_mini
+
+    cfg = BeamConfig.from_file(ensure_beam_mini() if model == DEFAULT_DIR else model)
+    for tp in tps:
+        try:
+            trtllm.target_units(cfg, trtllm.Mapping(tp, 1))
+        except ConfigError as e:
+            raise BeamtrtError(f"--tp {tp}: {e}") from None
+    if max_new_tokens > cfg.max_position_embeddings:
+        raise BeamtrtError(f"--max-new-tokens {max_new_tokens} is more than the target's context of "
+                           f"{cfg.max_position_embeddings} tokens")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description="Decode tokens/s with and without speculation at TP 1/2/4 and several "
                                    "concurrencies (each TP a separate build of the same model; JSON).")
@@ -98,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  *(("the drafter", d) for d in drafters),
                                                  ("the prompts", default_prompts_path()),
                                                  ("--work", args.work)])  # whose contents are replaced
+        check_target(Path(args.model) if args.model else DEFAULT_DIR, args.tp, args.max_new_tokens)
         work_dir(args.work, "bench_tp.py")
         results = {"model": args.model or str(DEFAULT_DIR), "drafter": args.drafter,  # None: build_engines' default
                    "precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
