@@ -1054,8 +1054,8 @@ def test_bench_bad_values_are_one_line(tmp_path, run):
 
     model = write_random_beam(tmp_path / "m", TINY, dtype=torch.float32)  # refused after the earlier --tp's runs
     for args, needle in ((["--tp", "1", "3"], "--tp 3: TP 3 does not divide the target's"),
-                         (["--max-new-tokens", "100000000"], "--max-new-tokens 100000000 is more than the target's "
-                                                             f"context of {TINY.max_position_embeddings} tokens"),
+                         (["--max-new-tokens", "100000000"], ("--max-new-tokens 100000000 is more than the target's "
+                                                              f"context of {TINY.max_position_embeddings} tokens")),
                          (["--model", str(tmp_path / "nosuch")], f"{tmp_path / 'nosuch'}")):
         model_args = [] if "--model" in args else ["--model", str(model)]
         assert_one_line_error(run("scripts/bench_tp.py", "--work", str(tmp_path / "w"), *model_args, *args), needle)
