@@ -53,21 +53,21 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
 
 def decode_rate(summary: dict) -> float | None:
     """A run.py --json summary -> tokens/s after each request's first (which comes from its prefill), over the decode
-    steps' time (the four parts of its split; the prefill out); None where no request got past its first token."""
-    seconds = sum(summary[f"{part}_s"] for part in ("target", "drafter", "communication", "other"))
+    steps' time (the parts of its split; the prefill out); None where no request got past its first token."""
+    seconds = sum(summary[f"{part}_s"] for part in summary["step_s"])
     return (summary["tokens"] - summary["requests"]) / seconds if seconds else None
 
 
-def check_target(model: Path, tps: list[int], max_new_tokens: int) -> None:
+def check_target(model: str | None, tps: list[int], max_new_tokens: int) -> None:
     """What the builds and runs would refuse minutes in (after the earlier --tp's were built and measured), from the
     target's config.json: a --tp that does not split it, a --max-new-tokens past its context. beam-mini is made here
     where it is not yet (the first build would make it)."""
     from beamtrt.checkpoint import trtllm
     from beamtrt.config import BeamConfig
     from beamtrt.errors import ConfigError
-    from beamtrt.models.beam_mini import DEFAULT_DIR, ensure_beam_mini
+    from beamtrt.models.beam_mini import ensure_beam_mini
 
-    cfg = BeamConfig.from_file(ensure_beam_mini() if model == DEFAULT_DIR else model)
+    cfg = BeamConfig.from_file(model or ensure_beam_mini())  # None: beam-mini
     for tp in tps:
         try:
             trtllm.target_units(cfg, trtllm.Mapping(tp, 1))
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  *(("the drafter", d) for d in drafters),
                                                  ("the prompts", default_prompts_path()),
                                                  ("--work", args.work)])  # whose contents are replaced
-        check_target(Path(args.model) if args.model else DEFAULT_DIR, args.tp, args.max_new_tokens)
+        check_target(args.model, args.tp, args.max_new_tokens)
         work_dir(args.work, "bench_tp.py")
         results = {"model": args.model or str(DEFAULT_DIR), "drafter": args.drafter,  # None: build_engines' default
                    "precision": args.precision, "max_new_tokens": args.max_new_tokens, "runs": []}
