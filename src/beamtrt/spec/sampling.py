@@ -11,10 +11,13 @@ import torch
 MIN_TEMPERATURE = 1e-5  # below it logits / T overflows to inf in fp32 and the distribution turns to NaN; 0 is greedy
 
 
+TOP_P_FLOOR = 2.0**-150  # half float32's smallest subnormal: a top_p at or below it is 0 as a float32
+
+
 def top_p_ok(top_p: float) -> bool:
-    """In (0, 1], and not 0 as the float32 the probabilities are compared with (below ~1e-45 it would drop every
-    token, and the distribution turn to NaN)."""
-    return 0 < top_p <= 1 and torch.tensor(top_p, dtype=torch.float32).item() > 0
+    """In (0, 1], and not 0 as the float32 the probabilities are compared with (at or below TOP_P_FLOOR, ~7e-46, it
+    would drop every token, and the distribution turn to NaN). A comparison: the sampled walk checks it every slot."""
+    return TOP_P_FLOOR < top_p <= 1  # NaN fails too
 
 
 @dataclass(frozen=True)
