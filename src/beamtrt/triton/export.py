@@ -326,10 +326,10 @@ def stray_paths(repo: Path) -> list[str]:
         if (MODELS_SOURCE / name / "1" / "model.py").is_file():
             ours.add(f"{name}/1/model.py")
             whole.add(f"{name}/1/__pycache__")
-    stray = []
+    stray, known = [], ours | whole
     for folder, dirs, files in os.walk(repo):
         here = Path(folder).relative_to(repo)
-        stray += [path for name in dirs + files if (path := (here / name).as_posix()) not in ours | whole]
+        stray += [path for name in dirs + files if (path := (here / name).as_posix()) not in known]
         dirs[:] = [d for d in dirs if (here / d).as_posix() in ours]  # not into a stray folder, nor a whole one
     return sorted(stray)
 
