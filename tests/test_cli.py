@@ -1193,8 +1193,12 @@ def test_bench_work_folders_of_other_files_are_refused(tmp_path, run):
     assert_one_line_error(run("scripts/bench_convert.py", "--work", str(mine), "--size-gb", "0.01"),
                           f"--work {mine}: holds files that bench_convert.py did not make")
     assert_one_line_error(run("scripts/bench_tp.py", "--work", str(mine)), "bench_tp.py did not make")
+    # before the target is read (or beam-mini made, half a minute where it is not yet: this line had 50 in CI)
+    assert_one_line_error(run("scripts/bench_tp.py", "--work", str(mine), "--model", str(tmp_path / "absent")),
+                          "bench_tp.py did not make")
     assert sorted(p.name for p in mine.rglob("*")) == ["config.json", "target"]
 
+    assert not work_dir(tmp_path / "new" / "w", "bench_tp.py", make=False).exists()  # checked alone: nothing made
     work = work_dir(tmp_path / "new" / "w", "bench_tp.py")  # made, and marked as the benchmark's
     (work / "bf16-tp1").mkdir()
     assert work_dir(work, "bench_tp.py") == work  # its own earlier folder: reused

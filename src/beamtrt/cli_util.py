@@ -269,9 +269,10 @@ def outside_inputs(path: str | Path, flag: str, reads: Iterable[tuple[str, str |
 WORK_MARK = ".beamtrt-work"  # names the benchmark whose scratch folder this is
 
 
-def work_dir(path: str | Path, owner: str) -> Path:
+def work_dir(path: str | Path, owner: str, make: bool = True) -> Path:
     """A benchmark's scratch folder, whose contents it deletes and replaces: a new or empty folder, or one this
-    benchmark marked before (a user's --work ~/models would otherwise lose its models)."""
+    benchmark marked before (a user's --work ~/models would otherwise lose its models). make=False: the checks alone,
+    for a benchmark that has minutes of other work before it writes there."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise BeamtrtError(f"--work {p}: is a file; expected a directory path")
@@ -279,6 +280,8 @@ def work_dir(path: str | Path, owner: str) -> Path:
     if p.is_dir() and any(p.iterdir()) and not (mark.is_file() and mark.read_text(errors="replace").strip() == owner):
         raise BeamtrtError(f"--work {p}: holds files that {owner} did not make there, and it replaces what it "
                            "finds in its folder; give a new or empty one")
+    if not make:
+        return p
     p.mkdir(parents=True, exist_ok=True)
     mark.write_text(owner + "\n")
     return p

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  *(("the drafter", d) for d in drafters),
                                                  ("the prompts", default_prompts_path()),
                                                  ("--work", args.work)])  # whose contents are replaced
+        work_dir(args.work, "bench_tp.py", make=False)  # before check_target, which may take minutes making beam-mini
         check_target(args.model, args.tp, args.max_new_tokens)
         work_dir(args.work, "bench_tp.py")
         results = {"model": args.model or str(DEFAULT_DIR), "drafter": args.drafter,  # None: build_engines' default
