@@ -18,6 +18,21 @@ def test_sources_are_not_gitignored(path):
     assert proc.returncode == 1, f"{path} is ignored by .gitignore"
 
 
+@pytest.mark.parametrize("name", ["beam-mini", "rb"])  # train_drafter.py --target rb: checkpoints/rb-dflash2-*
+def test_training_outputs_are_gitignored_for_any_target(name):
+    """A feature cache's taps, the training state and the trained drafter stay out of `git status` whatever the
+    target; a cache's meta.json and answers files (small, committed) do not."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = [f"{name}-dflash2-data/features-00000.safetensors", f"{name}-dflash2-data-s6/features-00000.safetensors",
+               f"{name}-dflash2-data/features-00001.safetensors.tmp", f"{name}-dflash2-train/train_state.pt",
+               f"{name}-dflash2-trained/model.safetensors"]
+    kept = [f"{name}-dflash2-data/meta.json", f"{name}-dflash2-data/answers-00000.safetensors"]
+    for path in ignored + kept:
+        proc = subprocess.run(["git", "check-ignore", "-q", "--no-index", f"checkpoints/{path}"], cwd=ROOT)
+        assert proc.returncode == (0 if path in ignored else 1), path
+
+
 def test_gitignore_patterns_are_anchored():
     for line in (ROOT / ".gitignore").read_text().splitlines():
         if line and not line.startswith("#"):
