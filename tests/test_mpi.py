@@ -150,7 +150,7 @@ def test_failure_on_one_rank_ends_the_job(sources, tmp_path_factory):
     assert proc.returncode != 0
     assert "injected failure (BEAMTRT_FAIL_RANK=2)" in proc.stderr
     assert "error: rank 2 failed (RuntimeError); aborting all ranks" in proc.stderr
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < 110  # the 120 s limit above is its hang; 23 s seen on a host at load 50+
 
 
 def test_the_torch_backend_keeps_to_the_builds_max_seq_len(sources, tmp_path_factory):
