@@ -151,3 +151,49 @@ def test_creating_says_so_before_the_gguf_is_read(tmp_path, monkeypatch, capsys)
     with pytest.raises(KeyboardInterrupt):
         bm.build_beam_mini(tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+def test_two_first_uses_at_once_make_beam_mini_once(tmp_path):
+    """Two commands started together on a fresh checkout: the second waits for the first's beam-mini and uses it (it
+    built its own beside it, then swapped the folder under the first, or failed on the first's staging folder)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    log, release = tmp_path / "builds.log", tmp_path / "release"
+    code = ("import sys, time\n"
+            f"sys.path[:0] = [{str(src)!r}]\n"
+            "from pathlib import Path\n"
+            "from beamtrt.models import beam_mini as bm\n"
+            "def build(out):  # the half minute of a real build: until the test releases it\n"
+            f"    open({str(log)!r}, 'a').write('build\\n')\n"
+            f"    while not Path({str(release)!r}).exists():\n"
+            "        time.sleep(0.05)\n"
+            "    out.mkdir()\n"
+            "    (out / bm.MARKER).write_text('{}')\n"
+            "    return out\n"
+            "bm.build_beam_mini, bm.check_built = build, lambda *a: None\n"
+            "print(bm.ensure_beam_mini(Path(sys.argv[1])))\n")
+    out = tmp_path / "checkpoints" / "beam-mini"
+    out.parent.mkdir()
+
+    def start(name):
+        with open(tmp_path / f"{name}.out", "w") as so, open(tmp_path / f"{name}.err", "w") as se:
+            return subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=so, stderr=se)
+
+    def until(done):
+        deadline = time.monotonic() + 60
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    first = start("first")
+    until(log.exists)  # the first is building
+    second = start("second")  # waits, or (before the lock) builds too
+    until(lambda: "waiting" in (tmp_path / "second.err").read_text() or log.read_text().count("build") > 1)
+    release.touch()
+    assert (first.wait(timeout=60), second.wait(timeout=60)) == (0, 0), (tmp_path / "second.err").read_text()
+    assert log.read_text() == "build\n"
+    assert (tmp_path / "second.out").read_text() == f"{out}\n"
+    assert "note: waiting for another process" in (tmp_path / "second.err").read_text()

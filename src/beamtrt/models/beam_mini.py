@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from beamtrt.checkpoint.hf import CheckpointReader, read_json, save_checkpoint, write_json
+from beamtrt.checkpoint.hf import CheckpointReader, read_json, save_checkpoint, write_json, writing
 from beamtrt.cli_util import check_room
 from beamtrt.config import BeamConfig
 from beamtrt.errors import CheckpointError, ConfigError
@@ -179,9 +179,10 @@ def ensure_beam_mini(path: str | Path = DEFAULT_DIR) -> Path:
     checked as make_beam_mini.py checks it (its files present, every shard's header readable)."""
     path = Path(path)
     if not (path / MARKER).is_file():
-        build_beam_mini(path)
-    else:
-        check_built(path, f"rebuild it with scripts/make_beam_mini.py --out {path} --force")
+        with writing(path.parent):  # of two first uses at once, the second waits, then uses the first's
+            if not (path / MARKER).is_file():
+                return build_beam_mini(path)
+    check_built(path, f"rebuild it with scripts/make_beam_mini.py --out {path} --force")
     return path
 
 
@@ -207,11 +208,14 @@ def default_drafter() -> Path:
 
     if (TRAINED_DRAFTER / "config.json").is_file():
         return TRAINED_DRAFTER
-    if not (RANDOM_DRAFTER / "config.json").is_file():
-        print(f"drafter: no trained drafter yet; creating a deterministic random one in {RANDOM_DRAFTER} "
-              "(acceptance length ~1)", file=sys.stderr)
-        target = load_beam(ensure_beam_mini(DEFAULT_DIR))  # beam-mini's layout whatever the target: the folder is its
-        save_drafter(random_drafter(drafter_layout(target.cfg), target, seed=0), RANDOM_DRAFTER)
+    if (RANDOM_DRAFTER / "config.json").is_file():
+        return RANDOM_DRAFTER
+    with writing(RANDOM_DRAFTER.parent):  # as ensure_beam_mini: another process making it is waited for
+        if not (RANDOM_DRAFTER / "config.json").is_file():
+            print(f"drafter: no trained drafter yet; creating a deterministic random one in {RANDOM_DRAFTER} "
+                  "(acceptance length ~1)", file=sys.stderr)
+            target = load_beam(ensure_beam_mini(DEFAULT_DIR))  # beam-mini's layout whatever the target: its folder
+            save_drafter(random_drafter(drafter_layout(target.cfg), target, seed=0), RANDOM_DRAFTER)
     return RANDOM_DRAFTER
 
 
