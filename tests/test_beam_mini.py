@@ -1,6 +1,7 @@
 """beam-mini reproduces SmolLM2 when unperturbed, stays coherent when perturbed, and shards at TP 1, 2, 4."""
 
 import json
+from dataclasses import asdict, fields
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from beamtrt.checkpoint.hf import CheckpointReader
 from beamtrt.config import BeamConfig
 from beamtrt.errors import BeamtrtError, CheckpointError
 from beamtrt.models.beam import load_beam
-from beamtrt.models.beam_mini import MARKER, MiniRecipe, build_beam_mini
+from beamtrt.models.beam_mini import MARKER, MiniRecipe, SmolLM2Config, build_beam_mini
 from beamtrt.runtime.generate import generate
 
 pytestmark = pytest.mark.slow
@@ -89,6 +90,8 @@ def test_default_recipe_greedy_is_coherent(beam_mini):
 
 
 def test_build_is_idempotent_and_atomic(beam_mini, smollm2, monkeypatch):
+    src = smollm2[0].config  # beam-mini's size is measured on these before the GGUF is read
+    assert {f.name: getattr(src, f.name) for f in fields(SmolLM2Config)} == pytest.approx(asdict(SmolLM2Config()))
     before = {p.name: p.stat().st_mtime_ns for p in beam_mini.iterdir()}
     build_beam_mini(beam_mini, source=smollm2, progress=False)  # same recipe: nothing rewritten
     assert {p.name: p.stat().st_mtime_ns for p in beam_mini.iterdir()} == before

@@ -615,6 +615,18 @@ def test_make_beam_mini_bad_values_are_one_line(tmp_path, run, beam_mini):
                           "not its config.json and weights", "--force")
 
 
+def test_make_beam_mini_checks_the_disk_before_reading_the_gguf(tmp_path, run, monkeypatch):
+    """beam-mini's size is known from the recipe and SmolLM2's shape: a disk too small for it is one line before the
+    GGUF is read (--num-experts 33333 was refused only after it, some 20 s in)."""
+    from beamtrt.models import beam_mini as bm
+
+    monkeypatch.setattr(bm, "load_smollm2", lambda: pytest.fail("the GGUF was read"))
+    monkeypatch.setattr("beamtrt.cli_util.free_bytes", lambda path: 10**8)  # a disk with 100 MB free
+    assert_one_line_error(run("scripts/make_beam_mini.py", "--out", str(tmp_path / "m"), "--num-experts", "33333"),
+                          "beam-mini with 33333 experts a layer is a 5310 GB checkpoint; ", "has 0.1 GB free")
+    assert not (tmp_path / "m").exists()
+
+
 def test_the_default_beam_mini_is_checked_as_make_beam_mini_checks_it(tmp_path, run, monkeypatch):
     """The folder the commands use without --model, its marker there but a shard cut short since (or its weights
     removed), is one line offering make_beam_mini.py --force: the marker alone was taken for a complete beam-mini."""

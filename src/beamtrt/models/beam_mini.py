@@ -31,6 +31,23 @@ MARKER = "beam_mini.json"  # the recipe a directory was built with; same recipe 
 
 
 @dataclass(frozen=True)
+class SmolLM2Config:
+    """The GGUF's config, the fields mini_config reads: beam-mini's size is known, and checked against the free disk,
+    before the GGUF is read (some 20 s)."""
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    num_hidden_layers: int = SMOLLM2_LAYERS
+    num_attention_heads: int = 9
+    intermediate_size: int = 1536
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    bos_token_id: int = 1
+
+
+@dataclass(frozen=True)
 class MiniRecipe:
     num_experts: int = 4
     top_k: int = 2
@@ -62,7 +79,7 @@ def load_smollm2():
     return model.eval(), tokenizer
 
 
-def mini_config(src, recipe: MiniRecipe, eos_token_id: int) -> BeamConfig:
+def mini_config(src, recipe: MiniRecipe, eos_token_id: int | None) -> BeamConfig:
     n_q, n_kv = recipe.pad_heads
     head_dim = src.hidden_size // src.num_attention_heads
     return BeamConfig(
@@ -140,16 +157,16 @@ def build_beam_mini(out: str | Path, recipe: MiniRecipe = MiniRecipe(), source=N
     dtype = getattr(torch, recipe.dtype, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise CheckpointError(f"unknown storage dtype {recipe.dtype!r} (use bfloat16, float16 or float32)")
+    from beamtrt.models.beam import checkpoint_bytes
+
+    check_room(checkpoint_bytes(mini_config(SmolLM2Config(), recipe, None), dtype.itemsize), out,
+               f"{out}: beam-mini with {recipe.num_experts} experts a layer")
     if source is None and progress:  # reading the GGUF (its tokenizer most of it) is the first 15 s or so
         print(f"beam-mini: creating {out} from {GGUF_FILE} (about half a minute; later runs reuse it)", flush=True)
     model, tokenizer = source or load_smollm2()
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")  # the GGUF metadata names <|im_start|> as EOS
     tokenizer.eos_token = "<|im_end|>"
     cfg = mini_config(model.config, recipe, eos_id)
-    from beamtrt.models.beam import checkpoint_bytes
-
-    check_room(checkpoint_bytes(cfg, dtype.itemsize), out,
-               f"{out}: beam-mini with {recipe.num_experts} experts a layer")
     sd = model.state_dict()
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:  # a generator: its bar starts once out's staging is held
