@@ -508,6 +508,20 @@ def test_random_beam_bad_values_are_one_line(tmp_path, run, monkeypatch):
     assert BeamConfig.from_file(tmp_path / "made").num_experts_per_tok == 0
 
 
+def test_random_beam_size_is_measured_on_the_layers_it_has(tmp_path, run, monkeypatch):
+    """The free-space check measures one layer of each kind the model has: a 1-layer model of over 500,000 experts
+    was refused as a damaged config (its 2-layer probe had over 1,000,000 in all), and one of MoE layers alone with
+    --intermediate-size 0 for lacking the dense width it has no use for."""
+    monkeypatch.setattr("beamtrt.cli_util.free_bytes", lambda path: 10**9)  # a disk with 1 GB free
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--layers", "1",
+                              "--dense-layers", "--experts", "500001"),
+                          "--out with these sizes is a 98.56 GB checkpoint; ", "has 1 GB free")
+    monkeypatch.undo()
+    result = run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2", "--dense-layers",
+                 "--intermediate-size", "0")
+    assert result.returncode == 0 and BeamConfig.from_file(tmp_path / "m").intermediate_size == 0, result
+
+
 def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):
     """A JSON string may hold U+2028 (str.splitlines would cut the line there); a checkpoint without tokenizer files
     is one line, not a TypeError from transformers."""

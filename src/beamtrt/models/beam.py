@@ -631,16 +631,20 @@ def hf_tensor_specs(cfg: BeamConfig) -> dict[str, tuple[tuple[int, ...], str, tu
 
 def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
     """The weight bytes of a checkpoint of this config, without listing its tensors (a layer count in the millions
-    would not fit in memory as a list): the embedding and head, plus each layer's, measured on 1- and 2-layer
-    configs of the same shape."""
-    def size(layers: int, dense: bool) -> int:
-        c = dataclasses.replace(cfg, num_hidden_layers=layers, mlp_only_layers=tuple(range(layers)) if dense else ())
-        return sum(math.prod(shape) for shape, _, _ in hf_tensor_specs(c).values())
+    would not fit in memory as a list): the embedding and head, plus each layer's, measured on a 1-layer config of
+    the same shape for each kind of layer it has (a larger one could pass the experts a config may have, and a dense
+    one where it has no dense layer may lack their width)."""
+    def split(dense: bool) -> tuple[int, int]:  # (elements outside the layer, elements of the layer)
+        c = dataclasses.replace(cfg, num_hidden_layers=1, decoder_sparse_step=1, mlp_only_layers=(0,) if dense else ())
+        specs = hf_tensor_specs(c)
+        layer = sum(math.prod(shape) for name, (shape, _, _) in specs.items() if name.startswith("model.layers."))
+        return sum(math.prod(shape) for shape, _, _ in specs.values()) - layer, layer
 
-    moe_layer, dense_layer = size(2, False) - size(1, False), size(2, True) - size(1, True)
-    base = size(1, False) - moe_layer
-    n_dense = len({i for i in cfg.mlp_only_layers if i < cfg.num_hidden_layers})
-    return element_size * (base + n_dense * dense_layer + (cfg.num_hidden_layers - n_dense) * moe_layer)
+    n_moe = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+    counts = {False: n_moe, True: cfg.num_hidden_layers - n_moe}  # layers of each kind: MoE, dense
+    probes = {dense: split(dense) for dense, n in counts.items() if n}
+    outside = next(iter(probes.values()))[0]
+    return element_size * (outside + sum(counts[dense] * layer for dense, (_, layer) in probes.items()))
 
 
 def copy_state(model: nn.Module, specs: dict[str, tuple], tensors: Iterable[tuple[str, torch.Tensor]], kind: str = "",
