@@ -8,6 +8,7 @@ subprocess tests below run real scripts end to end.
 import errno
 import importlib
 import json
+import math
 import os
 import re
 import shlex
@@ -520,6 +521,32 @@ def test_random_beam_size_is_measured_on_the_layers_it_has(tmp_path, run, monkey
     result = run("scripts/make_random_beam.py", "--out", str(tmp_path / "m"), "--layers", "2", "--dense-layers",
                  "--intermediate-size", "0")
     assert result.returncode == 0 and BeamConfig.from_file(tmp_path / "m").intermediate_size == 0, result
+
+
+def test_random_beam_refuses_a_tensor_beyond_the_free_memory(tmp_path, run, monkeypatch):
+    """Its largest tensor, made in float32 beside the shard being gathered, is checked against the memory the host has
+    available before any is made: a giant --vocab-size or --hidden-size had the out-of-memory killer end it."""
+    from beamtrt.models import beam
+
+    free = []
+    monkeypatch.setattr(beam, "free_memory", lambda device: free.append(device) or 10**7)  # 10 MB available
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--vocab-size", "100000",
+                              "--hidden-size", "512"), "the largest tensor (--vocab-size 100,000 × --hidden-size 512) "
+                          "needs ", " of memory to be made and written (in float32, then bfloat16, beside the shard "
+                          "being gathered: up to --max-shard-gb 2, or one larger tensor alone); this host has 10.0 MB "
+                          "available")
+    assert free == [torch.device("cpu")] and not (tmp_path / "x").exists()
+    from beamtrt.models.random_beam_cli import largest_tensor
+
+    base = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 16, "moe_intermediate_size": 8, "num_experts": 4,
+            "num_experts_per_tok": 2}
+    for sizes in ({}, {"vocab_size": 8}, {"num_attention_heads": 16, "head_dim": 64}, {"intermediate_size": 300},
+                  {"moe_intermediate_size": 200}, {"num_experts": 500}, {"shared_expert_intermediate_size": 400},
+                  {"intermediate_size": 300, "mlp_only_layers": ()}, {"num_experts": 0, "num_experts_per_tok": 0},
+                  {"moe_intermediate_size": 200, "mlp_only_layers": (0, 1)}):  # the width of a kind of layer it has
+        cfg = BeamConfig(**{"mlp_only_layers": (0,), **base, **sizes})
+        assert largest_tensor(cfg)[1] == max(math.prod(s) for s, _, _ in beam.hf_tensor_specs(cfg).values()), sizes
 
 
 def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):

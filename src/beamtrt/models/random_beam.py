@@ -18,10 +18,22 @@ def random_tensors(cfg: BeamConfig, seed: int = 0, dtype: torch.dtype = torch.bf
     """Yield every tensor of a Beam checkpoint: norms near 1, the rest N(0, std); one tensor in memory at a time."""
     gen = torch.Generator().manual_seed(seed)
     for name, (shape, _, _) in hf_tensor_specs(cfg).items():
-        t = torch.randn(shape, generator=gen) * std
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            t = t + 1.0
-        yield name, t.to(dtype)
+        yield name, _random(shape, gen, std, name.endswith("norm.weight"), dtype)
+
+
+def _random(shape: tuple[int, ...], gen: torch.Generator, std: float, norm: bool, dtype: torch.dtype) -> torch.Tensor:
+    """N(0, std), or 1 + N(0, std) for a `norm`, in `dtype`: made in one float32 copy (in place), dropped on return,
+    not held while the next tensor is made."""
+    t = torch.randn(shape, generator=gen).mul_(std)
+    return (t.add_(1.0) if norm else t).to(dtype)
+
+
+def memory_bytes(largest: int, dtype: torch.dtype, max_shard_bytes: int, total: int) -> int:
+    """The most memory write_random_beam holds for a checkpoint of `total` bytes whose largest tensor has `largest`
+    elements: that tensor made in float32 and converted to `dtype`, beside the shard being gathered (up to
+    `max_shard_bytes`, or one larger tensor alone)."""
+    item = dtype.itemsize
+    return (4 + item) * largest + max(min(max_shard_bytes, total), item * largest)
 
 
 def write_random_beam(out: str | Path, cfg: BeamConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,

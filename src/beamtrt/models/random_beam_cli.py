@@ -6,10 +6,11 @@ import math
 
 import torch
 
-from beamtrt.cli_util import ArgumentParser, check_room, check_seed, output_path, run_cli
+from beamtrt.cli_util import ArgumentParser, check_room, check_seed, output_path, run_cli, size_text
 from beamtrt.config import BeamConfig
-from beamtrt.models.beam import checkpoint_bytes
-from beamtrt.models.random_beam import write_random_beam
+from beamtrt.errors import BeamtrtError
+from beamtrt.models import beam
+from beamtrt.models.random_beam import memory_bytes, write_random_beam
 
 # flag -> (BeamConfig field, default); defaults give a small model that still has every Beam feature
 SIZE_FLAGS = {
@@ -26,6 +27,23 @@ SIZE_FLAGS = {
     "--shared-expert-size": ("shared_expert_intermediate_size", 0),
 }
 ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer dense", "--shared-expert-size": "none"}
+
+
+def largest_tensor(cfg: BeamConfig) -> tuple[str, int]:
+    """The flags and sizes that give a config's largest tensor, and its element count: every weight is --hidden-size
+    by one of these, or smaller (hf_tensor_specs), the MLP widths those of the layers it has."""
+    moe = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+    rows = {f"--vocab-size {cfg.vocab_size:,}": cfg.vocab_size,
+            f"--heads {cfg.num_attention_heads:,} × --head-dim {cfg.head_dim:,}": cfg.q_size}
+    if moe < cfg.num_hidden_layers:
+        rows[f"--intermediate-size {cfg.intermediate_size:,}"] = cfg.intermediate_size
+    if moe:
+        rows.update({f"--moe-intermediate-size {cfg.moe_intermediate_size:,}": cfg.moe_intermediate_size,
+                     f"--experts {cfg.num_experts:,}": cfg.num_experts,
+                     f"--shared-expert-size {cfg.shared_expert_intermediate_size:,}":
+                         cfg.shared_expert_intermediate_size})
+    sizes, n = max(rows.items(), key=lambda row: row[1])
+    return f"{sizes} × --hidden-size {cfg.hidden_size:,}", n * cfg.hidden_size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,9 +77,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-shard-gb must be a finite number > 0, got {args.max_shard_gb}")
         check_seed(args.seed)
         out = output_path(args.out, "--out", directory=True)
-        check_room(checkpoint_bytes(cfg, getattr(torch, args.dtype).itemsize), out, "--out with these sizes")
-        out = write_random_beam(args.out, cfg, args.seed, getattr(torch, args.dtype),
-                                int(args.max_shard_gb * 1024**3), progress=True)
+        dtype, max_shard_bytes = getattr(torch, args.dtype), int(args.max_shard_gb * 1024**3)
+        total = beam.checkpoint_bytes(cfg, dtype.itemsize)
+        check_room(total, out, "--out with these sizes")
+        flags, largest = largest_tensor(cfg)  # Linux grants more than it has: the out-of-memory killer ends it
+        need, free = memory_bytes(largest, dtype, max_shard_bytes, total), beam.free_memory(torch.device("cpu"))
+        if free is not None and need > free:
+            raise BeamtrtError(f"the largest tensor ({flags}) needs {size_text(need)} of memory to be made and written "
+                               f"(in float32, then {args.dtype}, beside the shard being gathered: up to --max-shard-gb "
+                               f"{args.max_shard_gb:g}, or one larger tensor alone); this host has {size_text(free)} "
+                               "available")
+        out = write_random_beam(args.out, cfg, args.seed, dtype, max_shard_bytes, progress=True)
         print(f"random Beam checkpoint: {out}")
 
     return run_cli(run)
