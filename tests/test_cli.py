@@ -549,6 +549,20 @@ def test_random_beam_refuses_a_tensor_beyond_the_free_memory(tmp_path, run, monk
         assert largest_tensor(cfg)[1] == max(math.prod(s) for s, _, _ in beam.hf_tensor_specs(cfg).values()), sizes
 
 
+def test_random_beam_refuses_shards_too_small_for_its_size(tmp_path, run):
+    """A --max-shard-gb under 1/500 of the checkpoint is one line giving the size that keeps it to 1,000 shard files at
+    most (a tiny one wrote a file per tensor: 1,421 files for 8 layers of 64 experts), and that size is taken."""
+    sizes = ("--layers", "8", "--experts", "64")
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), *sizes, "--max-shard-gb",
+                              "1e-9"), "--max-shard-gb 1e-09 is under 1/500 of this 0.0933 GB checkpoint, the size "
+                          "that keeps it to 1,000 shard files at most (a tensor larger than a shard is a file of its "
+                          "own): give at least 0.00018")
+    assert not (tmp_path / "x").exists()
+    assert run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), *sizes, "--max-shard-gb",
+               "0.00018").returncode == 0
+    assert 100 < len(list((tmp_path / "x").glob("model-*.safetensors"))) <= 1000
+
+
 def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):
     """A JSON string may hold U+2028 (str.splitlines would cut the line there); a checkpoint without tokenizer files
     is one line, not a TypeError from transformers."""

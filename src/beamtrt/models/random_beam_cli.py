@@ -27,6 +27,9 @@ SIZE_FLAGS = {
     "--shared-expert-size": ("shared_expert_intermediate_size", 0),
 }
 ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer dense", "--shared-expert-size": "none"}
+# --max-shard-gb is at least 2 / MAX_SHARDS of the checkpoint, so at most MAX_SHARDS shard files are written (a shard
+# and the next hold more than one limit together); published checkpoints have a few hundred (DeepSeek-V3, 671B: 163)
+MAX_SHARDS = 1000
 
 
 def largest_tensor(cfg: BeamConfig) -> tuple[str, int]:
@@ -61,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="storage dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.add_argument("--max-shard-gb", type=float, default=2.0, help="shard size limit in GiB (default: %(default)s)")
+    p.add_argument("--max-shard-gb", type=float, default=2.0,
+                   help=f"shard size limit in GiB, at least 1/{MAX_SHARDS // 2} of the checkpoint's size: "
+                        f"{MAX_SHARDS:,} shard files at most (default: %(default)s)")
     args = p.parse_args(argv)
 
     def run() -> None:
@@ -80,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         dtype, max_shard_bytes = getattr(torch, args.dtype), int(args.max_shard_gb * 1024**3)
         total = beam.checkpoint_bytes(cfg, dtype.itemsize)
         check_room(total, out, "--out with these sizes")
+        least = 2 * total / MAX_SHARDS / 1024**3
+        if args.max_shard_gb < least:
+            step = 10.0 ** (math.floor(math.log10(least)) - 1)  # least, rounded up to 2 significant digits
+            raise ValueError(f"--max-shard-gb {args.max_shard_gb:g} is under 1/{MAX_SHARDS // 2} of this "
+                             f"{total / 1e9:.4g} GB checkpoint, the size that keeps it to {MAX_SHARDS:,} shard files "
+                             "at most (a tensor larger than a shard is a file of its own): give at least "
+                             f"{math.ceil(least / step) * step:g}")
         flags, largest = largest_tensor(cfg)  # Linux grants more than it has: the out-of-memory killer ends it
         need, free = memory_bytes(largest, dtype, max_shard_bytes, total), beam.free_memory(torch.device("cpu"))
         if free is not None and need > free:
