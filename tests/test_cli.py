@@ -563,6 +563,21 @@ def test_random_beam_refuses_shards_too_small_for_its_size(tmp_path, run):
     assert 100 < len(list((tmp_path / "x").glob("model-*.safetensors"))) <= 1000
 
 
+def test_random_beam_takes_its_default_shard_size_whatever_the_size(tmp_path, run, monkeypatch):
+    """The floor above stops at the default --max-shard-gb: a checkpoint past 1 TB (a fp32 Beam of 501B is 2 TB) was
+    refused with the default, asking for a larger one."""
+    from beamtrt.models import beam, random_beam_cli
+
+    monkeypatch.setattr(beam, "checkpoint_bytes", lambda cfg, item: 2 * 10**12)
+    monkeypatch.setattr(random_beam_cli, "check_room", lambda *a: None)  # as on a host with 2 TB free
+    monkeypatch.setattr(random_beam_cli, "write_random_beam", lambda *a, **k: pytest.fail("written"))
+    monkeypatch.setattr(random_beam_cli, "memory_bytes", lambda *a: 0)
+    assert_one_line_error(run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"), "--max-shard-gb", "1.9"),
+                          "--max-shard-gb 1.9 is under 1/500 of this 2000 GB checkpoint", "give at least 2")
+    with pytest.raises(pytest.fail.Exception, match="written"):  # past every check, with the default
+        run("scripts/make_random_beam.py", "--out", str(tmp_path / "x"))
+
+
 def test_prompts_lines_split_on_newlines_only_and_a_model_needs_its_tokenizer(tmp_path, run):
     """A JSON string may hold U+2028 (str.splitlines would cut the line there); a checkpoint without tokenizer files
     is one line, not a TypeError from transformers."""

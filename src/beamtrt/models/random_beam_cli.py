@@ -30,6 +30,7 @@ ZERO_MEANS = {"--head-dim": "hidden_size / heads", "--experts": "every layer den
 # --max-shard-gb is at least 2 / MAX_SHARDS of the checkpoint, so at most MAX_SHARDS shard files are written (a shard
 # and the next hold more than one limit together); published checkpoints have a few hundred (DeepSeek-V3, 671B: 163)
 MAX_SHARDS = 1000
+SHARD_GB = 2.0  # the default, never refused (a checkpoint past 1 TB then has more than MAX_SHARDS of them)
 
 
 def largest_tensor(cfg: BeamConfig) -> tuple[str, int]:
@@ -64,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="storage dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.add_argument("--max-shard-gb", type=float, default=2.0,
-                   help=f"shard size limit in GiB, at least 1/{MAX_SHARDS // 2} of the checkpoint's size: "
-                        f"{MAX_SHARDS:,} shard files at most (default: %(default)s)")
+    p.add_argument("--max-shard-gb", type=float, default=SHARD_GB,
+                   help=f"shard size limit in GiB, at least 1/{MAX_SHARDS // 2} of the checkpoint's size "
+                        f"({MAX_SHARDS:,} shard files at most) or the default (default: %(default)s)")
     args = p.parse_args(argv)
 
     def run() -> None:
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype, max_shard_bytes = getattr(torch, args.dtype), int(args.max_shard_gb * 1024**3)
         total = beam.checkpoint_bytes(cfg, dtype.itemsize)
         check_room(total, out, "--out with these sizes")
-        least = 2 * total / MAX_SHARDS / 1024**3
+        least = min(2 * total / MAX_SHARDS / 1024**3, SHARD_GB)
         if args.max_shard_gb < least:
             step = 10.0 ** (math.floor(math.log10(least)) - 1)  # least, rounded up to 2 significant digits
             raise ValueError(f"--max-shard-gb {args.max_shard_gb:g} is under 1/{MAX_SHARDS // 2} of this "
