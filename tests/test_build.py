@@ -719,3 +719,20 @@ def test_validate_catches_a_manifest_that_contradicts_its_checkpoints(sources, t
     out = _build_and_edit_manifest(sources, tmp_path / "out", edit)
     with pytest.raises(CheckpointError, match=needle):
         validate(out)
+
+
+def test_copied_tokenizer_files_get_the_modes_a_new_file_gets(sources, tmp_path):
+    """The tokenizer files were copied with the source's mode: a 0600 one was unreadable to a Triton server running
+    as another user, while the README promises the modes a plain mkdir gives."""
+    import os
+
+    src = tmp_path / "src"
+    shutil.copytree(sources, src)
+    (src / "target" / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "target" / "chat_template.jinja").chmod(0o600)
+    out = tmp_path / "out"
+    proc = build(src, out)
+    assert proc.returncode == 0, proc.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "tokenizer" / "chat_template.jinja").stat().st_mode & 0o777 == 0o666 & ~umask

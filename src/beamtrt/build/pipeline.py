@@ -353,7 +353,7 @@ def _copy_tokenizer(model: Path, dst: Path) -> list[Path]:
         return []
     dst.mkdir()
     for f in files:
-        shutil.copy2(f, dst / f.name)
+        shutil.copyfile(f, dst / f.name)  # the mode a new file gets (not the source's: a 0600 one hid it from Triton)
     return [dst / f.name for f in files]
 
 

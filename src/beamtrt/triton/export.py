@@ -339,7 +339,7 @@ def _write_model(repo: Path, name: str, config: str) -> None:
     (repo / name / "config.pbtxt").write_text(config + "\n")
     source = MODELS_SOURCE / name / "1" / "model.py"
     if source.is_file():
-        shutil.copy2(source, repo / name / "1" / "model.py")
+        shutil.copyfile(source, repo / name / "1" / "model.py")  # the mode a new file gets, as every file here
 
 
 def readme(out: Path, root: Path, manifest: dict, s: ServeSettings) -> str:
