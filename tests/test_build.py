@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from beamtrt.checkpoint.manifest import read_manifest
-from beamtrt.config import BeamConfig, DrafterConfig
+from beamtrt.config import BeamConfig, BuildConfig, DrafterConfig
 from beamtrt.errors import CheckpointError
 from beamtrt.models.beam import load_beam
 from beamtrt.models.dflash2 import random_drafter, save_drafter
@@ -719,6 +719,50 @@ def test_validate_catches_a_manifest_that_contradicts_its_checkpoints(sources, t
     out = _build_and_edit_manifest(sources, tmp_path / "out", edit)
     with pytest.raises(CheckpointError, match=needle):
         validate(out)
+
+
+def test_a_drafter_precision_change_keeps_the_target(sources, tmp_path):
+    """--drafter-precision bf16 -> fp8 (--force) calibrates again, for the drafter's ranges, but reuses the target:
+    its files come from its own ranges alone (it was converted again, hours on Beam, into the same bytes); a
+    --calib-samples change is named as the other flags are (it was "stage calibrate differs")."""
+    fp8 = ("--precision", "fp8", "--calib-samples", "2")
+    for out, flags in ((tmp_path / "fp8", fp8), (tmp_path / "bf16", ())):  # a target with scales, and one without
+        assert build(sources, out, *flags).returncode == 0
+        inode = (out / "target" / "rank0.safetensors").stat().st_ino
+        forced = build(sources, out, *flags, "--drafter-precision", "fp8", "--calib-samples", "2", "--force")
+        assert forced.returncode == 0, forced.stderr
+        assert {k: v["status"] for k, v in read_manifest(out)["stages"].items()} == {
+            "calibrate": "ran", "target": "reused", "drafter": "ran", "engines": "skipped"}, out
+        assert (out / "target" / "rank0.safetensors").stat().st_ino == inode
+    one_line_error(build(sources, tmp_path / "fp8", *fp8[:3], "3", "--drafter-precision", "fp8"),
+                   "was built from other inputs or settings (--calib-samples 2 (now 3)); pass --force")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "other"}\n')
+    one_line_error(build(sources, tmp_path / "fp8", *fp8, "--drafter-precision", "fp8", "--calib-prompts",
+                         str(prompts)), "(stage calibrate differs: the target's or the drafter's files, or the "
+                   "calibration prompts changed)")
+
+
+def test_a_build_reads_each_input_once_and_keys_engines_on_the_gpu(sources, tmp_path, monkeypatch):
+    """The stage keys hash the target's files for calibration and for the target (each read twice: a TB on Beam);
+    and the engines' key holds the GPU the plugin library is built for (engines of another GPU were up to date)."""
+    from beamtrt.build import engine, pipeline
+    from beamtrt.checkpoint import manifest
+
+    bc = BuildConfig(model=sources / "target", drafter=sources / "drafter", out=tmp_path / "out", precision="fp8",
+                     tp=1, drafter_precision="fp8")
+    read, digest = [], manifest.sha256_file
+    monkeypatch.setattr(manifest, "sha256_file", lambda path: read.append(path) or digest(path))
+    keys = pipeline.Plan(bc).keys
+    assert len(read) == len(set(read)) and sources / "target" / "config.json" in read
+
+    monkeypatch.setattr(engine, "engine_support", lambda: None)  # a TensorRT-LLM host's answers
+    monkeypatch.setattr(engine, "precision_unsupported", lambda *a: None)
+    monkeypatch.setattr(engine, "unsupported", lambda cfg: None)  # (its dense first layer is not built yet)
+    for arch in ("90a", "100a"):
+        monkeypatch.setattr(engine, "cuda_archs", lambda arch=arch: arch)
+        keys[arch] = pipeline.Plan(bc).keys
+    assert keys["90a"]["engines"] != keys["100a"]["engines"] and keys["90a"]["target"] == keys["100a"]["target"]
 
 
 def test_copied_tokenizer_files_get_the_modes_a_new_file_gets(sources, tmp_path):

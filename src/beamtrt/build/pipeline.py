@@ -7,6 +7,7 @@ is reused (hard-linked) instead of run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -96,23 +97,29 @@ class Plan:
         target_files = mf.model_files(bc.model) + _tokenizer_files(bc.model)  # calibration tokenizes its prompts
         drafter_files = mf.model_files(bc.drafter)
         drafter_fp8 = bc.drafter_precision == "fp8"
-        self.keys = {
-            "calibrate": mf.hash_inputs("calibrate", bc.calib_samples, drafter_fp8,
-                                        bc.engine.block_size if drafter_fp8 else None,
-                                        files=target_files + [prompts] + (drafter_files if drafter_fp8 else []))
-            if bc.needs_calibration else None,
-        }
+        digest = functools.cache(mf.sha256_file)  # each input read once, however many stages it keys (a TB on Beam)
+
+        def calibration(drafter: bool) -> str:  # what the calibrate stage's ranges come from: the target's, + drafter's
+            return mf.hash_inputs("calibrate", bc.calib_samples, drafter, bc.engine.block_size if drafter else None,
+                                  files=target_files + [prompts] + (drafter_files if drafter else []), digest=digest)
+
+        self.keys = {"calibrate": calibration(drafter_fp8) if bc.needs_calibration else None}
         self.keys["drafter"] = mf.hash_inputs("drafter", bc.drafter_precision, self.mapping.to_json(),
-                                              self.keys["calibrate"] if drafter_fp8 else None, files=drafter_files)
-        self.keys["target"] = mf.hash_inputs("target", bc.precision, bc.kv_cache, self.mapping.to_json(),
-                                             self.keys["calibrate"], files=target_files)
+                                              self.keys["calibrate"] if drafter_fp8 else None, files=drafter_files,
+                                              digest=digest)
+        # the target's scales come from its own ranges alone (a bf16 one with a bf16 KV cache: from none), whatever
+        # the drafter's precision: changing that recalibrates, but the target's files stay as they were
+        ranges = calibration(False) if bc.precision != "bf16" or bc.kv_cache == "fp8" else None
+        self.keys["target"] = mf.hash_inputs("target", bc.precision, bc.kv_cache, self.mapping.to_json(), ranges,
+                                             files=target_files, digest=digest)
         from beamtrt.build import engine
 
         self.engines_why = engine.engine_support() or engine.unsupported(self.target_cfg) or (
             engine.precision_unsupported(bc.precision, bc.kv_cache)) or engine.drafter_unsupported(self.drafter_cfg)
         self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"],
                                               bc.engine.to_json(), engine.trtllm_version(),
-                                              files=engine.plugin_sources())
+                                              engine.cuda_archs() if self.engines_why is None else None,  # the
+                                              files=engine.plugin_sources())  # plugin library's: built for this GPU
 
 
 def _read_dtype(reader: CheckpointReader, path: Path, name: str, whose: str) -> torch.dtype:
@@ -158,7 +165,8 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     if old is not None and not bc.force and needed:
         was = old.get("stages", {}).get(needed[0]) or {}
         damaged = was.get("key") is not None and was.get("key") == plan.keys.get(needed[0])  # same inputs, bad files
-        changed = ", ".join(_changed(old, bc)) or f"stage {needed[0]} differs"  # else an input's contents changed
+        changed = ", ".join(_changed(old, bc)) or (  # else an input's contents changed
+            f"stage {needed[0]} differs: {STAGE_INPUTS.get(needed[0], 'its inputs')} changed")
         raise ConfigError(f"{bc.out} already exists and " + (
             f"files of its stage {needed[0]} were changed or removed since it was built" if damaged else
             f"was built from other inputs or settings ({changed})") + "; pass --force to replace it")
@@ -178,15 +186,29 @@ def build(bc: BuildConfig, progress: bool = True) -> list[str]:
     return [line.replace(str(tmp), str(bc.out)) for line in summary]
 
 
+# what a stage's key holds besides the flags _changed names, for the refusal where only that changed
+STAGE_INPUTS = {"calibrate": "the target's or the drafter's files, or the calibration prompts",
+                "target": "the target's files", "drafter": "the drafter's files",
+                "engines": "the plugin sources, the TensorRT-LLM version or the GPU"}
+
+
 def _changed(old: dict, bc: BuildConfig) -> list[str]:
-    """The settings whose values differ from those `old`, an earlier build's manifest, records ("--tp 2 (now 1)").
-    Not the sources: the stages key their contents, which another spelling of the same path does not change."""
+    """The settings whose values differ from those `old`, an earlier build's manifest (and its calibration.json),
+    records ("--tp 2 (now 1)"). Not the sources: the stages key their contents, which another spelling of the same
+    path does not change."""
     now = {**{f"engines.settings.{k}": v for k, v in bc.engine.to_json().items()}, "precision": bc.precision,
            "kv_cache": bc.kv_cache, "drafter_precision": bc.drafter_precision, "mapping.tp_size": bc.tp,
            "mapping.moe_ep_size": bc.moe_ep}
     flags = {"mapping.tp_size": "tp", "mapping.moe_ep_size": "moe-ep"}
-    return [f"--{flags.get(key, key.split('.')[-1]).replace('_', '-')} {was} (now {value})"
-            for key, value in now.items() if (was := mf.field(old, key, None)) is not None and was != value]
+    changed = [f"--{flags.get(key, key.split('.')[-1]).replace('_', '-')} {was} (now {value})"
+               for key, value in now.items() if (was := mf.field(old, key, None)) is not None and was != value]
+    try:
+        samples = json.loads((bc.out / "calibration.json").read_text())["samples"]
+    except (OSError, ValueError, KeyError, TypeError):  # none (a build without calibration), or not readable
+        samples = None
+    if bc.needs_calibration and samples is not None and samples != bc.calib_samples:
+        changed.append(f"--calib-samples {samples} (now {bc.calib_samples})")
+    return changed
 
 
 def _check_space(plan: Plan, reusable: dict, where: Path) -> None:

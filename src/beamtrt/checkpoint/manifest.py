@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from beamtrt.checkpoint.hf import read_json, require_dir, write_json
@@ -41,11 +42,12 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def hash_inputs(*parts: object, files: list[Path] = ()) -> str:
-    """One sha256 over JSON-able settings and the contents of `files` (in the given order)."""
+def hash_inputs(*parts: object, files: list[Path] = (), digest: Callable[[Path], str] = sha256_file) -> str:
+    """One sha256 over JSON-able settings and the contents of `files` (in the given order), each file's as `digest`
+    gives it (a cache of sha256_file: a build keys several stages on the same files)."""
     h = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode())
     for file in files:
-        h.update(file.name.encode() + b"\0" + sha256_file(file).encode())
+        h.update(file.name.encode() + b"\0" + digest(file).encode())
     return h.hexdigest()
 
 
