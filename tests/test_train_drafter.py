@@ -866,6 +866,18 @@ def test_a_cache_description_of_the_wrong_types_is_one_line(tmp_path, field, val
     assert read_meta(tmp_path)["recipe"]["temperature"] == 1  # an int where a float is meant is fine
 
 
+@pytest.mark.parametrize("prompts", [10**12, 1_000_001, 0, -5])
+def test_a_cache_description_of_more_prompts_than_a_run_makes_is_one_line(tmp_path, prompts):
+    """eval_drafter.py makes a cache's prompts again from its recipe: 10**12 of them ran silently for hours."""
+    from beamtrt.train.features import read_meta
+
+    (tmp_path / "meta.json").write_text(json.dumps({"recipe": {"prompts": prompts, "seed": 0}}))
+    with pytest.raises(BeamtrtError, match=f"recipe field 'prompts' is {prompts}, outside 1 to 1,000,000 "):
+        read_meta(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"recipe": {"prompts": 1_000_000, "seed": 0}}))
+    assert read_meta(tmp_path)["recipe"]["prompts"] == 1_000_000
+
+
 def test_the_training_log_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     """--work's train_log.jsonl: an interrupted write leaves the previous log, not a cut one, and no temporary file."""
     import os

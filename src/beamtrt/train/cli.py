@@ -123,7 +123,7 @@ def check_folders(writes: list[tuple[str, Path]], reads: list[tuple[str, Path]])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from beamtrt.train.features import DataRecipe
+    from beamtrt.train.features import MAX_PROMPTS, DataRecipe
     from beamtrt.train.prompts import MIXES
     from beamtrt.train.trainer import HEAD_VOCABS, TrainConfig
 
@@ -153,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "on, placed before --data's (whose last greedy answers stay the held-out set)")
     data = p.add_argument_group("phase 1: target answers")
     data.add_argument("--prompts", type=int, default=d.prompts,
-                      help="training prompts to answer, at most 1,000,000 (default: %(default)s)")
+                      help=f"training prompts to answer, at most {MAX_PROMPTS:,} (default: %(default)s)")
     data.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                       help="answer length cap (default: %(default)s)")
     data.add_argument("--gen-batch", type=int, default=d.batch, help="answers decoded together (default: %(default)s)")
@@ -228,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         from beamtrt.models.beam_mini import CHECKPOINTS, drafter_layout, ensure_beam_mini
         from beamtrt.models.dflash2 import save_drafter
         from beamtrt.prompts import TOKENIZER_FILES, has_tokenizer, load_tokenizer
-        from beamtrt.train.features import (DataRecipe, answered_prompts, build_features, check_cache, concat_features,
-                                            load_features, read_answers, rebuild_features, sequence_files,
-                                            target_digest)
+        from beamtrt.train.features import (MAX_PROMPTS, DataRecipe, answered_prompts, build_features, check_cache,
+                                            concat_features, load_features, read_answers, rebuild_features,
+                                            sequence_files, target_digest)
         from beamtrt.train.prompts import training_prompts
         from beamtrt.train.trainer import TrainConfig, check_data, check_state, fingerprint, split, train, write_log
 
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 2:  # a block's anchor is an answer token, and it drafts the next one
             raise ValueError(f"--max-new-tokens must be >= 2 (training anchors blocks on answer tokens and drafts "
                              f"the ones after them), got {args.max_new_tokens}")
-        for name, most in (("prompts", 1_000_000), ("layers", 64)):  # beyond: minutes of silent work, then memory
+        for name, most in (("prompts", MAX_PROMPTS), ("layers", 64)):  # beyond: minutes of silent work, then memory
             if getattr(args, name) > most:
                 raise ValueError(f"--{name} must be at most {most:,}, got {getattr(args, name)}")
         check_seed(args.seed, bits=32)  # each step's and answer's generator is seeded by seed * 1,000,003 + its number

@@ -35,9 +35,12 @@ from beamtrt.models.beam import BeamForCausalLM, right_padded
 from beamtrt.prompts import render_chat
 
 
+MAX_PROMPTS = 1_000_000  # train_drafter.py --prompts: beyond, minutes of silent work making them, then memory
+
+
 @dataclass(frozen=True)
 class DataRecipe:
-    prompts: int = 448               # prompts requested from the training mix (distinct ones are kept)
+    prompts: int = 448               # prompts requested from the training mix (distinct ones are kept), <= MAX_PROMPTS
     seed: int = 0
     max_prompt_tokens: int = 256     # longer chat-formatted prompts are skipped
     max_new_tokens: int = 160
@@ -195,6 +198,9 @@ def read_meta(data: Path) -> dict:
         if f.name in recipe and (not isinstance(recipe[f.name], want) or isinstance(recipe[f.name], bool)):
             raise BeamtrtError(f"{path}: recipe field {f.name!r} is {recipe[f.name]!r}, not a {kind} (a damaged "
                                "cache description)")
+    if not 1 <= recipe.get("prompts", 1) <= MAX_PROMPTS:  # they are made again from it: 10**12 ran for hours
+        raise BeamtrtError(f"{path}: recipe field 'prompts' is {recipe['prompts']!r}, outside 1 to {MAX_PROMPTS:,} "
+                           "(a damaged cache description)")
     return meta
 
 
