@@ -597,12 +597,19 @@ def test_eval_by_kind_finds_each_answers_prompt_kind(target, tmp_path, monkeypat
     rows = evaluate_by_kind(drafter, data, kinds, per_kind=2, block=4)
     assert len(steps) == rows["all"]["scored"] > len(set(kinds))
     cfg = TrainConfig(eval_block_size=4)
+
+    def expected(answers: list[int]) -> dict:  # the training eval's ratios, and the decoder's τ: mean over answers
+        alone = [evaluate(drafter, data, [i], cfg) for i in answers]
+        return {"scored": len(answers), **{key: pytest.approx(sum(a[f"eval_{key}"] for a in alone) / len(alone),
+                                                              abs=1e-4) for key in ("tau", "tau_top1")},
+                **evaluate(drafter, data, answers, cfg)}
+
     for kind in set(kinds):
         last = [i for i in range(len(data)) if kinds[i] == kind and bool(data.greedy[i])][-2:]
-        assert rows[kind] == {"scored": len(last)} | evaluate(drafter, data, last, cfg)
+        assert rows[kind] == expected(last)
     every = [i for i in range(len(data)) if bool(data.greedy[i])
              and sum(kinds[j] == kinds[i] and bool(data.greedy[j]) for j in range(i + 1, len(data))) < 2]
-    assert rows["all"] == {"scored": len(every)} | evaluate(drafter, data, every, cfg)
+    assert rows["all"] == expected(every)
     (tmp_path / "meta.json").write_text("{}")
     with pytest.raises(BeamtrtError, match="no readable meta.json"):
         cache_kinds(tmp_path, chars, data)

@@ -27,27 +27,38 @@ def last_greedy(kinds: list[str], greedy: torch.Tensor, per_kind: int) -> dict[s
 
 def evaluate_by_kind(drafter, data, kinds: list[str], per_kind: int, block: int) -> dict[str, dict]:
     """kinds[i]: the prompt kind of sequence i. Scores the last `per_kind` greedy answers of every kind (and all of
-    them together) with the training eval (trainer.evaluate: the decoder's τ at `block`, drafting from the drafter's
-    draft vocabulary when it has one)."""
+    them together) with the training eval (trainer.evaluate: the decoder's walk at `block`, drafting from the
+    drafter's draft vocabulary when it has one): `tau` / `tau_top1` as run.py's acceptance length (the mean over
+    answers), beside the training eval's ratios (`eval_tau`: tokens / steps of all of them, long answers weighing
+    more)."""
     from tqdm import tqdm
 
     from beamtrt.train.trainer import TrainConfig, eval_ratios, eval_sums
 
     cfg = TrainConfig(eval_block_size=block, block_size=max(block, TrainConfig().block_size))
     groups = last_greedy(kinds, data.greedy, per_kind)
-    scored = {kind: len(group) for kind, group in groups.items()}
-    sums = {}
-    with tqdm(total=sum(scored.values()), desc="scoring", unit="answer", disable=None, dynamic_ncols=True) as bar:
+    answers: dict[str, list[dict[str, float]]] = {}  # kind -> eval_sums of each of its answers
+    with tqdm(total=sum(map(len, groups.values())), desc="scoring", unit="answer", disable=None,
+              dynamic_ncols=True) as bar:
         for kind, group in groups.items():  # a bar step per answer: once per kind, it stood for minutes
-            answers = []
+            answers[kind] = []
             for i in group:
-                answers.append(eval_sums(drafter, data, [i], cfg))
+                answers[kind].append(eval_sums(drafter, data, [i], cfg))
                 bar.update()
-            sums[kind] = _added(answers)
-    if sums:  # all kinds together without scoring them twice
-        scored["all"] = sum(scored.values())
-        sums["all"] = _added(list(sums.values()))
-    return {kind: {"scored": scored[kind]} | eval_ratios(s) for kind, s in sums.items()}
+    if answers:  # all kinds together without scoring them twice
+        answers["all"] = [a for group in answers.values() for a in group]
+    return {kind: {"scored": len(group)} | _mean_tau(group) | eval_ratios(_added(group))
+            for kind, group in answers.items()}
+
+
+def _mean_tau(answers: list[dict[str, float]]) -> dict[str, float]:
+    """eval_sums of each answer -> the decoder's τ over them (run.py's acceptance length: the mean over answers of
+    each one's tokens / steps, answers without a step left out), greedy walk and top-1; {} where none has a step."""
+    walked = [a for a in answers if a["steps"]]
+    if not walked:
+        return {}
+    return {name: round(sum(a["tokens"] / a[steps] for a in walked) / len(walked), 4)
+            for name, steps in (("tau", "steps"), ("tau_top1", "steps_top1"))}
 
 
 def _added(sums: list[dict[str, float]]) -> dict[str, float]:
@@ -108,8 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="drafter checkpoint (default: checkpoints/<target name>-dflash2, the committed drafter for "
                         "beam-mini)")
     p.add_argument("--target", default=None, help="target checkpoint (default: beam-mini, made if missing)")
-    p.add_argument("--per-kind", type=int, default=32, help="greedy answers scored per kind, the last of each "
-                                                           "(default: %(default)s)")
+    p.add_argument("--per-kind", type=int, default=32,
+                   help="greedy answers scored per kind, the last of each, the caches taken in the order of their "
+                        "paths (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=8,
                    help="draft block, from 2 up to the drafter's own block size (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device of the target and drafter, e.g. cpu or cuda "
@@ -166,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(drafter_dir, target, dtype=torch.float32).eval()
         parts, kinds = [], []
         digest = target_digest(target)
-        for d in map(Path, args.data):
+        for d in sorted(map(Path, args.data), key=resolved):  # "the last of each kind": the same whatever the order
             check_cache(target, taps, d, digest)
             parts.append(read_answers(d, target.cfg.vocab_size))  # the answers alone: taps for those scored, later
             kinds += cache_kinds(d, tokenizer, parts[-1])
@@ -180,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         answers["all"] = sum(answers.values())
         rows = {kind: {"answers": answers[kind]} | r for kind, r in rows.items()}
         top_k = dcfg.selector_top_k  # the selector's candidates per slot (at most the vocabulary: DrafterConfig)
-        print(f"| kind | greedy answers | scored | τ decoded | τ top-1 | every-anchor mean | top-{top_k} recall |\n"
-              "|---|---|---|---|---|---|---|")
+        columns = {"τ decoded": "tau", "τ top-1": "tau_top1", "τ pooled": "eval_tau",
+                   "every-anchor mean": "eval_tau_every_anchor", f"top-{top_k} recall": "eval_recall"}
+        print("| kind | greedy answers | scored | " + " | ".join(columns) + " |\n|---|---|---|"
+              + "---|" * len(columns))
         for kind, r in rows.items():
-            print(f"| {kind} | {r['answers']} | {r['scored']} | {r.get('eval_tau', float('nan')):.2f} | "
-                  f"{r.get('eval_tau_top1', float('nan')):.2f} | {r.get('eval_tau_every_anchor', float('nan')):.2f} | "
-                  f"{r.get('eval_recall', float('nan')):.2f} |")
+            print(f"| {kind} | {r['answers']} | {r['scored']} | "
+                  + " | ".join(f"{r.get(key, float('nan')):.2f}" for key in columns.values()) + " |")
         if args.json:
             write_json(args.json, {"drafter": str(drafter_dir), "target": str(target_dir), "data": args.data,
                                    "block_size": args.block_size, "per_kind": args.per_kind, "kinds": rows})
