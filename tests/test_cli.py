@@ -1091,6 +1091,18 @@ def test_bench_spec_refuses_requests_beyond_the_context_before_loading(mini_voca
                           "target's context of 32768 tokens")
 
 
+def test_bench_spec_counts_steps_as_run_py_does(mini_vocab_sources, run, tmp_path):
+    """`steps` sums the requests' steps and `decoder_steps` counts the batched ones, as in run.py --json (bench_spec
+    had them the other way round, with `request_steps` for the sum)."""
+    src, report = mini_vocab_sources, tmp_path / "spec.json"
+    assert run("scripts/bench_spec.py", "--model", str(src / "target"), "--drafter", str(src / "drafter"), "--batches",
+               "2", "--max-new-tokens", "6", "--block-size", "4", "--json", str(report)).returncode == 0
+    for mode in ("spec", "no_spec"):
+        r = json.loads(report.read_text())["results"][0][mode]
+        assert "request_steps" not in r and r["decoder_steps"] < r["steps"] <= 2 * r["decoder_steps"], r
+    assert r["steps"] == r["tokens"] - 2  # no drafter: a token a request a step, after the prefill's
+
+
 def test_bench_bad_values_are_one_line(tmp_path, run):
     assert_one_line_error(run("scripts/bench_decode.py", "--model", str(tmp_path), "--batches", "0"), "--batches")
     assert_one_line_error(run("scripts/bench_spec.py", "--model", str(tmp_path), "--batches", "99"), "--batches")

@@ -35,8 +35,8 @@ def profile(decoder_factory, requests) -> dict:
     tokens = sum(len(c.output_ids) for c in completions)
     return {
         "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
-        "acceptance_length": decoder.metrics.summary()["acceptance_length"], "steps": t.steps,
-        "request_steps": decoder.metrics.steps, "step_s": round(t.total_s / max(t.steps, 1), 5),
+        "acceptance_length": decoder.metrics.summary()["acceptance_length"], "steps": decoder.metrics.steps,
+        "decoder_steps": t.steps, "step_s": round(t.total_s / max(t.steps, 1), 5),  # as run.py --json names them
         "target_s": round(t.target_s, 3), "drafter_s": round(t.drafter_s, 3), "other_s": round(t.other_s, 3),
         "other_fraction": round(t.other_s / t.total_s, 4) if t.total_s else None,
         "decode_tokens_per_s": round((tokens - len(requests)) / t.total_s, 2) if t.total_s else None,
