@@ -71,8 +71,9 @@ class SpecMetrics:
 
     def summary(self) -> dict:
         """JSON-serializable totals. acceptance_length is None before any step; per_position_acceptance[k] is
-        accepted ÷ proposed for draft slot k (unconditional: slot k is accepted only if slots < k were), None
-        for a slot never proposed; tau_histogram[i] counts the steps that committed i + 1 tokens."""
+        accepted ÷ proposed for draft slot k (unconditional: slot k is accepted only if slots < k were; as verified,
+        a step cut by max_new_tokens or a stop counting whole), None for a slot never proposed; tau_histogram[i]
+        counts the steps that committed i + 1 tokens."""
         taus = [self.acceptance_length(r) for r in self.requests]
         return {
             "acceptance_length": sum(taus) / len(taus) if taus else None,
