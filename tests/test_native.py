@@ -119,6 +119,18 @@ def test_out_of_range_ids_are_refused():
         model(torch.tensor([[101]]), model.new_cache(1, 8))
 
 
+def test_out_of_range_slots_are_refused(monkeypatch):
+    """The fused step and drafter index raw memory with a cache slot: -1 (the last slot to torch) wrote the K/V
+    before the buffer (a glibc abort a step later), and the drafter read another ring."""
+    monkeypatch.setenv("BEAMTRT_NATIVE", "1")
+    model, drafter = tiny_model(), tiny_drafter()
+    for slot, why in ((-1, r"cache slots must be in \[0, 3\), got \[-1\]"), (3, "out of bounds")):  # 3: torch's
+        with pytest.raises(IndexError, match=why):
+            model(torch.tensor([[5, 6]]), model.new_cache(3, 16), slots=torch.tensor([slot]))
+        with pytest.raises(IndexError, match=why):
+            drafter.draft(drafter.new_cache(3), torch.tensor([7]), 4, slots=torch.tensor([slot]))
+
+
 def test_a_failed_build_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BEAMTRT_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails

@@ -277,6 +277,13 @@ def descriptor(model) -> _Descriptor:
     return d
 
 
+def _check_slots(slots: torch.Tensor, cache) -> None:
+    """Cache slots index raw memory here: one outside [0, batch) is refused (-1, the last slot to torch's indexing,
+    wrote before the buffer)."""
+    if bool((slots < 0).any() | (slots >= cache.batch).any()):
+        raise IndexError(f"cache slots must be in [0, {cache.batch}), got {slots.flatten()[:8].tolist()}")
+
+
 def beam_step(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
               out_index: torch.Tensor, taps: list[int], live: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -292,6 +299,7 @@ def beam_step(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, ro
     ids = input_ids.reshape(-1).contiguous()
     if bool((ids < 0).any() | (ids >= model.cfg.vocab_size).any()):
         raise IndexError(f"token ids must be in [0, {model.cfg.vocab_size})")
+    _check_slots(rows, cache)
     slot = rows.repeat_interleave(T)
     pos = positions.reshape(-1)
     cos, sin = (t.reshape(-1, D) for t in model.rotary(positions, torch.float32))
@@ -402,6 +410,7 @@ def draft_block(drafter, cache, ids: torch.Tensor, slots: torch.Tensor, start: t
     rows = drafter.target.embed.weight.shape[0]
     if bool((ids < 0).any() | (ids >= rows).any()):
         raise IndexError(f"token ids must be in [0, {rows})")
+    _check_slots(slots, cache)
     cos, sin = (t.float().reshape(N * B, -1).contiguous() for t in (cos, sin))
     hidden = torch.empty(N, B - 1, drafter.cfg.hidden_size, device="cpu")
     block = _Block(n=N, block=B, threads=torch.get_num_threads(), use_conv=int(drafter.use_conv), ids=_ptr(ids),
@@ -418,6 +427,7 @@ def draft_append(drafter, cache, taps: torch.Tensor, slots: torch.Tensor, ring_s
     at the rows' positions."""
     taps = taps.float().contiguous()
     slots, ring_slots = slots.to(torch.long).contiguous(), ring_slots.to(torch.long).contiguous()
+    _check_slots(slots, cache)
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     rows = _Append(rows=taps.shape[0], threads=torch.get_num_threads(), taps=_ptr(taps), slot=_ptr(slots),
                    ring_slot=_ptr(ring_slots), cos=_ptr(cos), sin=_ptr(sin))
