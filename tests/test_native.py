@@ -140,6 +140,34 @@ def test_a_failed_build_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
     assert not any(tmp_path.rglob("*.so"))  # nothing half-written left behind
 
 
+def test_cxx_is_a_command_line_and_a_failed_build_names_the_error(tmp_path, monkeypatch, capsys):
+    """CXX="ccache g++" (README: CXX names another compiler) was run as one file name and failed; a failed build said
+    the compiler's first line, "In file included from ...", not its error."""
+    monkeypatch.setenv("BEAMTRT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "env g++")  # a wrapper, as ccache is
+    assert native.library.__wrapped__() is not None
+    monkeypatch.setenv("CXX", "sh -c 'echo In file included from beam_step.cpp:6: >&2; echo host_math.h:45: error: "
+                              "no convertvector >&2; exit 1' cc")
+    assert native.library.__wrapped__() is None
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "beamtrt: building the host kernels failed (host_math.h:45: error: no convertvector); not used")
+    monkeypatch.setenv("CXX", "g++ 'unclosed")
+    assert native.library.__wrapped__() is None
+    assert "is no command line (No closing quotation)" in capsys.readouterr().err
+
+
+def test_the_cache_key_tells_arm_cpus_apart(monkeypatch):
+    """A cache shared between hosts (a network home) handed one aarch64 CPU's -march=native library to another: their
+    /proc/cpuinfo has no "model name" or "flags", the only lines the key read."""
+    def cpu(part: str, features: str) -> str:
+        monkeypatch.setattr(native, "Path", lambda _: type("Info", (), {"read_text": lambda self: (
+            f"processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: {features}\nCPU implementer\t: 0x41\n"
+            f"CPU part\t: {part}\n")})())
+        return native.host_cpu.__wrapped__()
+
+    assert cpu("0xd4f", "fp asimd sve sve2") != cpu("0xd0c", "fp asimd")  # Neoverse V2 (Grace), N1 (Graviton2)
+
+
 def test_an_edited_header_rebuilds_the_library(tmp_path, monkeypatch):
     """The build is cached by content, headers included: editing a kernel header must not reuse a stale library."""
     monkeypatch.setenv("BEAMTRT_CACHE", str(tmp_path / "cache"))

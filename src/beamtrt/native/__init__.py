@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -128,7 +129,8 @@ def host_cpu() -> str:
         import platform
 
         return platform.machine() + " " + platform.processor()
-    return "\n".join(next((line for line in info if line.startswith(key)), "") for key in ("model name", "flags"))
+    return "\n".join(next((line for line in info if line.startswith(key)), "")  # x86's, then Arm's
+                     for key in ("model name", "flags", "CPU implementer", "CPU part", "Features"))
 
 
 def _intact(library: Path) -> bool:
@@ -147,24 +149,30 @@ def compile_library(sources: Path | Sequence[Path], flags: tuple[str, ...], what
     longer matches the hash written beside it is built again); None, after one line on stderr, where it cannot be
     built or loaded."""
     sources = (sources,) if isinstance(sources, Path) else tuple(sources)
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    try:
+        compiler = shlex.split(os.environ.get("CXX", ""))  # a command line: "ccache g++", "g++ -m64"
+    except ValueError as e:
+        print(f"beamtrt: CXX={os.environ['CXX']!r} is no command line ({e}), so {what} cannot be built here",
+              file=sys.stderr)
+        return None
+    compiler = compiler or [shutil.which("g++") or shutil.which("c++")]
+    if compiler[0] is None:
         print(f"beamtrt: no C++ compiler found, so {what} cannot be built here", file=sys.stderr)
         return None
     files = dict.fromkeys(path for source in sources for path in local_sources(source))  # each once, in order
     content = b"".join(path.read_bytes() for path in files)
-    digest = hashlib.sha256(content + " ".join((compiler,) + flags).encode() + host_cpu().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(content + " ".join([*compiler, *flags]).encode() + host_cpu().encode()).hexdigest()[:16]
     target = cache_dir() / f"{sources[0].stem}-{digest}.so"
     try:
         if not _intact(target):
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
-                done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(out)], capture_output=True,
+                done = subprocess.run([*compiler, *flags, *map(str, sources), "-o", str(out)], capture_output=True,
                                       text=True)
-                if done.returncode != 0:
-                    lines = done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"]
-                    raise RuntimeError(lines[0])
+                if done.returncode != 0:  # the compiler's first error (its first line may be "In file included ...")
+                    lines = done.stderr.strip().splitlines() or [f"{compiler[0]} exited {done.returncode}"]
+                    raise RuntimeError(next((line for line in lines if "error" in line.lower()), lines[0]))
                 check = Path(tmp) / (target.name + ".sha256")
                 check.write_text(hashlib.sha256(out.read_bytes()).hexdigest() + "\n")
                 os.replace(out, target)  # the library first: a hash beside a stale library fails _intact

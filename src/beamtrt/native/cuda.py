@@ -51,8 +51,8 @@ def extension():
 
 
 def _arch() -> str:
-    """The current CUDA device's architecture as the build names it: arch-specific from Hopper on (CMakeLists.txt:
-    sm_90a, sm_100a, sm_103a)."""
+    """The current CUDA device's architecture as the build names it: arch-specific from Hopper on (sm_90a, sm_100a,
+    sm_103a, as build/engine.py's cuda_archs hands them to CMake)."""
     major, minor = torch.cuda.get_device_capability()
     return f"{major}{minor}" + ("a" if major >= 9 else "")
 
