@@ -398,6 +398,7 @@ def test_json_round_trip_is_atomic_and_ordered(tmp_path):
 def test_read_json_errors(tmp_path):
     path = tmp_path / "config.json"
     assert one_line_error(read_json, path, "model config") == f"{path}: missing model config"
+    assert one_line_error(read_json, path, "config.json") == f"{tmp_path}: no config.json"  # not named twice
     path.write_text('{\n  "a": 1,\n}')
     msg = one_line_error(read_json, path, "model config")
     assert msg.startswith(f"{path}: model config is not valid JSON (") and "(line 3: " in msg

@@ -925,7 +925,7 @@ def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_min
     assert "tokens in" in proc.stderr and "acceptance length -," in proc.stderr
     plain = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--max-new-tokens", "1", "--no-spec",
                 "--quiet")
-    assert plain.stdout == "" and plain.stderr.startswith("[1 requests, ")  # no blank line above it under --quiet
+    assert plain.stdout == "" and plain.stderr.startswith("[1 request, ")  # no blank line above it under --quiet
     assert f"{beam_mini}, no drafter" in plain.stderr and "drafter None" not in plain.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["summary"]["acceptance_length"] is None and report["requests"][0]["steps"] == 0

@@ -301,7 +301,9 @@ def read_json(path: Path, what: str) -> dict:
     path = Path(path)
     if not path.is_file():
         require_dir(path.parent, f"a directory holding {what}")  # a checkpoint path that is missing, or a file
-        raise CheckpointError(f"{path}: " + (f"a directory, not {what}" if path.is_dir() else f"missing {what}"))
+        if path.is_dir():
+            raise CheckpointError(f"{path}: a directory, not {what}")
+        raise CheckpointError(f"{path.parent}: no {what}" if what == path.name else f"{path}: missing {what}")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
