@@ -277,7 +277,8 @@ def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
     mode += f", {what}, backend {setup.backend} ({setup.backend_why})"
     tau = summary["acceptance_length"]  # None when no request got past its first token (max-new-tokens 1, EOS)
     gap = "" if args.quiet else "\n"  # a blank line after the answers, where there are any
-    print(f"{gap}[{len(requests)} request{'s' * (len(requests) != 1)}, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
+    n = len(requests)
+    print(f"{gap}[{n} request{'s' * (n != 1)}, {n_tokens} tokens in {elapsed:.1f} s, {n_tokens / elapsed:.1f} tok/s, "
           f"acceptance length {'-' if tau is None else f'{tau:.2f}'}, {mode}, {args.dtype}]", file=sys.stderr)
     if args.json:
         sources = setup.sources

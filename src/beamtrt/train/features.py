@@ -34,7 +34,6 @@ from beamtrt.errors import BeamtrtError
 from beamtrt.models.beam import BeamForCausalLM, right_padded
 from beamtrt.prompts import render_chat
 
-
 MAX_PROMPTS = 1_000_000  # train_drafter.py --prompts: beyond, minutes of silent work making them, then memory
 
 
