@@ -415,7 +415,7 @@ def test_load_beam_bad_config(tmp_path: Path) -> None:
     (path / "config.json").write_text('{"hidden_size": 64, ')
     load_error(path, str(path / "config.json"))
     (path / "config.json").unlink()
-    load_error(path, str(path / "config.json"), "missing")
+    load_error(path, f"{path}: no config.json")  # not "<path>/config.json: missing config.json"
 
 
 def test_load_beam_config_checkpoint_mismatch(tmp_path: Path) -> None:
