@@ -116,10 +116,10 @@ class Plan:
 
         self.engines_why = engine.engine_support() or engine.unsupported(self.target_cfg) or (
             engine.precision_unsupported(bc.precision, bc.kv_cache)) or engine.drafter_unsupported(self.drafter_cfg)
+        arch = engine.cuda_archs() if self.engines_why is None else None  # what the plugin library is built for
         self.keys["engines"] = mf.hash_inputs("engines", self.keys["target"], self.keys["drafter"],
-                                              bc.engine.to_json(), engine.trtllm_version(),
-                                              engine.cuda_archs() if self.engines_why is None else None,  # the
-                                              files=engine.plugin_sources())  # plugin library's: built for this GPU
+                                              bc.engine.to_json(), engine.trtllm_version(), arch,
+                                              files=engine.plugin_sources())
 
 
 def _read_dtype(reader: CheckpointReader, path: Path, name: str, whose: str) -> torch.dtype:
