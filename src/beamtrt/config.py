@@ -192,6 +192,11 @@ class BeamConfig(_HFConfig):
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    @property
+    def num_moe_layers(self) -> int:
+        """How many layers are MoE (is_moe_layer); the rest are dense."""
+        return sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
+
     # ---- Hugging Face config.json ---------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> BeamConfig:

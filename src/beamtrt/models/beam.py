@@ -640,7 +640,7 @@ def checkpoint_bytes(cfg: BeamConfig, element_size: int) -> int:
         layer = sum(math.prod(shape) for name, (shape, _, _) in specs.items() if name.startswith("model.layers."))
         return sum(math.prod(shape) for shape, _, _ in specs.values()) - layer, layer
 
-    n_moe = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+    n_moe = cfg.num_moe_layers
     counts = {False: n_moe, True: cfg.num_hidden_layers - n_moe}  # layers of each kind: MoE, dense
     probes = {dense: split(dense) for dense, n in counts.items() if n}
     outside = next(iter(probes.values()))[0]

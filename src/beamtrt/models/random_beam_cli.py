@@ -36,7 +36,7 @@ SHARD_GB = 2.0  # the default, never refused (a checkpoint past 1 TB then has mo
 def largest_tensor(cfg: BeamConfig) -> tuple[str, int]:
     """The flags and sizes that give a config's largest tensor, and its element count: every weight is --hidden-size
     by one of these, or smaller (hf_tensor_specs), the MLP widths those of the layers it has."""
-    moe = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+    moe = cfg.num_moe_layers
     rows = {f"--vocab-size {cfg.vocab_size:,}": cfg.vocab_size,
             f"--heads {cfg.num_attention_heads:,} × --head-dim {cfg.head_dim:,}": cfg.q_size}
     if moe < cfg.num_hidden_layers:
