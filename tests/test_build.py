@@ -768,7 +768,7 @@ def test_a_build_reads_each_input_once_and_keys_engines_on_the_gpu(sources, tmp_
 def test_copied_tokenizer_files_get_the_modes_a_new_file_gets(sources, tmp_path):
     """The tokenizer files were copied with the source's mode: a 0600 one was unreadable to a Triton server running
     as another user, while the README promises the modes a plain mkdir gives."""
-    import os
+    from beamtrt.checkpoint.hf import _UMASK
 
     src = tmp_path / "src"
     shutil.copytree(sources, src)
@@ -777,6 +777,4 @@ def test_copied_tokenizer_files_get_the_modes_a_new_file_gets(sources, tmp_path)
     out = tmp_path / "out"
     proc = build(src, out)
     assert proc.returncode == 0, proc.stderr
-    umask = os.umask(0)
-    os.umask(umask)
-    assert (out / "tokenizer" / "chat_template.jinja").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (out / "tokenizer" / "chat_template.jinja").stat().st_mode & 0o777 == 0o666 & ~_UMASK
