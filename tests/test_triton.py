@@ -539,6 +539,9 @@ def test_model_adapters_chain_like_the_ensemble(builds, tmp_path, monkeypatch):
                                                context_ids=np.zeros((1, 0), np.int32),
                                                text_end=np.array([[-1]], np.int32))])
         assert negative.error.code == "INVALID_ARG" and "token ids >= 0, got -1" in negative.error.message
+        [cut] = post.execute([FakeRequest(output_ids=np.array([[5, 6]], np.int32),  # was read as -1, all the text
+                                          context_ids=np.zeros((1, 0), np.int32), text_end=np.array([[-5]], np.int32))])
+        assert cut.error.code == "INVALID_ARG" and "text_end must be -1" in cut.error.message
 
         gone = FakeRequest(input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([[100]], np.int32),
                            stream=np.array([[True]]))
@@ -691,6 +694,10 @@ def test_copied_repository_is_relocatable_and_force_replaces(builds, tmp_path, c
     rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines")
     assert rc == 2 and stderr.count("\n") == 1 and "already holds a model repository: pass --force" in stderr
     assert cache.exists()
+    for bad, needle in ((["--max-slots", "0"], "--max-slots must be >= 1"),  # said before --force, which cannot mend it
+                        (["--backend", "trt"], "--backend trt: the build has no engines")):
+        rc, _, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), *bad)
+        assert rc == 2 and stderr.count("\n") == 1 and needle in stderr, stderr
     rc, stdout, stderr = run_export(capsys, "--engine-dir", str(builds[1]), "--out", str(out), "--copy-engines",
                                     "--force")
     assert rc == 0, stderr
@@ -778,7 +785,8 @@ def test_export_refuses_bad_settings_and_places(builds, tmp_path, capsys, monkey
                          (["--draft-threshold", "nan"], "error: --draft-threshold must be in [0, 1], got nan"),
                          (["--device", "foo"], "error: --device must be auto, cpu, cuda or cuda:N, got 'foo'"),
                          (["--backend", "trt"], "--backend trt: the build has no engines"),
-                         (["--out", str(builds[1] / "repo")], "inside the engine directory"),
+                         (["--out", str(builds[1] / "repo")], "is inside the engine directory"),
+                         (["--out", str(builds[1])], "is the engine directory"),
                          (["--out", str(builds[1].parent), "--force"], "holds the engine directory"),
                          (["--out", "-"], "error: --out -: give a folder path"),  # it wrote a folder named '-'
                          (["--engine-dir", str(tmp_path / "none")], "none: no such directory"),
@@ -931,6 +939,8 @@ def test_export_refuses_what_the_builds_engines_or_context_cannot_serve(builds, 
     readme = (out / "README.md").read_text()  # says what --raw-prompts does to text_input
     assert "up to 8 requests at once, 64 tokens each" in readme and "chat template |" not in readme
     assert f"| in `text_input` | STRING [1] | {export.RAW_TEXT_INPUT} |" in readme
+    rc, _, stderr = run_export(capsys, "--engine-dir", str(short), "--out", str(out), "--force", "--max-slots", "1")
+    assert rc == 0 and "up to 1 request at once, 64 tokens each" in (out / "README.md").read_text(), stderr
 
 
 def test_tensor_parallel_ranks_on_torch_run_on_the_cpu_and_refuse_another_device(builds, tmp_path, capsys):

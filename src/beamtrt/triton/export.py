@@ -214,7 +214,8 @@ def export(cfg: ExportConfig) -> list[str]:
     _model_config()  # the repository is validated at the end: a missing tritonclient is said before the work
     root, out = resolved(cfg.engine_dir), resolved(cfg.out)
     if holds(root, out):
-        raise ExportError(f"--out {out} is inside the engine directory; choose another place")
+        raise ExportError(f"--out {out} is {'the' if out == root else 'inside the'} engine directory; choose another "
+                          "place")
     if holds(out, root):
         raise ExportError(f"--out {out} holds the engine directory {root}: an export replaces its --out, so choose "
                           "another place")
@@ -223,14 +224,12 @@ def export(cfg: ExportConfig) -> list[str]:
         raise ExportError(f"--out {out}: is or holds the beamtrt package the repository's models import "
                           f"({package}); choose another place")
     output_path(cfg.out, "--out", directory=True)  # a file is refused, --force or not; the parent must be writable
-    if out.exists() and any(out.iterdir()):  # --force replaces an export, never a folder of anything else
+    if existed := out.exists() and any(out.iterdir()):  # --force replaces an export, never a folder of anything else
         stray = stray_paths(out)
         if stray or not (out / MODEL / "config.pbtxt").is_file():  # a repository a user added models to, say
             why = f"it holds {stray[0]}, which an export does not write" if stray else f"no {MODEL}/config.pbtxt"
             raise ExportError(f"{out} already exists and is not a model repository export_triton.py wrote ({why}): "
                               "choose another --out, or empty it first")
-        if not cfg.force:
-            raise ExportError(f"{out} already holds a model repository: pass --force to replace it")
     manifest = check_build(root, cfg.chat_template)
     engine = Path(COPIED_ENGINE) if cfg.copy_engines else root
     block = manifest["drafter"]["block_size"] if cfg.block_size is None else cfg.block_size
@@ -296,6 +295,8 @@ def export(cfg: ExportConfig) -> list[str]:
     trained = manifest["drafter"].get("train_block_size")
     if trained is not None and (why := drafter_block_error(block, trained)):  # the server's decoder would refuse it
         raise ExportError(why)
+    if existed and not cfg.force:  # said after every input's check, which --force does not skip
+        raise ExportError(f"{out} already holds a model repository: pass --force to replace it")
     with staging(out, None if cfg.force else "pass --force to replace it") as tmp:
         if cfg.copy_engines:
             shutil.copytree(root, tmp / COPIED_ENGINE)
@@ -366,7 +367,7 @@ ensemble):
 |---|---|
 | `preprocessing` | `text_input` -> `input_ids` {text} |
 | `{MODEL}` | decoupled Python model: speculative decoding (backend {s.backend}, block {s.block_size}{compute(s)}, \
-up to {s.max_slots} requests at once, {s.max_seq_len} tokens each) |
+up to {s.max_slots} request{'s' * (s.max_slots != 1)} at once, {s.max_seq_len} tokens each) |
 | `postprocessing` | `output_ids` -> `text_output` |
 | `ensemble` | the three in a chain |
 

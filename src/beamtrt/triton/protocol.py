@@ -283,4 +283,6 @@ def postprocess(decode: Callable[[list[int]], str], values: Mapping[str, object]
     ids, context, end = (_convert(t, values[t.name]) for t in POST_INPUTS)
     if min(ids + context, default=0) < 0:  # the tokenizer's own error would be an OverflowError
         raise RequestError(f"output_ids and context_ids must be token ids >= 0, got {min(ids + context)}")
+    if end < -1:
+        raise RequestError(f"text_end must be -1 (all the text) or a count of characters >= 0, got {end}")
     return {"text_output": _array(POST_OUTPUTS[0], text_delta(decode, context, ids, end))}
