@@ -539,7 +539,8 @@ def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
     """A cache made before mixes had names is the v1 mix: it resumes under v1 and is refused under v2; other
     settings are named by their flags, each once (the prompt count was named twice, once without its flag). A
     meta.json alone, of a run stopped before its first shard, holds nothing to keep: a run of other settings starts
-    it again (it was refused, and only the settings of the run that made nothing would do)."""
+    it again (it was refused, and only the settings of the run that made nothing would do). --gen-batch, which changes
+    no answer, is not one of them unless it changes the shard size."""
     import json
 
     from beamtrt.train.features import DataRecipe, build_features
@@ -557,8 +558,11 @@ def test_feature_cache_remembers_its_prompt_mix(target, tmp_path):
     build_features(target, chars, TAPS, ["hi"], tmp_path, recipe, quiet=True)
     with pytest.raises(BeamtrtError, match=r"other settings \(--prompt-mix v1 \(now v2\)\): resume it with those"):
         build_features(target, chars, TAPS, ["hi"], tmp_path, dataclasses.replace(recipe, mix="v2"), quiet=True)
-    with pytest.raises(BeamtrtError, match=r"\(--gen-batch 1 \(now 3\)\)"):  # named, not 'remove it'
-        build_features(target, chars, TAPS, ["hi"], tmp_path, dataclasses.replace(recipe, batch=3), quiet=True)
+    build_features(target, chars, TAPS, ["hi"], tmp_path, dataclasses.replace(recipe, batch=3), quiet=True)  # it
+    assert json.loads((tmp_path / "meta.json").read_text())["recipe"]["batch"] == 1  # changes no answer: was refused
+    with pytest.raises(BeamtrtError, match=r"\(shard size \(--gen-batch\) 1 \(now 3\)\)"):  # named, not 'remove it'
+        build_features(target, chars, TAPS, ["hi"], tmp_path, dataclasses.replace(recipe, batch=3, shard_size=3),
+                       quiet=True)
     with pytest.raises(BeamtrtError, match=r"\(--prompts 1 \(now 2\)\): resume"):
         build_features(target, chars, TAPS, ["hi", "yo"], tmp_path, dataclasses.replace(recipe, prompts=2),
                        quiet=True)

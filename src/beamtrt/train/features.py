@@ -274,8 +274,15 @@ def _check_skipped(out: Path, old: dict | None, new: dict | None) -> None:
 
 # meta.json's fields as the train_drafter.py flags that set them (a refused resume names the flag)
 FLAGS = {"recipe.prompts": "--prompts", "recipe.seed": "--data-seed", "recipe.max_new_tokens": "--max-new-tokens",
-         "recipe.batch": "--gen-batch", "recipe.shard_size": "shard size (--gen-batch)", "recipe.mix": "--prompt-mix",
+         "recipe.shard_size": "shard size (--gen-batch)", "recipe.mix": "--prompt-mix",
          "taps": "taps (the drafter's target layers)"}
+
+
+def _made_by(meta: dict) -> dict:
+    """What a resumed cache must share with the run that started it: not the recipe's batch, the answers decoded at
+    once, which changes no answer (continuous batching, each sampled answer from its own seed); meta.json keeps the
+    first run's."""
+    return {**meta, "recipe": {k: v for k, v in meta.get("recipe", {}).items() if k != "batch"}}
 
 
 def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prompts: Sequence[str], out: Path,
@@ -309,9 +316,9 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     if old:
         old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
         _check_skipped(out, old.get("skipped"), meta.get("skipped"))
-        if {k: old.get(k) for k in meta} != meta:
-            was = {**{f"recipe.{k}": v for k, v in old.get("recipe", {}).items()}, **old}
-            now = {**{f"recipe.{k}": v for k, v in meta["recipe"].items()}, **meta}
+        if _made_by({k: old.get(k) for k in meta}) != _made_by(meta):
+            was = {**{f"recipe.{k}": v for k, v in _made_by(old)["recipe"].items()}, **old}
+            now = {**{f"recipe.{k}": v for k, v in _made_by(meta)["recipe"].items()}, **meta}
             changed = [k for k, v in now.items() if k != "recipe" and was.get(k) != v]
             if "recipe.prompts" in changed and "prompts" in changed:  # the count made follows --prompts: said once
                 changed.remove("prompts")
