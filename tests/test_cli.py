@@ -1011,6 +1011,9 @@ def test_a_target_without_a_tokenizer_or_a_mismatched_cache_is_one_line(mini_voc
     cache = ROOT / "checkpoints" / "beam-mini-dflash2-data-s6"
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(no_tok), "--drafter",
                               str(src / "drafter")), f"{no_tok}: no tokenizer files")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(src / "drafter"),
+                              "--drafter", str(src / "drafter")),  # was told to copy tokenizer files into it
+                          "is not a Beam-family model")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(cache), "--target", str(no_tok)),
                           "-dflash2: not a checkpoint directory (no config.json) (the default for the target's name: "
                           "pass --drafter DIR)")
@@ -1481,11 +1484,13 @@ def test_train_drafter_needs_a_target_with_a_tokenizer(tmp_path, run):
 
 
 def test_eval_drafter_bad_values_are_one_line(tmp_path, run):
-    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--per-kind", "0"), "--per-kind")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--per-kind", "0"),
+                          "--per-kind must be >= 1, got 0")  # it named --block-size too, and no value
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path / "gone")), "gone", "no such directory")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--target", str(tmp_path)),
                           "target", "no config.json")
-    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--block-size", "1"), "--block-size")
+    assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), "--block-size", "1"),
+                          "--block-size must be in [2, 32]", "got 1")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), str(tmp_path) + "/"),
                           "--data names the same cache twice")
     assert_one_line_error(run("scripts/eval_drafter.py", "--data", str(tmp_path), str(tmp_path)),  # as typed

@@ -135,14 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
-        from beamtrt.config import BeamConfig
+        from beamtrt.config import BeamConfig, check_block_size
         from beamtrt.models.beam import load_beam
         from beamtrt.models.beam_mini import CHECKPOINTS, ensure_beam_mini
         from beamtrt.models.dflash2 import drafter_config_for, load_drafter
         from beamtrt.train.features import check_cache, concat_features, read_answers, target_digest, with_taps
 
-        if args.per_kind < 1 or args.block_size < 2:
-            raise ValueError("--per-kind must be >= 1 and --block-size >= 2")
+        if args.per_kind < 1:
+            raise ValueError(f"--per-kind must be >= 1, got {args.per_kind}")
+        check_block_size(args.block_size)
         device = torch_device(args.device)
         set_threads(args.threads)
         if args.json:
@@ -161,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             outside_inputs(args.json, "--json", [("the target", target_dir), ("the drafter", drafter_dir),
                                                  *(("--data", d) for d in args.data)])
+        tcfg = BeamConfig.from_file(target_dir / "config.json")  # a target of another family: said first
         tokenizer = load_tokenizer(target_dir)  # the answers are scored as text: before any weight loads
-        dcfg = drafter_config_for(drafter_dir, BeamConfig.from_file(target_dir / "config.json"))  # so is this
+        dcfg = drafter_config_for(drafter_dir, tcfg)  # so is this
         if args.block_size > dcfg.block_size:
             raise ValueError(f"--block-size {args.block_size} is above the drafter's ({dcfg.block_size})")
         taps = list(dcfg.target_layer_ids)
