@@ -904,3 +904,14 @@ def test_the_training_log_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         write_log(path, [{"step": 1}, {"step": 2}])
     assert path.read_text() == '{"step": 1}\n' and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_complete_cache_shows_no_answers_bar(target, tmp_path, capsys):
+    """A rerun on a cache whose shards are all answered printed an empty 'target answers' bar at 100%."""
+    from beamtrt.train.features import DataRecipe, build_features
+
+    recipe = DataRecipe(prompts=1, max_new_tokens=2, batch=1, shard_size=1)
+    build_features(target, _char_tokenizer(target), TAPS, ["hi"], tmp_path, recipe)
+    assert "target answers" in capsys.readouterr().err
+    build_features(target, _char_tokenizer(target), TAPS, ["hi"], tmp_path, recipe)
+    assert "target answers" not in capsys.readouterr().err

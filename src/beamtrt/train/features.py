@@ -340,7 +340,7 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     if todo:
         _check_writable(out)
     bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[i]) for i in todo), desc="target answers",
-               unit="seq", disable=quiet, dynamic_ncols=True)
+               unit="seq", disable=quiet or not todo, dynamic_ncols=True)  # none: no bar
     where = [(i, k) for i in todo for k in range(len(shards[i]))]  # (shard, position) of every prompt to answer
     number = [i * recipe.shard_size + k for i, k in where]  # its index in the cache
     sampled = [x % recipe.sampled_every == recipe.sampled_every - 1 for x in number]  # the others are greedy
