@@ -764,7 +764,7 @@ def test_batched_answers_with_early_finishers_equal_single_runs(target, batch):
         torch.testing.assert_close(taps, alone_taps, rtol=1e-5, atol=1e-5)
 
 
-def test_init_from_a_saved_drafter(target, tmp_path):
+def test_init_from_a_saved_drafter(target, tmp_path, capsys):
     """--init: training continues from a checkpoint's weights (trainable, fp32); another layout is refused."""
     from beamtrt.models.dflash2 import save_drafter
     from beamtrt.train.cli import start_from
@@ -789,9 +789,11 @@ def test_init_from_a_saved_drafter(target, tmp_path):
         start_from(tmp_path / "d", dataclasses.replace(saved.cfg, rms_norm_eps=1e-3), target)  # no flag fixes it
     data = _features(target)  # a run from --init first scores the starting drafter on its held-out set (step 0)
     cfg = dataclasses.replace(TINY_RUN, steps=2, init_from=str(tmp_path / "d"))
-    log = train(copy, data, cfg, tmp_path / "w", quiet=True)
+    log = train(copy, data, cfg, tmp_path / "w")
     assert [row["step"] for row in log] == [0, 1, 2] and log[0] == {"step": 0, "seconds": 0.0} | evaluate(
         start_from(tmp_path / "d", saved.cfg, target).eval(), data, split(data, cfg)[1], cfg)
+    said = capsys.readouterr().err  # each eval is said while it runs (the bar stood still, nothing before step 1)
+    assert "step 0: scoring the --init drafter on 2 held-out answers" in said and "step 2: scoring 2 held-out" in said
     assert log[0]["eval_tau"] >= 1.0 and "loss" not in log[0]
 
 

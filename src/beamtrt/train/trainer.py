@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -447,6 +448,8 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
     if cfg.head_vocab == "seen":
         head = HeadSlice.of(drafter.target, torch.cat([data.sequence(i)[0] for i in train_ids]))
     if held and step == 0 and cfg.init_from:  # the starting drafter's score on this held-out set: the baseline
+        if not quiet:
+            print(f"step 0: scoring the --init drafter on {len(held)} held-out answers", file=sys.stderr, flush=True)
         drafter.eval()
         log.append({"step": 0, "seconds": 0.0} | evaluate(drafter, data, held, cfg))
     drafter.set_draft_vocab(None if head is None else head.ids)  # it drafts from the tokens its loss scores: evals too
@@ -482,6 +485,7 @@ def train(drafter: DFlash2Drafter, data: FeatureSet, cfg: TrainConfig, work: Pat
                "tau_proxy": round(float(total["tau"] / total["blocks"]), 4), "grad_norm": round(grad_norm, 4),
                "lr": lr_at(cfg, step - 1), "seconds": round(time.perf_counter() - t0, 3)}
         if held and (step % cfg.eval_every == 0 or step == cfg.steps):
+            bar.set_postfix_str(f"step {step}: scoring {len(held)} held-out answers")  # the bar stands meanwhile
             drafter.eval()
             row.update(evaluate(drafter, data, held, cfg))
             drafter.train()
