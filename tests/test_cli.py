@@ -924,7 +924,8 @@ def test_a_run_without_a_verification_step_reports_no_acceptance_length(beam_min
     assert proc.returncode == 0, proc.stderr
     assert "tokens in" in proc.stderr and "acceptance length -," in proc.stderr
     plain = run("runtime/run.py", "--model", str(beam_mini), "--prompt", "hi", "--max-new-tokens", "1", "--no-spec",
-                "--quiet")
+                "--quiet", "--json", str(tmp_path / "plain.json"))
+    assert json.loads((tmp_path / "plain.json").read_text())["settings"]["drafter"] is None  # none drafted
     assert plain.stdout == "" and plain.stderr.startswith("[1 request, ")  # no blank line above it under --quiet
     assert f"{beam_mini}, no drafter" in plain.stderr and "drafter None" not in plain.stderr
     report = json.loads((tmp_path / "r.json").read_text())

@@ -295,7 +295,9 @@ def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
                         **_time_split(decoder, dist)},
             "settings": {  # how the run was made: with the prompts, what reproduces it
                 "engine_dir": _text(setup.engine_dir), "model": _text(sources.model_dir),
-                "drafter": _text(sources.drafter_dir), "backend": setup.backend, "device": args.device,
+                "drafter": None if args.no_spec else _text(sources.drafter_dir or  # a build's: its own
+                                                            setup.engine_dir / setup.manifest["drafter"]["dir"]),
+                "backend": setup.backend, "device": args.device,
                 "seed": args.seed, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": args.max_new_tokens, "stop": list(args.stop)},
         }
