@@ -611,6 +611,7 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
     (tmp_path / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
     (tmp_path / "both.jsonl").write_text('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n')
     (tmp_path / "bigint.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "id": ' + "1" * 5000 + "}\n")
+    (tmp_path / "typo.jsonl").write_text('{"messages": [{"role": "usr", "content": "hi"}]}\n')  # was rendered as is
     (tmp_path / "official.jsonl").write_text('{"task_id": "T/0", "prompt": "def f():", "test": "assert f()"}\n')
     assert read_chat_lines(tmp_path / "official.jsonl") == [(1, [{"role": "user", "content": "def f():"}])]
     (tmp_path / "export.jsonl").write_text(  # a chat dataset's export (ultrachat): the prompt and the whole chat
@@ -623,7 +624,8 @@ def test_prompt_files_say_what_is_wrong_with_them(tmp_path, run):
                           ("surrogate.jsonl", [":1: not valid UTF-8 text"]),
                           ("both.jsonl", [':1: holds both "prompt" and "messages"',
                                           "the messages do not open with that prompt; give one"]),
-                          ("bigint.jsonl", [":2: Exceeds the limit (4300 digits) for integer string conversion"])):
+                          ("bigint.jsonl", [":2: Exceeds the limit (4300 digits) for integer string conversion"]),
+                          ("typo.jsonl", [":1: role 'usr' is not one of system, user, assistant, tool"])):
         assert_one_line_error(run("runtime/run.py", "--prompts", str(tmp_path / name)), f"{name}", *needles)
     assert_one_line_error(run("runtime/run.py", "--prompt", "caf\udce9"), "--prompt: not valid UTF-8 text")
     assert_one_line_error(run("runtime/run.py", "--stop", "caf\udce9"), "--stop: not valid UTF-8 text")  # it was

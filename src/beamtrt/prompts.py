@@ -43,6 +43,9 @@ def load_tokenizer(path: str | Path):
                               "(tokenizer.json, tokenizer_config.json)") from None
 
 
+ROLES = ("system", "user", "assistant", "tool")  # a chat message's roles, as chat templates know them
+
+
 def render_chat(tokenizer, chat: list[dict]) -> list[int]:
     """One chat through the tokenizer's chat template, the assistant turn opened. A chat the template rejects (roles out
     of its order, a template that raises, a tokenizer without one) is a one-line ValueError: "the chat template
@@ -180,6 +183,8 @@ def read_conversations(path: str | Path, layout: Layout | None = None
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in obj["messages"]) and obj["messages"]:
+            if stray := [m["role"] for m in obj["messages"] if m["role"] not in ROLES]:  # a typo ("usr") was
+                raise BeamtrtError(f"{path}:{n}: role {stray[0]!r} is not one of {', '.join(ROLES)}")  # rendered as is
             chats.append(obj["messages"])
         else:
             expected = '{"prompt": str} or {"messages": [{"role", "content"}]}' + (
