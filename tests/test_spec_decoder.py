@@ -381,6 +381,10 @@ def test_min_new_tokens_holds_the_stop_tokens_back_in_plain_and_speculative_deco
             assert stop not in done.output_ids[:least] and done.output_ids[:first] == ref[:first]
             assert done.finish_reason == "length" or (done.output_ids[-1] == stop and len(done.output_ids) > least)
         assert outputs[0] == outputs[1]
+    exact = Request(tuple(p), MAX_NEW, stop_token_ids=frozenset({stop}), min_new_tokens=first)  # the stop may end it
+    for drafter, block in ((None, 1), (OracleDrafter([p + ref], hit=1.0), 8)):  # right at the minimum, as HF's does,
+        done = SpeculativeDecoder(TorchTarget(target), drafter, block_size=block).generate([exact])[0]  # also where
+        assert (done.output_ids, done.finish_reason) == (ref[:first + 1], "stop")  # one block verifies past it
     unheld = SpeculativeDecoder(TorchTarget(target)).generate([Request(tuple(p), MAX_NEW, frozenset({stop}))])[0]
     assert unheld.output_ids == ref[:first + 1] and unheld.finish_reason == "stop"
     first_token = Request(tuple(p), MAX_NEW, stop_token_ids=frozenset({ref[0], 10**6}), min_new_tokens=1)
