@@ -15,7 +15,7 @@ from beamtrt.runtime.backend import DraftStep
 from beamtrt.spec import verify as verify_mod
 from beamtrt.spec.decoder import proposal_lengths
 from beamtrt.spec.sampling import SamplingParams, sample_from, target_probs
-from beamtrt.spec.selector import draft_confidence, walk_greedy, walk_sampled
+from beamtrt.spec.selector import draft_confidence, draft_probs, walk_greedy, walk_sampled
 from beamtrt.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyResult, onehot_q, verify_greedy, verify_sampled
 from spec_stats import ALPHA, MUTANTS, law_stats
 
@@ -48,6 +48,21 @@ def test_target_probs_equal_hugging_faces_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     cuts = 0 < top_k < logits.shape[-1] or top_p < 1
     assert (got > 0).any(-1).all() and bool((got == 0).any()) == cuts  # a case with a cut does cut tokens
+
+
+def test_top_p_keeps_as_many_tokens_as_hugging_face_at_an_exact_boundary():
+    """Mass that reaches top_p exactly (equal logits: quarters, halves) stops the prefix there, on the target's side
+    as in Hugging Face's TopPLogitsWarper, and on the drafter's over its candidates (a cut one past the boundary, which
+    kept every tied token, survived the test above, whose random logits have no such sums)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    for width, top_p, kept in ((4, 0.5, 2), (4, 0.25, 1), (2, 0.5, 1), (4, 0.75, 3)):
+        logits = torch.zeros(1, width)
+        want = TopPLogitsWarper(top_p)(None, logits.clone()).softmax(-1)
+        got = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        q = draft_probs(logits, 1.0, top_p)
+        assert int((want > 0).sum()) == int((got > 0).sum()) == int((q > 0).sum()) == kept, (width, top_p)
+        assert torch.equal(got, q) and torch.equal(got[got > 0], torch.full((kept,), 1 / kept))
 
 
 # ----------------------------------------------------------------------------------------------- greedy
