@@ -362,3 +362,12 @@ def test_greedy_cut_accepts_at_most_the_proposed_drafts():
     result = verify_greedy(draft, logits_with_argmax(argmax, 12), torch.tensor([0, 2, 3]))
     assert result.num_accepted.tolist() == [0, 2, 3]  # the bonus is the target's argmax at each cut
     assert result.tokens.tolist() == [[5, -1, -1, -1], [5, 7, 9, -1], [5, 7, 9, 4]]
+
+
+def test_a_running_confidence_equal_to_the_threshold_keeps_its_draft():
+    """The cut keeps the longest prefix whose confidence product stays >= the threshold, the product equal to it
+    included: certain drafts (confidence 1) at --draft-threshold 1 are all proposed, and halves at 0.25 two of three."""
+    for confidence, threshold, kept in (([1.0, 1.0, 1.0], 1.0, 3), ([0.5, 0.5, 0.5], 0.25, 2), ([0.5, 1.0], 0.5, 2)):
+        c = torch.tensor([confidence])
+        step = DraftStep(torch.zeros(c.shape, dtype=torch.long), torch.zeros(*c.shape, 1, dtype=torch.long), None, c)
+        assert proposal_lengths(step, threshold).tolist() == [kept], (confidence, threshold)
