@@ -70,11 +70,16 @@ def test_shared_expert_and_bias_round_trip(tmp_path):
     tensors = dict(random_tensors(SHARED, seed=3))
     mapping = trtllm.Mapping(2, 2)
     assert trtllm.target_architecture(SHARED) == ("Qwen2MoeForCausalLM", "qwen2_moe")
-    ckpt = write(tmp_path, SHARED, trtllm.target_units(SHARED, mapping),
-                 trtllm.target_config(SHARED, mapping, "bf16", "auto", torch.bfloat16), tensors, 2)
+    config = trtllm.target_config(SHARED, mapping, "bf16", "auto", torch.bfloat16)
+    assert config["moe"]["normalization_mode"] == 0  # no top-k renormalization (norm_topk_prob false): NONE
+    ckpt = write(tmp_path, SHARED, trtllm.target_units(SHARED, mapping), config, tensors, 2)
     back = dict(ckpt.unshard())
     for name, t in tensors.items():
         assert torch.equal(back[name].to(t.dtype), t), name
+    up, gate = (tensors[f"model.layers.0.mlp.shared_expert.{p}_proj.weight"] for p in ("up", "gate"))
+    for rank in range(2):  # [up; gate] per rank, as the routed experts' fc (a round trip cannot see the order)
+        fc = ckpt.get(rank, "transformer.layers.0.mlp.shared_expert.fc.weight")
+        assert torch.equal(fc, torch.cat((up[32 * rank:32 * (rank + 1)], gate[32 * rank:32 * (rank + 1)])))
 
 
 def test_converted_target_gives_identical_logits(tmp_path):
@@ -196,6 +201,11 @@ def test_architecture_choice():
                              "shared_expert_intermediate_size": 0}
     assert "transformer.layers.0.mlp.router" in config["quantization"]["exclude_modules"]
     assert config["moe_intermediate_size"] == 64 and config["intermediate_size"] == 64  # Mixtral: expert size
+    assert (config["rotary_base"], config["rotary_scaling"]) == (SPLITTABLE.rope_theta, None)
+    scaled = BeamConfig.from_dict({**SPLITTABLE.to_dict(), "rope_theta": 5e5,
+                                   "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    config = trtllm.target_config(scaled, trtllm.Mapping(1), "bf16", "auto", torch.bfloat16)
+    assert (config["rotary_base"], config["rotary_scaling"]) == (5e5, {"rope_type": "linear", "factor": 4.0})
 
 
 def test_fp8_kv_cache_emulated_from_its_scale(tmp_path):
