@@ -256,6 +256,13 @@ def test_native_drafter_equals_pytorch(dtype, monkeypatch):
             assert rel(a, b) < 3e-2          # the ring; near-tied candidates may differ, and their scores with them
 
 
+def test_native_drafter_of_a_head_width_off_the_vector_width_equals_pytorch(monkeypatch):
+    """head_dim 10, not a multiple of 8: the attention's scalar tail (a lane off there survived the test above)."""
+    drafter = tiny_drafter(head_dim=10)
+    got, want = run_drafter(drafter, monkeypatch, "native"), run_drafter(drafter, monkeypatch, "torch")
+    assert all(rel(a, b) < 1e-5 if a.is_floating_point() else torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_native_drafter_without_convs_equals_pytorch(monkeypatch):
     """use_conv = False (a DFlash v1 forward) skips the convs on both paths."""
     drafter = tiny_drafter()
