@@ -172,6 +172,18 @@ def test_selector_draws_inside_its_candidates_from_a_row_without_mass(host):
     assert torch.equal(got["draft"], got["cand"][..., 0])
 
 
+def test_selector_greedy_walk_takes_the_first_of_tied_candidates(build, host):
+    """Tied scores (a zero projected hidden, as a DFlash v1 drafter loaded as DFlash2 has, over equal logits): the walk
+    takes the first candidate, as walk_greedy's torch.argmax does (taking the last survived the random cases)."""
+    c = selector_case(4, torch.bfloat16)
+    c["projected"], c["logits"] = torch.zeros_like(c["projected"]), torch.zeros_like(c["logits"])
+    c["temperature"] = torch.zeros_like(c["temperature"])
+    got = emulated_equals_host(build, host, c)
+    cand, scores = reference_lattice(c)
+    assert torch.equal(got["cand"].long(), cand) and torch.equal(got["draft"].long(), walk_greedy(cand, scores)[0])
+    assert torch.equal(got["draft"], got["cand"][..., 0])
+
+
 def emulated_equals_host(build, host, c) -> dict:
     """The selector on case `c` through block_selector/kernel.cu run on host threads and through the host build:
     candidates, drafts and q rows equal bit for bit (the same operations in the same order, on the same host). Returns
