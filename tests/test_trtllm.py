@@ -64,6 +64,11 @@ def test_kv_heads_duplicated_in_tensorrt_llm_order(tmp_path):
     up, gate = (tensors[f"model.layers.0.mlp.experts.3.{p}_proj.weight"] for p in ("up", "gate"))
     fc = ckpt.get(1, "transformer.layers.0.mlp.fc.weight")[3]  # moe_tp rank 1 of 4: rows 16:32 of up, then gate
     assert torch.equal(fc, torch.cat((up[16:32], gate[16:32])))
+    up, gate = (tensors[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("up", "gate"))  # the dense layer's GatedMLP:
+    for rank in range(4):  # fc is gate_proj (the activated half), gate is up_proj, as TensorRT-LLM's converters
+        rows = slice(32 * rank, 32 * (rank + 1))
+        assert torch.equal(ckpt.get(rank, "transformer.layers.1.mlp.fc.weight"), gate[rows])
+        assert torch.equal(ckpt.get(rank, "transformer.layers.1.mlp.gate.weight"), up[rows])
 
 
 def test_shared_expert_and_bias_round_trip(tmp_path):
