@@ -157,8 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                       help="answer length cap (default: %(default)s)")
     data.add_argument("--gen-batch", type=int, default=d.batch,
-                      help=f"answers decoded together; above {d.shard_size} also the answers per shard file, which a cache resumes "
-                           "with (default: %(default)s)")
+                      help=f"answers decoded together; above {d.shard_size} also the answers per shard file, "
+                           "which a cache resumes with (default: %(default)s)")
     data.add_argument("--data-seed", type=int, default=d.seed,
                       help="seed of the prompt mix and sampling, in [0, 2**32) (default: %(default)s)")
     data.add_argument("--skip-answered-in", nargs="+", default=None, metavar="DIR",
