@@ -129,3 +129,16 @@ def test_a_stream_holds_back_only_what_could_still_become_a_stop_word():
     last = text.take(final=True)
     assert "".join(p[3] for p in streamed if p) == "Hi"  # "!" waited for the character after it, not just its bytes
     assert last[3] == "" and last[2] == 0  # the final delta holds the stop string, cut before it
+
+
+def test_a_final_delta_that_opens_with_the_stop_string_sends_no_text():
+    """The usual streaming end: the stop string's start was held back, the next token completes it, and the final
+    delta's text_end is 0, which postprocessing must read as nothing (read as all, it sent the stop string)."""
+    decode = "".join
+    text = TextStream(decode, ("STOP",), stream=True)
+    text.ids.extend("ab S")
+    first = text.take(final=False)
+    assert first[3] == "ab "  # "S" held back: it may become "STOP"
+    text.ids.extend("TOP")
+    last = text.take(final=True)
+    assert last[2] == 0 and last[3] == "" and text_delta(decode, last[1], last[0], last[2]) == ""
