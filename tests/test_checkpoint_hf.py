@@ -688,7 +688,8 @@ def test_staging_a_relative_output_is_not_refused_for_its_own_folder(tmp_path, m
 
 def test_streaming_writer_writes_on_after_a_partial_write(tmp_path, monkeypatch):
     """One pwrite moves at most ~2 GiB on Linux (0x7ffff000 bytes): a larger tensor was a 'short write' error. Here
-    pwrite writes at most 1,000 bytes a call; the file is still whole. A write the OS refuses is one line."""
+    pwrite writes at most 1,000 bytes a call; the file is still whole, and so is what reads of 1,000 bytes at most
+    give back (preadv has the same limit). A write the OS refuses is one line."""
     import os
 
     from beamtrt.checkpoint.stream import StreamingSafetensors
@@ -700,6 +701,13 @@ def test_streaming_writer_writes_on_after_a_partial_write(tmp_path, monkeypatch)
     f.write("w", w)
     f.close()
     assert torch.equal(safetensors.torch.load_file(tmp_path / "a.safetensors")["w"], w)
+
+    from beamtrt.checkpoint.stream import SafetensorsFile  # and reads on after a short read, where preadv stops
+
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: preadv(fd, [views[0][:1000]], offset))
+    assert torch.equal(SafetensorsFile(tmp_path / "a.safetensors").get_tensor("w"), w)
+    monkeypatch.setattr(os, "preadv", preadv)
 
     def full(fd, data, offset):
         raise OSError(28, "No space left on device")
