@@ -527,6 +527,23 @@ def test_tokenizer_files_are_inputs_and_outputs_take_the_umask(sources, tmp_path
     assert read_manifest(out)["stages"]["drafter"]["status"] == "reused"
 
 
+def test_a_draft_vocabulary_added_to_the_drafter_is_an_input(sources, tmp_path):
+    """scripts/draft_vocab.py writes draft_vocab.json beside unchanged weights: a rebuild must not call the output up to
+    date (dropping the file from the drafter stage's inputs survived the suite), and --force carries it over."""
+    import torch
+
+    from beamtrt.models.dflash2 import DRAFT_VOCAB_FILE, write_draft_vocab
+
+    drafter, out = tmp_path / "drafter", tmp_path / "out"
+    shutil.copytree(sources / "drafter", drafter)
+    assert build(sources, out, "--drafter", str(drafter)).returncode == 0
+    assert not (out / "drafter" / DRAFT_VOCAB_FILE).exists()
+    write_draft_vocab(drafter, torch.arange(0, CFG.vocab_size, 2))
+    one_line_error(build(sources, out, "--drafter", str(drafter)), "stage drafter differs", "--force")
+    assert build(sources, out, "--drafter", str(drafter), "--force").returncode == 0
+    assert (out / "drafter" / DRAFT_VOCAB_FILE).read_text() == (drafter / DRAFT_VOCAB_FILE).read_text()
+
+
 def _build_and_edit_manifest(sources: Path, out: Path, edit) -> Path:
     assert build(sources, out).returncode == 0
     manifest = json.loads((out / "manifest.json").read_text())
