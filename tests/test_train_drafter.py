@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import os
 from types import SimpleNamespace
@@ -917,3 +918,39 @@ def test_a_complete_cache_shows_no_answers_bar(target, tmp_path, capsys):
     assert "target answers" in capsys.readouterr().err
     build_features(target, _char_tokenizer(target), TAPS, ["hi"], tmp_path, recipe)
     assert "target answers" not in capsys.readouterr().err
+
+
+def test_the_loss_pieces_are_the_recipes_by_hand():
+    """block_labels, decay_weights and eval_ratios against hand-worked values (a label past the sequence's end, a
+    growing decay, and the top-1 and every-anchor τ over the wrong counts each survived the other tests)."""
+    from beamtrt.train.trainer import IGNORE, decay_weights, eval_ratios
+
+    labels = block_labels(torch.tensor([10, 11, 12, 13]), torch.tensor([0, 2]), 4)
+    assert labels.tolist() == [[11, 12, 13], [13, IGNORE, IGNORE]]
+    torch.testing.assert_close(decay_weights(4, 2.0), torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+    sums = {"steps": 4.0, "steps_top1": 5.0, "tokens": 10.0, "every": 30.0, "recall": 3.0, "count": 6.0}
+    assert eval_ratios(sums) == {"eval_tau": 2.5, "eval_tau_top1": 2.0, "eval_tau_every_anchor": 3.0,
+                                 "eval_recall": 0.5}
+
+
+def test_a_logged_step_is_the_weighted_means_of_its_blocks(target, tmp_path):
+    """Step 1's logged loss terms and accuracy, from the blocks it drew scored by the drafter it started from: the
+    CE and the KL over the CE's weights, the selector's CE over its own (the recalled slots'), the accuracy over the
+    valid slots (a wrong denominator in any of them survived the other tests)."""
+    import copy
+
+    from beamtrt.train.trainer import draw
+
+    data, drafter = _features(target), make_drafter(target, seed=1, selector_top_k=32)  # recalls some labels
+    before = copy.deepcopy(drafter).train()
+    cfg = dataclasses.replace(TINY_RUN, steps=1, distill=0.5, eval_sequences=0, seqs_per_step=4, anchors_per_seq=8,
+                              block_size=16)
+    row = train(drafter, data, cfg, tmp_path / "w", quiet=True)[-1]
+    parts = [block_losses(before, *data.sequence(i)[:2], anchors, cfg)
+             for i, anchors in draw(data, split(data, cfg)[0], cfg, 0)]
+    t = {k: float(sum(p[k] for p in parts).detach()) for k in parts[0]}
+    base, sel, kd = t["base"] / t["base_w"], t["sel"] / t["sel_w"], t["kd"] / t["base_w"]
+    assert t["count"] > t["recalled"] > 0 and t["base_w"] > t["sel_w"]  # the denominators differ here
+    want = {"loss": base + cfg.selector_weight * sel + 0.5 * kd, "base": base, "selector": sel, "kd": kd,
+            "acc": t["correct"] / t["count"], "recall": t["recalled"] / t["count"]}
+    assert {k: row[k] for k in want} == pytest.approx(want, abs=2e-4), (row, want)
