@@ -1103,10 +1103,16 @@ def test_bench_spec_counts_steps_as_run_py_does(mini_vocab_sources, run, tmp_pat
     src, report = mini_vocab_sources, tmp_path / "spec.json"
     assert run("scripts/bench_spec.py", "--model", str(src / "target"), "--drafter", str(src / "drafter"), "--batches",
                "2", "--max-new-tokens", "6", "--block-size", "4", "--json", str(report)).returncode == 0
+    point = json.loads(report.read_text())["results"][0]
     for mode in ("spec", "no_spec"):
-        r = json.loads(report.read_text())["results"][0][mode]
+        r = point[mode]
         assert "request_steps" not in r and r["decoder_steps"] < r["steps"] <= 2 * r["decoder_steps"], r
+        # the tokens after each request's first, over the steps' time (the prefill's token is not decode speed)
+        assert r["decode_tokens_per_s"] == pytest.approx((r["tokens"] - 2) / (r["step_s"] * r["decoder_steps"]),
+                                                         rel=1e-2)  # step_s is rounded
     assert r["steps"] == r["tokens"] - 2  # no drafter: a token a request a step, after the prefill's
+    assert point["decode_speedup"] == pytest.approx(  # speculative over plain (an inverted ratio survived)
+        point["spec"]["decode_tokens_per_s"] / point["no_spec"]["decode_tokens_per_s"], abs=2e-3)
 
 
 def test_bench_bad_values_are_one_line(tmp_path, run):
