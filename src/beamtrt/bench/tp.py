@@ -47,8 +47,9 @@ def decode(engine: Path, tp: int, prompts: Path, concurrency: int, spec: bool, t
             raise BeamtrtError(f"run failed (tp {tp}, c {concurrency}): {reason}")
         s = json.loads(report.read_text())["summary"]
     tau = s["acceptance_length"]  # None: no verification step (a request that ended at its first token)
-    return {"decode_tokens_per_s": decode_rate(s), "acceptance_length": tau, "steps": s["decoder_steps"],
-            "step_s": s["step_s"]}  # as measured: the speedup is their ratio, rounded by whoever shows it
+    # steps as run.py --json names them; the rate as measured: the speedup is their ratio, rounded by whoever shows it
+    return {"decode_tokens_per_s": decode_rate(s), "acceptance_length": tau, "steps": s["steps"],
+            "decoder_steps": s["decoder_steps"], "step_s": s["step_s"]}
 
 
 def decode_rate(summary: dict) -> float | None:
