@@ -75,3 +75,25 @@ def test_an_activation_range_that_met_a_nan_stays_nan():
     for x in ([1.0, -3.0], [2.0]):
         obs(torch.tensor(x))
     assert obs.amax == 3.0
+
+
+def test_the_drafters_ranges_never_see_the_anchors_own_taps(tmp_path):
+    """A drafted block's anchor is the sequence's last token, whose taps the decoder does not have yet: they are left
+    out of the context the drafter is calibrated on. Here they are huge, and change no range (a context that took
+    them in survived the suite)."""
+    from conftest import write_sources
+
+    cfg = BeamConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                     mlp_only_layers=(0,), eos_token_id=2)
+    src = write_sources(tmp_path, cfg)
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 64, (n,), generator=g) for n in (5, 9)]
+    taps = [torch.randn(1, len(ids), 2 * cfg.hidden_size, generator=g) for ids in sequences]  # as calibrate's
+
+    def ranges(taps):
+        return cal.calibrate_drafter(src / "drafter", src / "target", cfg, sequences, taps, 4)
+
+    clean = ranges(taps)
+    loud = ranges([torch.cat((t[:, :-1], torch.full_like(t[:, -1:], 1e4)), dim=1) for t in taps])
+    assert clean and loud == clean
