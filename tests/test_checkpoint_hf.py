@@ -230,6 +230,14 @@ def test_wrong_typed_header_field(tmp_path, field, value):
     assert "not a valid safetensors file" in msg and "'w'" in msg
 
 
+@pytest.mark.parametrize("field, value", [("shape", [99]), ("shape", [10, 11]), ("data_offsets", [0, 396])])
+def test_a_header_whose_shape_and_size_disagree_is_one_line(tmp_path, field, value):
+    """Offsets that do not hold the shape's bytes (the check dropped, a reshape traceback came later)."""
+    save_state_dict(tmp_path, {"w": torch.zeros(100)})
+    _rewrite_header(tmp_path / "model.safetensors", lambda h: h["w"].__setitem__(field, value))
+    assert "tensor 'w' has inconsistent data offsets" in one_line_error(CheckpointReader, tmp_path)
+
+
 def test_metadata_not_an_object(tmp_path):
     save_state_dict(tmp_path, {"w": torch.zeros(100)})
     _rewrite_header(tmp_path / "model.safetensors", lambda h: h.__setitem__("__metadata__", ["pt"]))
