@@ -97,3 +97,22 @@ def test_the_drafters_ranges_never_see_the_anchors_own_taps(tmp_path):
     clean = ranges(taps)
     loud = ranges([torch.cat((t[:, :-1], torch.full_like(t[:, -1:], 1e4)), dim=1) for t in taps])
     assert clean and loud == clean
+
+
+def test_a_calibration_token_id_at_the_vocab_size_is_refused(tmp_path):
+    """Ids run 0..vocab_size-1: the tokenizer's top id equal to vocab_size is outside (it passed, and indexed past the
+    embedding later)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from beamtrt.errors import CheckpointError
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["a b c d"], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    chats = [[{"role": "user", "content": "a b c d"}]]  # no chat template: the text itself
+    top = int(cal.tokenize(tmp_path, chats, 1, 100)[0].max())
+    assert int(cal.tokenize(tmp_path, chats, 1, top + 1)[0].max()) == top
+    with pytest.raises(CheckpointError, match=f"gives token id {top}, outside the model's vocab_size {top}$"):
+        cal.tokenize(tmp_path, chats, 1, top)
