@@ -227,10 +227,10 @@ def _execute(args: argparse.Namespace, setup: Setup, dist) -> None:
     loaded = _load(args, setup, dist)
     driven = tp.drive(dist, loaded.target, loaded.drafter)
     if driven is not None:  # rank 0
-        _decode(args, setup, *driven, loaded.what, dist)
+        _decode(args, setup, *driven, loaded, dist)
 
 
-def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
+def _decode(args, setup: Setup, target, drafter, loaded, dist) -> None:
     from beamtrt.spec.decoder import Request, SpeculativeDecoder
 
     chats, params, stop_strings = setup.chats, setup.params, setup.stop_strings
@@ -274,7 +274,7 @@ def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
     n_tokens = sum(len(c.output_ids) for c in completions)
     mode = "no-spec" if args.no_spec else f"block {args.block_size}" + (
         f", draft threshold {decoder.draft_threshold:g}" if decoder.draft_threshold else "")
-    mode += f", {what}, backend {setup.backend} ({setup.backend_why})"
+    mode += f", {loaded.what}, backend {setup.backend} ({setup.backend_why})"
     tau = summary["acceptance_length"]  # None when no request got past its first token (max-new-tokens 1, EOS)
     gap = "" if args.quiet else "\n"  # a blank line after the answers, where there are any
     n = len(requests)
@@ -295,9 +295,7 @@ def _decode(args, setup: Setup, target, drafter, what: str, dist) -> None:
                         **_time_split(decoder, dist)},
             "settings": {  # how the run was made: with the prompts, what reproduces it
                 "engine_dir": _text(setup.engine_dir), "model": _text(sources.model_dir),
-                "drafter": None if args.no_spec else _text(sources.drafter_dir or  # a build's: its own
-                                                            setup.engine_dir / setup.manifest["drafter"]["dir"]),
-                "backend": setup.backend, "device": args.device,
+                "drafter": _text(loaded.drafter_dir), "backend": setup.backend, "device": args.device,
                 "seed": args.seed, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": args.max_new_tokens, "stop": list(args.stop)},
         }
