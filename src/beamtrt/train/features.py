@@ -316,9 +316,10 @@ def build_features(target: BeamForCausalLM, tokenizer, taps: Sequence[int], prom
     if old:
         old.get("recipe", {}).setdefault("mix", "v1")  # caches made before mixes had names used the first one
         _check_skipped(out, old.get("skipped"), meta.get("skipped"))
-        if _made_by({k: old.get(k) for k in meta}) != _made_by(meta):
-            was = {**{f"recipe.{k}": v for k, v in _made_by(old)["recipe"].items()}, **old}
-            now = {**{f"recipe.{k}": v for k, v in _made_by(meta)["recipe"].items()}, **meta}
+        theirs, mine = _made_by(old), _made_by(meta)
+        if {k: theirs.get(k) for k in mine} != mine:
+            was = {**{f"recipe.{k}": v for k, v in theirs["recipe"].items()}, **theirs}
+            now = {**{f"recipe.{k}": v for k, v in mine["recipe"].items()}, **mine}
             changed = [k for k, v in now.items() if k != "recipe" and was.get(k) != v]
             if "recipe.prompts" in changed and "prompts" in changed:  # the count made follows --prompts: said once
                 changed.remove("prompts")
